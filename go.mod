@@ -9,3 +9,5 @@ require (
 	github.com/vishvananda/netns v0.0.5 // indirect
 	golang.org/x/sys v0.49.0 // indirect
 )
+
+tool github.com/cilium/ebpf/cmd/bpf2go

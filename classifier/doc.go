@@ -1,0 +1,61 @@
+// Package classifier defines what fabricbridge's rules mean and holds a pure-Go
+// reference classifier with exactly the semantics of the XDP program in package
+// ebpf. The reference drives the AF_PACKET fallback, and tests run both on the
+// same frames to prove them equal.
+//
+// # What is classified
+//
+// A frame is Ethernet II with at most two VLAN tags (802.1Q, TPID 0x8100, or
+// 802.1ad, TPID 0x88a8, in either order). The VLAN id a rule sees is the
+// innermost tag's (the one next to the IP header); an untagged or
+// priority-tagged frame has VLAN 0. A frame with a third tag, or any EtherType
+// other than IPv4 and IPv6 (ARP among them), is not classified: [VerdictPass].
+//
+// IPv4 headers may carry options. IPv6 headers may carry a chain of up to
+// [MaxExtHeaders] extension headers: hop-by-hop options (0), routing (43),
+// fragment (44), authentication (51) and destination options (60). A longer
+// chain is not classified ([VerdictPass]). Only TCP and UDP are classified;
+// every other protocol (ICMP, ICMPv6, ESP, ...) is [VerdictPass]: the kernel
+// stays the control plane.
+//
+// # Precedence
+//
+// A TCP or UDP packet is looked up in this order; the first hit decides:
+//
+//  1. the exact flow table (protocol, remote address and port, local address
+//     and port) — established connections;
+//  2. a listener on the packet's destination address and port;
+//  3. a listener on the wildcard address of the packet's family and the
+//     destination port;
+//  4. the rules, in ascending [Rule.Priority], ties broken by ascending
+//     [Rule.ID];
+//  5. the default: [VerdictPass] with rule id 0.
+//
+// Flows and listeners always steer to their stream. Rules steer, ingest (UDP
+// only), pass or drop.
+//
+// # Fragments
+//
+// The first fragment of a datagram (offset 0, more-fragments set) carries the
+// L4 header and is classified as above; when a table or rule matched it (rule
+// id not 0), its result is remembered in the fragment table under (family,
+// source, destination, identification, protocol). For IPv6 the protocol is the
+// fragment header's next-header field. A later fragment (offset not 0) takes
+// the remembered result; when there is none it is [VerdictFragMiss] and goes
+// to the kernel. An IPv6 fragment header with offset 0 and no more fragments
+// (an atomic fragment) is not a fragment. Fragments that arrive before their
+// first fragment therefore reach the kernel: a known limit, as in most
+// stateless steering designs.
+//
+// # Malformed frames
+//
+// A frame truncated anywhere the parser must read, an IPv4 header with a
+// version other than 4, an IHL under 5 or beyond the frame, a total length
+// shorter than the header or longer than the frame, an IPv6 payload length
+// beyond the frame, an extension header or L4 header that does not fit inside
+// the IP packet, a second fragment header, a TCP data offset under 5 or beyond
+// the packet, or a UDP length under 8 or (unfragmented) beyond the packet is
+// [VerdictMalformed]: counted, passed to the kernel, never steered. Trailing
+// bytes after the IP packet (Ethernet padding) are allowed. Checksums are not
+// verified here; the consumer of a stream does that.
+package classifier

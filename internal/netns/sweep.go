@@ -26,6 +26,13 @@ const runDir = "/run/netns"
 // namespace that a slow, still running test binary is using. It returns the
 // names it removed.
 func Sweep(olderThan time.Duration) ([]string, error) {
+	return sweep(olderThan, isOurName)
+}
+
+// sweep is Sweep with the name filter exposed, so that its test can confine
+// itself to a namespace it made and never touch those of other test binaries
+// running at the same time.
+func sweep(olderThan time.Duration, match func(string) bool) ([]string, error) {
 	entries, err := os.ReadDir(runDir)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, nil
@@ -38,7 +45,7 @@ func Sweep(olderThan time.Duration) ([]string, error) {
 	var errs []error
 	for _, e := range entries {
 		name := e.Name()
-		if !isOurName(name) {
+		if !isOurName(name) || !match(name) {
 			continue
 		}
 		path := filepath.Join(runDir, name)

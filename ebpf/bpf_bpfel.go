@@ -146,6 +146,7 @@ const (
 	bpfMapFlows           = "flows"
 	bpfMapFragments       = "fragments"
 	bpfMapIngestXsks      = "ingest_xsks"
+	bpfMapLastMeta        = "last_meta"
 	bpfMapListeners       = "listeners"
 	bpfMapRuleCounters    = "rule_counters"
 	bpfMapRulesets        = "rulesets"
@@ -153,6 +154,7 @@ const (
 	bpfMapXsks            = "xsks"
 	bpfProgFabricbridge   = "fabricbridge"
 	bpfProgPassAll        = "pass_all"
+	bpfVarRecordLast      = "record_last"
 	bpfVarUnusedAction    = "unused_action"
 	bpfVarUnusedEvent     = "unused_event"
 	bpfVarUnusedFlag      = "unused_flag"
@@ -215,6 +217,7 @@ type bpfMapSpecs struct {
 	Flows           *ebpf.MapSpec `ebpf:"flows"`
 	Fragments       *ebpf.MapSpec `ebpf:"fragments"`
 	IngestXsks      *ebpf.MapSpec `ebpf:"ingest_xsks"`
+	LastMeta        *ebpf.MapSpec `ebpf:"last_meta"`
 	Listeners       *ebpf.MapSpec `ebpf:"listeners"`
 	RuleCounters    *ebpf.MapSpec `ebpf:"rule_counters"`
 	Rulesets        *ebpf.MapSpec `ebpf:"rulesets"`
@@ -226,6 +229,7 @@ type bpfMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type bpfVariableSpecs struct {
+	RecordLast    *ebpf.VariableSpec `ebpf:"record_last"`
 	UnusedAction  *ebpf.VariableSpec `ebpf:"unused_action"`
 	UnusedEvent   *ebpf.VariableSpec `ebpf:"unused_event"`
 	UnusedFlag    *ebpf.VariableSpec `ebpf:"unused_flag"`
@@ -258,6 +262,7 @@ type bpfMaps struct {
 	Flows           *ebpf.Map `ebpf:"flows"`
 	Fragments       *ebpf.Map `ebpf:"fragments"`
 	IngestXsks      *ebpf.Map `ebpf:"ingest_xsks"`
+	LastMeta        *ebpf.Map `ebpf:"last_meta"`
 	Listeners       *ebpf.Map `ebpf:"listeners"`
 	RuleCounters    *ebpf.Map `ebpf:"rule_counters"`
 	Rulesets        *ebpf.Map `ebpf:"rulesets"`
@@ -271,6 +276,7 @@ func (m *bpfMaps) Close() error {
 		m.Flows,
 		m.Fragments,
 		m.IngestXsks,
+		m.LastMeta,
 		m.Listeners,
 		m.RuleCounters,
 		m.Rulesets,
@@ -283,6 +289,7 @@ func (m *bpfMaps) Close() error {
 //
 // It can be passed to loadBpfObjects or ebpf.CollectionSpec.LoadAndAssign.
 type bpfVariables struct {
+	RecordLast    *ebpf.Variable `ebpf:"record_last"`
 	UnusedAction  *ebpf.Variable `ebpf:"unused_action"`
 	UnusedEvent   *ebpf.Variable `ebpf:"unused_event"`
 	UnusedFlag    *ebpf.Variable `ebpf:"unused_flag"`

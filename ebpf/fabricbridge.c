@@ -200,6 +200,17 @@ struct {
 	__type(value, __u64);
 } event_counters SEC(".maps");
 
+// Tests set record_last at load time to have every classification copied to
+// last_meta, whatever its verdict. Left 0, the verifier removes the copy.
+volatile const __u32 record_last = 0;
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct fb_meta);
+} last_meta SEC(".maps");
+
 // Make the shared types visible to bpf2go's -type.
 const struct fb_meta *unused_meta __attribute__((unused));
 const struct fb_ruleset *unused_ruleset __attribute__((unused));
@@ -545,6 +556,11 @@ int fabricbridge(struct xdp_md *ctx)
 	long ret;
 
 	classify(ctx, &m);
+	if (record_last) {
+		__u32 zero = 0;
+
+		bpf_map_update_elem(&last_meta, &zero, &m, BPF_ANY);
+	}
 	count(&verdict_counters, m.verdict, bytes);
 	if (m.rule_id && m.rule_id <= MAX_RULE_ID)
 		count(&rule_counters, m.rule_id, bytes);

@@ -61,10 +61,19 @@ type Program struct {
 
 // Load loads the program and its maps into the kernel. The tables start empty:
 // everything passes to the kernel until Update.
-func Load() (*Program, error) {
+func Load() (*Program, error) { return load(false) }
+
+// load is Load with the test hook: recordLast has every classification
+// copied to the last_meta map.
+func load(recordLast bool) (*Program, error) {
 	spec, err := loadBpf()
 	if err != nil {
 		return nil, err
+	}
+	if recordLast {
+		if err := spec.Variables[bpfVarRecordLast].Set(uint32(1)); err != nil {
+			return nil, fmt.Errorf("ebpf: record_last: %w", err)
+		}
 	}
 	inner := spec.Maps[bpfMapRulesets].InnerMap
 	if inner == nil {

@@ -1,0 +1,112 @@
+package fabric
+
+import (
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// eventfdOne is the 8-byte native-endian value 1 that an eventfd write adds.
+var eventfdOne = [8]byte{1}
+
+func newEventfd() (int, error) {
+	return unix.Eventfd(0, unix.EFD_NONBLOCK|unix.EFD_CLOEXEC)
+}
+
+// eventfdSignal adds one to an eventfd. Errors are ignored on purpose: the
+// only possible one for a valid fd is a counter at its maximum, which means
+// the sleeper already has a pending wake-up.
+func eventfdSignal(fd int) {
+	_, _ = unix.Write(fd, eventfdOne[:])
+}
+
+// eventfdDrain resets an eventfd's counter (non-blocking).
+func eventfdDrain(fd int, buf *[8]byte) {
+	_, _ = unix.Read(fd, buf[:])
+}
+
+// readier is a condition a Waiter waits for. Implementations are pointers
+// to fields of long-lived objects, so passing one does not allocate.
+type readier interface{ ready() bool }
+
+// DefaultSpin is how long a Waiter polls before it arms the tripwire and
+// sleeps. A wake-up through the kernel costs a few microseconds, so
+// spinning about that long catches a busy peer's next batch without a
+// system call while an idle stream stops burning the CPU quickly.
+const DefaultSpin = 20 * time.Microsecond
+
+// Waiter is CLAN's tripwire in software: it spins on a condition, then sets
+// an armed flag in shared memory, re-checks the condition, and only then
+// sleeps on an eventfd. The other side signals the eventfd only when it
+// finds the flag armed (and clears it), so a stream that never runs dry
+// makes no system calls at all. One Waiter belongs to one goroutine.
+type Waiter struct {
+	fd   int
+	flag *uint32
+	// Spin is the polling period before sleeping; zero sleeps at once.
+	Spin time.Duration
+
+	pfd    [1]unix.PollFd
+	buf    [8]byte
+	sleeps atomic.Uint64
+}
+
+func newWaiter(fd int, flag *uint32) *Waiter {
+	return &Waiter{fd: fd, flag: flag, Spin: DefaultSpin}
+}
+
+// Sleeps counts how often the waiter had to enter the kernel.
+func (w *Waiter) Sleeps() uint64 { return w.sleeps.Load() }
+
+// wait returns nil once r is ready, ErrTimeout when timeout (if >= 0)
+// passes first. Spurious eventfd wake-ups are harmless: the loop re-checks.
+func (w *Waiter) wait(r readier, timeout time.Duration) error {
+	if r.ready() {
+		return nil
+	}
+	start := time.Now()
+	if w.Spin > 0 {
+		for i := 1; ; i++ {
+			if r.ready() {
+				return nil
+			}
+			if i&31 == 0 {
+				el := time.Since(start)
+				if el >= w.Spin || (timeout >= 0 && el >= timeout) {
+					break
+				}
+			}
+		}
+	}
+	for {
+		atomic.StoreUint32(w.flag, 1)
+		if r.ready() {
+			atomic.StoreUint32(w.flag, 0)
+			return nil
+		}
+		ms := -1
+		if timeout >= 0 {
+			left := timeout - time.Since(start)
+			if left <= 0 {
+				atomic.StoreUint32(w.flag, 0)
+				return ErrTimeout
+			}
+			ms = int((left + time.Millisecond - 1) / time.Millisecond)
+		}
+		w.sleeps.Add(1)
+		w.pfd[0] = unix.PollFd{Fd: int32(w.fd), Events: unix.POLLIN}
+		_, err := unix.Poll(w.pfd[:], ms)
+		if err != nil && err != unix.EINTR {
+			atomic.StoreUint32(w.flag, 0)
+			return err
+		}
+		if w.pfd[0].Revents&unix.POLLIN != 0 {
+			eventfdDrain(w.fd, &w.buf)
+		}
+		if r.ready() {
+			atomic.StoreUint32(w.flag, 0)
+			return nil
+		}
+	}
+}

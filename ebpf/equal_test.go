@@ -47,20 +47,20 @@ func newPair(tb testing.TB) *pair {
 }
 
 // install gives both classifiers rs and empty fragment tables.
-func (p *pair) install(rs *classifier.RuleSet) {
-	p.tb.Helper()
+func (p *pair) install(rs *classifier.RuleSet) error {
 	t, err := classifier.Compile(rs)
 	if err != nil {
-		p.tb.Fatalf("compile: %v\n%+v", err, rs)
+		return fmt.Errorf("compile: %w\n%+v", err, rs)
 	}
 	if err := p.prog.Update(t); err != nil {
-		p.tb.Fatal(err)
+		return err
 	}
 	if err := p.prog.ResetFragments(); err != nil {
-		p.tb.Fatal(err)
+		return err
 	}
 	p.ref.SetTables(t)
 	p.ref.ResetFragments()
+	return nil
 }
 
 // run classifies frame in the kernel and returns the XDP action, the
@@ -162,7 +162,9 @@ func TestEqualToReference(t *testing.T) {
 	for seed := range uint64(ruleSets) {
 		rng := rand.New(rand.NewPCG(seed, 0xfab))
 		rs := randomRuleSet(rng)
-		p.install(rs)
+		if err := p.install(rs); err != nil {
+			t.Fatal(err)
+		}
 		for _, spec := range allSpecs(rng) {
 			frame := spec.build()
 			variants := [][]byte{frame}

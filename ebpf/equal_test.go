@@ -10,6 +10,7 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
+	"github.com/fabricbridge/fabricbridge/internal/framegen"
 	"github.com/fabricbridge/fabricbridge/internal/testenv"
 )
 
@@ -161,12 +162,12 @@ func TestEqualToReference(t *testing.T) {
 	checked := 0
 	for seed := range uint64(ruleSets) {
 		rng := rand.New(rand.NewPCG(seed, 0xfab))
-		rs := randomRuleSet(rng)
+		rs := framegen.RandomRuleSet(rng)
 		if err := p.install(rs); err != nil {
 			t.Fatal(err)
 		}
-		for _, spec := range allSpecs(rng) {
-			frame := spec.build()
+		for _, spec := range framegen.AllSpecs(rng) {
+			frame := spec.Build()
 			variants := [][]byte{frame}
 			for n := range len(frame) {
 				variants = append(variants, frame[:n])

@@ -5,6 +5,7 @@ import (
 	"testing"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
+	"github.com/fabricbridge/fabricbridge/internal/framegen"
 )
 
 // FuzzEqual drives fuzzed frames through the XDP program and the Go
@@ -15,7 +16,7 @@ func FuzzEqual(f *testing.F) {
 	const sets = 4
 	var rs [sets]*classifier.RuleSet
 	for i := range rs {
-		rs[i] = randomRuleSet(rand.New(rand.NewPCG(uint64(i), 0xf022)))
+		rs[i] = framegen.RandomRuleSet(rand.New(rand.NewPCG(uint64(i), 0xf022)))
 	}
 	installed := -1
 	f.Fuzz(func(t *testing.T, ruleSet uint8, frame []byte) {

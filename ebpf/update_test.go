@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
+	"github.com/fabricbridge/fabricbridge/internal/framegen"
 )
 
 // TestCounters checks the per-verdict and per-rule counters, summed over
@@ -13,7 +14,7 @@ import (
 func TestCounters(t *testing.T) {
 	p := newPair(t)
 	rng := rand.New(rand.NewPCG(3, 3))
-	rs := randomRuleSet(rng)
+	rs := framegen.RandomRuleSet(rng)
 	if err := p.install(rs); err != nil {
 		t.Fatal(err)
 	}
@@ -27,8 +28,8 @@ func TestCounters(t *testing.T) {
 	}
 	var want [classifier.NumVerdicts]Counter
 	wantRules := map[uint32]Counter{}
-	for _, spec := range allSpecs(rng) {
-		frame := spec.build()
+	for _, spec := range framegen.AllSpecs(rng) {
+		frame := spec.Build()
 		m, err := p.compare(frame)
 		if err != nil {
 			t.Fatal(err)
@@ -85,7 +86,7 @@ func TestUpdateHasNoWindow(t *testing.T) {
 	var sets [2]*classifier.RuleSet
 	var tables [2]*classifier.Tables
 	for i := range sets {
-		sets[i] = randomRuleSet(rand.New(rand.NewPCG(uint64(100+i), 1)))
+		sets[i] = framegen.RandomRuleSet(rand.New(rand.NewPCG(uint64(100+i), 1)))
 		var err error
 		if tables[i], err = classifier.Compile(sets[i]); err != nil {
 			t.Fatal(err)
@@ -94,11 +95,11 @@ func TestUpdateHasNoWindow(t *testing.T) {
 	var frames [][]byte
 	var want [][2]classifier.Meta
 	differ := 0
-	for _, spec := range allSpecs(rand.New(rand.NewPCG(5, 5))) {
-		if spec.frag != 0 {
+	for _, spec := range framegen.AllSpecs(rand.New(rand.NewPCG(5, 5))) {
+		if spec.Frag != 0 {
 			continue // fragments carry state across updates by design
 		}
-		f := spec.build()
+		f := spec.Build()
 		var w [2]classifier.Meta
 		for i := range w {
 			w[i] = classifier.New(tables[i], 0).Classify(f)

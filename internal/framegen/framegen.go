@@ -1,4 +1,8 @@
-package ebpf
+// Package framegen crafts Ethernet frames of every header mix the classifier
+// knows, and random rule sets over the same small address and port pools, so
+// that tests and benchmarks of both classifiers meet often. Every address is
+// in the benchmark ranges 198.18.0.0/15 and 2001:db8::/32.
+package framegen
 
 import (
 	"encoding/binary"
@@ -28,25 +32,25 @@ var (
 	poolVLANs = []uint16{10, 20, 100}
 )
 
-// frameSpec is one mix of headers. The generator walks every combination.
-type frameSpec struct {
-	tags    []layers.EthernetType // TPIDs, outermost first
-	l3      int                   // 0 ARP, 4 IPv4, 6 IPv6
-	v4opts  bool
-	ext     []uint8 // IPv6 extension headers before the L4 header (44 is added by frag)
-	frag    int     // 0 none, 1 first fragment, 2 later fragment
-	l4      layers.IPProtocol
-	src     netip.Addr
-	dst     netip.Addr
-	sport   uint16
-	dport   uint16
-	vid     uint16
-	fragID  uint32
-	payload int
+// Spec is one mix of headers; AllSpecs walks every combination.
+type Spec struct {
+	Tags    []layers.EthernetType // TPIDs, outermost first
+	L3      int                   // 0 ARP, 4 IPv4, 6 IPv6
+	V4Opts  bool
+	Ext     []uint8 // IPv6 extension headers before the L4 header (44 is added by frag)
+	Frag    int     // 0 none, 1 first fragment, 2 later fragment
+	L4      layers.IPProtocol
+	Src     netip.Addr
+	Dst     netip.Addr
+	SrcPort uint16
+	DstPort uint16
+	VID     uint16
+	FragID  uint32
+	Payload int
 }
 
-func (s frameSpec) String() string {
-	return fmt.Sprintf("tags=%v l3=%d opts=%v ext=%v frag=%d l4=%v %v:%d>%v:%d vid=%d", s.tags, s.l3, s.v4opts, s.ext, s.frag, s.l4, s.src, s.sport, s.dst, s.dport, s.vid)
+func (s Spec) String() string {
+	return fmt.Sprintf("tags=%v l3=%d opts=%v ext=%v frag=%d l4=%v %v:%d>%v:%d vid=%d", s.Tags, s.L3, s.V4Opts, s.Ext, s.Frag, s.L4, s.Src, s.SrcPort, s.Dst, s.DstPort, s.VID)
 }
 
 // extChains are the IPv6 extension-header chains the generator uses; the
@@ -69,37 +73,37 @@ var tagSets = [][]layers.EthernetType{
 	{layers.EthernetTypeQinQ, layers.EthernetTypeDot1Q, layers.EthernetTypeDot1Q},
 }
 
-// allSpecs enumerates every mix of tags, L3 (with options or extension
+// AllSpecs enumerates every mix of tags, L3 (with options or extension
 // chains), fragmentation and L4, with addresses and ports drawn from the
 // pools. Fragmented specs come as a first and a later fragment of one
 // datagram, in that order, and sometimes a later fragment with no first.
-func allSpecs(rng *rand.Rand) []frameSpec {
-	var out []frameSpec
-	pick := func(s frameSpec) frameSpec {
+func AllSpecs(rng *rand.Rand) []Spec {
+	var out []Spec
+	pick := func(s Spec) Spec {
 		pool := pool4
-		if s.l3 == 6 {
+		if s.L3 == 6 {
 			pool = pool6
 		}
-		s.src, s.dst = pool[rng.IntN(len(pool))], pool[rng.IntN(len(pool))]
-		s.sport, s.dport = poolPorts[rng.IntN(len(poolPorts))], poolPorts[rng.IntN(len(poolPorts))]
-		s.vid = poolVLANs[rng.IntN(len(poolVLANs))]
-		s.fragID = rng.Uint32()
-		if s.l3 == 4 {
-			s.fragID &= 0xffff
+		s.Src, s.Dst = pool[rng.IntN(len(pool))], pool[rng.IntN(len(pool))]
+		s.SrcPort, s.DstPort = poolPorts[rng.IntN(len(poolPorts))], poolPorts[rng.IntN(len(poolPorts))]
+		s.VID = poolVLANs[rng.IntN(len(poolVLANs))]
+		s.FragID = rng.Uint32()
+		if s.L3 == 4 {
+			s.FragID &= 0xffff
 		}
-		s.payload = rng.IntN(64)
+		s.Payload = rng.IntN(64)
 		return s
 	}
 	for _, tags := range tagSets {
-		out = append(out, pick(frameSpec{tags: tags, l3: 0}))
+		out = append(out, pick(Spec{Tags: tags, L3: 0}))
 		for _, l4 := range []layers.IPProtocol{layers.IPProtocolTCP, layers.IPProtocolUDP, layers.IPProtocolICMPv4} {
 			for _, opts := range []bool{false, true} {
-				s := pick(frameSpec{tags: tags, l3: 4, v4opts: opts, l4: l4})
+				s := pick(Spec{Tags: tags, L3: 4, V4Opts: opts, L4: l4})
 				out = append(out, s)
 				first := s
-				first.frag = 1
+				first.Frag = 1
 				later := first
-				later.frag = 2
+				later.Frag = 2
 				orphan := pick(later)
 				out = append(out, first, later, orphan)
 			}
@@ -108,13 +112,13 @@ func allSpecs(rng *rand.Rand) []frameSpec {
 				l6 = layers.IPProtocolICMPv6
 			}
 			for _, ext := range extChains {
-				s := pick(frameSpec{tags: tags, l3: 6, ext: ext, l4: l6})
+				s := pick(Spec{Tags: tags, L3: 6, Ext: ext, L4: l6})
 				out = append(out, s)
 				if len(ext) < 6 {
 					first := s
-					first.frag = 1
+					first.Frag = 1
 					later := first
-					later.frag = 2
+					later.Frag = 2
 					out = append(out, first, later)
 				}
 			}
@@ -126,7 +130,7 @@ func allSpecs(rng *rand.Rand) []frameSpec {
 // build serializes s with gopacket. IPv6 extension headers are written as
 // raw bytes between the IPv6 and L4 layers, because gopacket cannot
 // serialize all of them.
-func (s frameSpec) build() []byte {
+func (s Spec) Build() []byte {
 	var ls []gopacket.SerializableLayer
 	eth := &layers.Ethernet{
 		SrcMAC: net.HardwareAddr{0x02, 0, 0, 0, 0, 1},
@@ -134,26 +138,26 @@ func (s frameSpec) build() []byte {
 	}
 	ls = append(ls, eth)
 	inner := layers.EthernetTypeARP
-	switch s.l3 {
+	switch s.L3 {
 	case 4:
 		inner = layers.EthernetTypeIPv4
 	case 6:
 		inner = layers.EthernetTypeIPv6
 	}
-	if len(s.tags) == 0 {
+	if len(s.Tags) == 0 {
 		eth.EthernetType = inner
 	} else {
-		eth.EthernetType = s.tags[0]
-		for i := range s.tags {
+		eth.EthernetType = s.Tags[0]
+		for i := range s.Tags {
 			next := inner
-			if i+1 < len(s.tags) {
-				next = s.tags[i+1]
+			if i+1 < len(s.Tags) {
+				next = s.Tags[i+1]
 			}
-			ls = append(ls, &layers.Dot1Q{VLANIdentifier: s.vid + uint16(i), Type: next})
+			ls = append(ls, &layers.Dot1Q{VLANIdentifier: s.VID + uint16(i), Type: next})
 		}
 	}
 	var netLayer gopacket.NetworkLayer
-	switch s.l3 {
+	switch s.L3 {
 	case 0:
 		ls = append(ls, &layers.ARP{
 			AddrType: layers.LinkTypeEthernet, Protocol: layers.EthernetTypeIPv4,
@@ -163,14 +167,14 @@ func (s frameSpec) build() []byte {
 		})
 		return serialize(ls...)
 	case 4:
-		ip := &layers.IPv4{Version: 4, TTL: 64, Protocol: s.l4, SrcIP: s.src.AsSlice(), DstIP: s.dst.AsSlice(), Id: uint16(s.fragID)}
-		if s.v4opts {
+		ip := &layers.IPv4{Version: 4, TTL: 64, Protocol: s.L4, SrcIP: s.Src.AsSlice(), DstIP: s.Dst.AsSlice(), Id: uint16(s.FragID)}
+		if s.V4Opts {
 			ip.Options = []layers.IPv4Option{
 				{OptionType: 7, OptionLength: 7, OptionData: []byte{4, 0, 0, 0, 0}}, // record route
 				{OptionType: 1}, // nop
 			}
 		}
-		switch s.frag {
+		switch s.Frag {
 		case 1:
 			ip.Flags = layers.IPv4MoreFragments
 		case 2:
@@ -179,39 +183,39 @@ func (s frameSpec) build() []byte {
 		ls = append(ls, ip)
 		netLayer = ip
 	case 6:
-		ip := &layers.IPv6{Version: 6, HopLimit: 64, SrcIP: s.src.AsSlice(), DstIP: s.dst.AsSlice()}
-		chain := append([]uint8(nil), s.ext...)
-		if s.frag != 0 {
+		ip := &layers.IPv6{Version: 6, HopLimit: 64, SrcIP: s.Src.AsSlice(), DstIP: s.Dst.AsSlice()}
+		chain := append([]uint8(nil), s.Ext...)
+		if s.Frag != 0 {
 			chain = append(chain, 44)
 		}
 		if len(chain) == 0 {
-			ip.NextHeader = s.l4
+			ip.NextHeader = s.L4
 		} else {
 			ip.NextHeader = layers.IPProtocol(chain[0])
-			ls = append(ls, ip, gopacket.Payload(extBytes(chain, uint8(s.l4), s)))
+			ls = append(ls, ip, gopacket.Payload(extBytes(chain, uint8(s.L4), s)))
 			netLayer = ip
 			break
 		}
 		ls = append(ls, ip)
 		netLayer = ip
 	}
-	payload := make(gopacket.Payload, s.payload)
+	payload := make(gopacket.Payload, s.Payload)
 	for i := range payload {
 		payload[i] = byte(i)
 	}
-	if s.frag == 2 {
+	if s.Frag == 2 {
 		// A later fragment carries only data; make it long enough to look
 		// like an L4 header, so that a parser that wrongly reads one sees
 		// ports.
 		return serialize(append(ls, append(payload, make([]byte, 24)...))...)
 	}
-	switch s.l4 {
+	switch s.L4 {
 	case layers.IPProtocolTCP:
-		tcp := &layers.TCP{SrcPort: layers.TCPPort(s.sport), DstPort: layers.TCPPort(s.dport), SYN: true, Window: 1024}
+		tcp := &layers.TCP{SrcPort: layers.TCPPort(s.SrcPort), DstPort: layers.TCPPort(s.DstPort), SYN: true, Window: 1024}
 		_ = tcp.SetNetworkLayerForChecksum(netLayer)
 		ls = append(ls, tcp, payload)
 	case layers.IPProtocolUDP:
-		udp := &layers.UDP{SrcPort: layers.UDPPort(s.sport), DstPort: layers.UDPPort(s.dport)}
+		udp := &layers.UDP{SrcPort: layers.UDPPort(s.SrcPort), DstPort: layers.UDPPort(s.DstPort)}
 		_ = udp.SetNetworkLayerForChecksum(netLayer)
 		ls = append(ls, udp, payload)
 	case layers.IPProtocolICMPv4:
@@ -222,17 +226,17 @@ func (s frameSpec) build() []byte {
 		ls = append(ls, icmp, payload)
 	}
 	b := serialize(ls...)
-	if s.frag == 1 && s.l4 == layers.IPProtocolUDP {
+	if s.Frag == 1 && s.L4 == layers.IPProtocolUDP {
 		// A first fragment's UDP length covers the whole datagram.
-		off := len(b) - s.payload - 8
-		binary.BigEndian.PutUint16(b[off+4:], uint16(8+s.payload+512))
+		off := len(b) - s.Payload - 8
+		binary.BigEndian.PutUint16(b[off+4:], uint16(8+s.Payload+512))
 	}
 	return b
 }
 
 // extBytes writes the IPv6 extension headers of chain, the last pointing at
 // l4. Header lengths vary so that the parser's arithmetic is exercised.
-func extBytes(chain []uint8, l4 uint8, s frameSpec) []byte {
+func extBytes(chain []uint8, l4 uint8, s Spec) []byte {
 	var b []byte
 	for i, typ := range chain {
 		next := l4
@@ -244,14 +248,14 @@ func extBytes(chain []uint8, l4 uint8, s frameSpec) []byte {
 			h := make([]byte, 8)
 			h[0] = next
 			var fo uint16
-			switch s.frag {
+			switch s.Frag {
 			case 1:
 				fo = 1 // M
 			case 2:
 				fo = 8 << 3
 			}
 			binary.BigEndian.PutUint16(h[2:], fo)
-			binary.BigEndian.PutUint32(h[4:], s.fragID)
+			binary.BigEndian.PutUint32(h[4:], s.FragID)
 			b = append(b, h...)
 		case 51:
 			h := make([]byte, 24) // payload len 4: (4+2)*4 bytes
@@ -280,9 +284,9 @@ func serialize(ls ...gopacket.SerializableLayer) []byte {
 	return append([]byte(nil), buf.Bytes()...)
 }
 
-// randomRuleSet draws flows, listeners and rules over the pools, so that
+// RandomRuleSet draws flows, listeners and rules over the pools, so that
 // every precedence level gets hit.
-func randomRuleSet(rng *rand.Rand) *classifier.RuleSet {
+func RandomRuleSet(rng *rand.Rand) *classifier.RuleSet {
 	rs := &classifier.RuleSet{}
 	id := uint32(1 + rng.IntN(1000))
 	nextID := func() uint32 { id++; return id }

@@ -88,7 +88,7 @@ func (r PortRange) Contains(p uint16) bool { return r.IsAny() || (r.Lo <= p && p
 // Rule is an ordered match on header fields. Zero-valued fields match
 // anything.
 type Rule struct {
-	ID       uint32 // 1..MaxRuleID, unique across rules, listeners and flows
+	ID       uint32 // 1..MaxRuleID, unique across rules and listeners
 	Priority uint32 // lower is matched first
 	VLAN     uint16 // innermost VLAN id; 0 matches any
 	// IPVersion is 4 or 6, or 0 for either. A prefix implies its family.
@@ -117,6 +117,9 @@ type Listener struct {
 // Flow is one established conversation, named from the receiver's side:
 // packets from Remote to Local.
 type Flow struct {
+	// ID is the counter the flow's packets are counted under. Unlike rule
+	// and listener ids it need not be unique: the connections of one
+	// listener typically share its id.
 	ID       uint32
 	Protocol Protocol // TCP or UDP
 	Remote   netip.AddrPort
@@ -153,7 +156,9 @@ func (s *RuleSet) Validate() error {
 	flowKeys := make(map[FlowKey]uint32)
 	for i, f := range s.Flows {
 		what := fmt.Sprintf("flow %d (id %d)", i, f.ID)
-		claimID(f.ID, what)
+		if f.ID == 0 || f.ID > MaxRuleID {
+			errs = append(errs, fmt.Errorf("%s: id %d outside 1..%d", what, f.ID, MaxRuleID))
+		}
 		if f.Protocol != ProtoTCP && f.Protocol != ProtoUDP {
 			errs = append(errs, fmt.Errorf("%s: protocol must be tcp or udp, not %v", what, f.Protocol))
 		}

@@ -51,8 +51,8 @@ type bpfFbFlowKey struct {
 	Sport  uint16
 	Dport  uint16
 	Pad    uint16
-	Src    [16]uint8
-	Dst    [16]uint8
+	Src    [2]uint64
+	Dst    [2]uint64
 }
 
 type bpfFbFragKey struct {
@@ -61,8 +61,8 @@ type bpfFbFragKey struct {
 	Proto  uint8
 	Pad    uint16
 	Id     uint32
-	Src    [16]uint8
-	Dst    [16]uint8
+	Src    [2]uint64
+	Dst    [2]uint64
 }
 
 type bpfFbFragResult struct {
@@ -78,7 +78,7 @@ type bpfFbListenKey struct {
 	Family uint8
 	Proto  uint8
 	Port   uint16
-	Addr   [16]uint8
+	Addr   [4]uint32
 }
 
 type bpfFbMeta struct {
@@ -107,10 +107,10 @@ type bpfFbRule struct {
 	DportLo  uint16
 	DportHi  uint16
 	Pad2     uint16
-	SrcNet   [16]uint8
-	SrcMask  [16]uint8
-	DstNet   [16]uint8
-	DstMask  [16]uint8
+	SrcNet   [2]uint64
+	SrcMask  [2]uint64
+	DstNet   [2]uint64
+	DstMask  [2]uint64
 }
 
 type bpfFbRuleset struct {

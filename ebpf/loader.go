@@ -8,6 +8,7 @@
 package ebpf
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"maps"
@@ -180,11 +181,11 @@ func (p *Program) IngestXSKMap() *ebpf.Map { return p.objs.IngestXsks }
 func (p *Program) Update(t *classifier.Tables) error {
 	flows := map[bpfFbFlowKey]bpfFbTarget{}
 	for k, v := range t.Flows() {
-		flows[bpfFbFlowKey{Family: k.Family, Proto: k.Proto, Sport: k.SrcPort, Dport: k.DstPort, Src: k.Src, Dst: k.Dst}] = target(v)
+		flows[bpfFbFlowKey{Family: k.Family, Proto: k.Proto, Sport: k.SrcPort, Dport: k.DstPort, Src: words64(k.Src), Dst: words64(k.Dst)}] = target(v)
 	}
 	listeners := map[bpfFbListenKey]bpfFbTarget{}
 	for k, v := range t.Listeners() {
-		listeners[bpfFbListenKey{Family: k.Family, Proto: k.Proto, Port: k.Port, Addr: k.Addr}] = target(v)
+		listeners[bpfFbListenKey{Family: k.Family, Proto: k.Proto, Port: k.Port, Addr: words32(k.Addr)}] = target(v)
 	}
 
 	p.mu.Lock()
@@ -205,6 +206,18 @@ func (p *Program) Update(t *classifier.Tables) error {
 		return fmt.Errorf("ebpf: listeners: %w", err)
 	}
 	return nil
+}
+
+// words64 and words32 put an address into the wide words the C structs hold
+// it in, keeping its bytes in order in memory.
+func words64(a classifier.Addr16) [2]uint64 {
+	ne := binary.NativeEndian
+	return [2]uint64{ne.Uint64(a[0:]), ne.Uint64(a[8:])}
+}
+
+func words32(a classifier.Addr16) [4]uint32 {
+	ne := binary.NativeEndian
+	return [4]uint32{ne.Uint32(a[0:]), ne.Uint32(a[4:]), ne.Uint32(a[8:]), ne.Uint32(a[12:])}
 }
 
 func target(t classifier.Target) bpfFbTarget {
@@ -252,7 +265,8 @@ func (p *Program) installRules(rules []classifier.CompiledRule) error {
 			Family: r.Family, Proto: r.Proto, Vlan: r.VLAN,
 			SportLo: r.SrcPorts.Lo, SportHi: r.SrcPorts.Hi,
 			DportLo: r.DstPorts.Lo, DportHi: r.DstPorts.Hi,
-			SrcNet: r.SrcNet, SrcMask: r.SrcMask, DstNet: r.DstNet, DstMask: r.DstMask,
+			SrcNet: words64(r.SrcNet), SrcMask: words64(r.SrcMask),
+			DstNet: words64(r.DstNet), DstMask: words64(r.DstMask),
 		}
 	}
 	inner, err := ebpf.NewMap(p.ruleSetSpec)

@@ -23,7 +23,6 @@ import (
 	"os/exec"
 	"runtime"
 	"sync"
-	"testing"
 
 	"github.com/vishvananda/netlink"
 	vnetns "github.com/vishvananda/netns"
@@ -43,11 +42,21 @@ type NS struct {
 	handle *netlink.Handle
 }
 
+// TB is what the helpers need of a test: testing.TB has it, and so can a
+// program that builds a topology outside a test (the demo) by keeping its own
+// list of cleanups and turning Fatalf into an error.
+type TB interface {
+	Helper()
+	Cleanup(func())
+	Errorf(format string, args ...any)
+	Fatalf(format string, args ...any)
+}
+
 // New creates an empty namespace whose loopback is up and registers its
 // removal with tb.Cleanup. Anything left inside (links, routes, addresses)
 // disappears with it; sockets still open in it keep the kernel object alive,
 // unnamed, until they are closed.
-func New(tb testing.TB) *NS {
+func New(tb TB) *NS {
 	tb.Helper()
 	var (
 		n   *NS

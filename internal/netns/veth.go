@@ -6,7 +6,6 @@ import (
 	"net"
 	"net/netip"
 	"sync"
-	"testing"
 	"time"
 
 	"github.com/vishvananda/netlink"
@@ -62,7 +61,7 @@ const carrierTimeout = 5 * time.Second
 // IPv6 addresses are added with IFA_F_NODAD: duplicate address detection
 // would otherwise hold them tentative for about a second, during which they
 // cannot be used as a source.
-func Connect(tb testing.TB, a, b *NS, opts VethOptions) *Veth {
+func Connect(tb TB, a, b *NS, opts VethOptions) *Veth {
 	tb.Helper()
 	v, err := connect(tb, a, b, opts)
 	if err != nil {
@@ -72,14 +71,14 @@ func Connect(tb testing.TB, a, b *NS, opts VethOptions) *Veth {
 }
 
 // Pair makes the common topology: two fresh namespaces joined by one veth.
-func Pair(tb testing.TB, opts VethOptions) (a, b *NS, v *Veth) {
+func Pair(tb TB, opts VethOptions) (a, b *NS, v *Veth) {
 	tb.Helper()
 	a = New(tb)
 	b = New(tb)
 	return a, b, Connect(tb, a, b, opts)
 }
 
-func connect(tb testing.TB, a, b *NS, opts VethOptions) (*Veth, error) {
+func connect(tb TB, a, b *NS, opts VethOptions) (*Veth, error) {
 	mtu, queues := opts.MTU, opts.Queues
 	if mtu == 0 {
 		mtu = 1500

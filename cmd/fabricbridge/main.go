@@ -1,0 +1,84 @@
+// Command fabricbridge is the command-line tool of the fabricbridge
+// appliance.
+//
+//	fabricbridge demo    build a namespace topology, attach the classifier,
+//	                     drive traffic through it and print what it counted
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/fabricbridge/fabricbridge/ebpf"
+)
+
+const usage = `usage: fabricbridge <command> [flags]
+
+commands:
+  demo     build an outside host and a bridge host in network namespaces,
+           attach the XDP classifier with an embedded default configuration,
+           drive HTTP, UDP trigger bursts, blocked datagrams and pings through
+           it, print a summary and clean up (needs root)
+  help     print this text
+`
+
+func main() {
+	if len(os.Args) < 2 {
+		fmt.Fprint(os.Stderr, usage)
+		os.Exit(2)
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	var err error
+	switch cmd, args := os.Args[1], os.Args[2:]; cmd {
+	case "demo":
+		err = demoCommand(ctx, args)
+	case "help", "-h", "--help":
+		fmt.Print(usage)
+	default:
+		fmt.Fprintf(os.Stderr, "fabricbridge: unknown command %q\n\n%s", cmd, usage)
+		os.Exit(2)
+	}
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "fabricbridge: %v\n", err)
+		os.Exit(1)
+	}
+}
+
+func demoCommand(ctx context.Context, args []string) error {
+	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
+	opts := defaultDemo
+	fs.IntVar(&opts.Requests, "requests", opts.Requests, "HTTP requests to send")
+	fs.IntVar(&opts.TriggerPerPort, "triggers", opts.TriggerPerPort, "UDP trigger datagrams per source port")
+	mode := fs.String("mode", "auto", "XDP attach mode: auto, native or generic")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	switch *mode {
+	case "auto":
+		opts.Mode = ebpf.ModeAuto
+	case "native":
+		opts.Mode = ebpf.ModeNative
+	case "generic":
+		opts.Mode = ebpf.ModeGeneric
+	default:
+		return fmt.Errorf("demo: -mode %q: want auto, native or generic", *mode)
+	}
+	if opts.Requests < 1 || opts.TriggerPerPort < 0 {
+		return errors.New("demo: -requests must be at least 1 and -triggers not negative")
+	}
+	if os.Geteuid() != 0 {
+		return errors.New("demo: needs root (it creates network namespaces and loads an XDP program)")
+	}
+	sum, err := runDemo(ctx, opts, os.Stdout)
+	if err != nil {
+		return fmt.Errorf("demo: %w", err)
+	}
+	printSummary(os.Stdout, sum)
+	return nil
+}

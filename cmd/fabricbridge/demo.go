@@ -82,9 +82,11 @@ type scope struct {
 
 type fatal struct{ err error }
 
-func (s *scope) Helper()                           {}
-func (s *scope) Cleanup(f func())                  { s.cleanups = append(s.cleanups, f) }
-func (s *scope) Errorf(format string, args ...any) { s.errs = append(s.errs, fmt.Errorf(format, args...)) }
+func (s *scope) Helper()          {}
+func (s *scope) Cleanup(f func()) { s.cleanups = append(s.cleanups, f) }
+func (s *scope) Errorf(format string, args ...any) {
+	s.errs = append(s.errs, fmt.Errorf(format, args...))
+}
 func (s *scope) Fatalf(format string, args ...any) { panic(fatal{fmt.Errorf(format, args...)}) }
 
 func (s *scope) close() error {

@@ -338,12 +338,7 @@ func (p *Program) RuleCounters() (map[uint32]Counter, error) {
 	)
 	it := p.objs.RuleCounters.Iterate()
 	for it.Next(&key, &per) {
-		var sum Counter
-		for _, c := range per {
-			sum.Packets += c.Packets
-			sum.Bytes += c.Bytes
-		}
-		if sum.Packets != 0 {
+		if sum := sumCPUs(per); sum.Packets != 0 {
 			out[key] = sum
 		}
 	}
@@ -358,12 +353,16 @@ func sumCounter(m *ebpf.Map, key uint32) (Counter, error) {
 	if err := m.Lookup(key, &per); err != nil {
 		return Counter{}, err
 	}
+	return sumCPUs(per), nil
+}
+
+func sumCPUs(per []bpfFbCounter) Counter {
 	var sum Counter
 	for _, c := range per {
 		sum.Packets += c.Packets
 		sum.Bytes += c.Bytes
 	}
-	return sum, nil
+	return sum
 }
 
 // ResetFragments empties the fragment table.

@@ -71,6 +71,7 @@ type demoSummary struct {
 	PingReplies     int
 	Counters        ebpf.Counters
 	Rules           map[uint32]ebpf.Counter
+	Namespaces      []string // the demo's own, all removed when it returns
 }
 
 // scope is a netns.TB for a program: it keeps cleanups and runs them in
@@ -118,6 +119,7 @@ func runDemo(ctx context.Context, opts demoOptions, log io.Writer) (sum demoSumm
 	fmt.Fprintln(log, "building the topology: outside host <-veth-> bridge host (network namespaces)")
 	bridge, outside, v := netns.Pair(s, netns.VethOptions{})
 	local := v.A.Addr4.Addr()
+	sum.Namespaces = []string{bridge.Name, outside.Name}
 	fmt.Fprintf(log, "  bridge %s %s on %s, outside %s on %s\n", bridge.Name, local, v.A.Name, outside.Name, v.B.Name)
 
 	prog, err := ebpf.Load()

@@ -135,7 +135,10 @@ func (s *Stream) monitor(conn *net.UnixConn) {
 		for {
 			if _, err := conn.Read(b[:]); err != nil {
 				if !s.closed.Load() {
-					s.markBroken(ErrPeerGone)
+					s.peerGone.Store(true)
+					for _, fd := range s.fds {
+						eventfdSignal(fd)
+					}
 				}
 				return
 			}

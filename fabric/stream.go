@@ -88,6 +88,7 @@ type Stream struct {
 
 	closed   atomic.Bool
 	broken   atomic.Bool
+	peerGone atomic.Bool // control connection closed: drain, then break
 	errMu    sync.Mutex
 	err      error
 	closeOne sync.Once
@@ -100,14 +101,21 @@ type recvReady struct{ s *Stream }
 
 func (r *recvReady) ready() bool {
 	s := r.s
-	return s.recv.Ready() || s.closed.Load() || s.broken.Load() || atomic.LoadUint32(s.peerState) == stateClosed
+	return s.recv.Ready() || s.closed.Load() || s.broken.Load() || s.peerLeft()
 }
 
 type sendReady struct{ s *Stream }
 
 func (r *sendReady) ready() bool {
 	s := r.s
-	return s.send.Free() > 0 || s.send.err != nil || s.closed.Load() || s.broken.Load() || atomic.LoadUint32(s.peerState) == stateClosed
+	return s.send.Free() > 0 || s.send.err != nil || s.closed.Load() || s.broken.Load() || s.peerLeft()
+}
+
+// peerLeft reports an orderly close (state word) or a vanished process
+// (control socket closed). Callers must hold a direction lock or know the
+// region is still mapped.
+func (s *Stream) peerLeft() bool {
+	return s.peerGone.Load() || atomic.LoadUint32(s.peerState) == stateClosed
 }
 
 const (
@@ -181,7 +189,7 @@ func (s *Stream) markBroken(err error) {
 // Health reports Broken if the peer is gone or misbehaved, Sick if the
 // stream dropped packets since the Tick before last, Normal otherwise.
 func (s *Stream) Health() Health {
-	if s.broken.Load() || s.closed.Load() || atomic.LoadUint32(s.peerState) == stateClosed {
+	if s.broken.Load() || s.closed.Load() || s.peerGone.Load() || atomic.LoadUint32(s.peerState) == stateClosed {
 		return Broken
 	}
 	if s.dropped.Load() > s.tickPrev.Load() {
@@ -249,6 +257,10 @@ func (s *Stream) SendMeta(pkts [][]byte, meta []uint32) (int, error) {
 	if err := s.dead(); err != nil {
 		return 0, err
 	}
+	if s.peerLeft() {
+		s.markBroken(ErrPeerGone)
+		return 0, s.Err()
+	}
 	done := 0
 	for done < len(pkts) {
 		var m []uint32
@@ -286,7 +298,7 @@ func (s *Stream) SendMeta(pkts [][]byte, meta []uint32) (int, error) {
 		if err := s.dead(); err != nil {
 			return done, err
 		}
-		if atomic.LoadUint32(s.peerState) == stateClosed {
+		if s.peerLeft() {
 			s.markBroken(ErrPeerGone)
 			return done, s.Err()
 		}
@@ -317,7 +329,7 @@ func (s *Stream) tryRecvLocked(bufs [][]byte, meta []uint32) (int, error) {
 		s.markBroken(err)
 		return n, s.Err()
 	}
-	if n == 0 && atomic.LoadUint32(s.peerState) == stateClosed {
+	if n == 0 && s.peerLeft() {
 		// Drain first, then report the peer's departure.
 		s.markBroken(ErrPeerGone)
 		return 0, s.Err()

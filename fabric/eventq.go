@@ -1,0 +1,215 @@
+package fabric
+
+import (
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// EventQueue lets one goroutine (the bridge's TX loop) wait for packets on
+// many streams at once. It is the tripwire generalised: a stream found
+// empty gets its consumer flag armed and stays armed, costing nothing,
+// until its application publishes; that publish signals the stream's
+// eventfd once, epoll reports it, and the stream is handed to the caller.
+// Work per event is O(1) whatever the number of streams; streams that stay
+// busy are handed back round after round without any system call.
+//
+// Not safe for concurrent use. Remove a stream before closing it.
+type EventQueue struct {
+	epfd    int
+	slots   []*Stream // by token; nil = free
+	free    []int
+	pending []int  // tokens handed out by the last Wait, to re-check
+	inOut   []bool // token is in the caller's out slice this round
+	inPend  []bool // token is in pending
+	events  [64]unix.EpollEvent
+	buf     [8]byte
+	// Spin is how long Wait polls the streams of its last round before it
+	// sleeps in epoll.
+	Spin   time.Duration
+	sleeps atomic.Uint64
+}
+
+// NewEventQueue creates an empty queue.
+func NewEventQueue() (*EventQueue, error) {
+	fd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	if err != nil {
+		return nil, fmt.Errorf("fabric: epoll_create1: %w", err)
+	}
+	return &EventQueue{epfd: fd, Spin: DefaultSpin}, nil
+}
+
+// Close releases the epoll instance (not the streams).
+func (q *EventQueue) Close() error { return unix.Close(q.epfd) }
+
+// Sleeps counts epoll_wait calls that found nothing ready beforehand.
+func (q *EventQueue) Sleeps() uint64 { return q.sleeps.Load() }
+
+// Add registers a bridge-side stream and returns its token. The stream is
+// immediately reported by the next Wait, so packets queued before Add are
+// not missed.
+func (q *EventQueue) Add(s *Stream) (int, error) {
+	if s.side != BridgeSide {
+		return 0, errors.New("fabric: EventQueue gathers bridge-side streams")
+	}
+	var tok int
+	if n := len(q.free); n > 0 {
+		tok, q.free = q.free[n-1], q.free[:n-1]
+	} else {
+		tok = len(q.slots)
+		q.slots = append(q.slots, nil)
+		q.inOut = append(q.inOut, false)
+		q.inPend = append(q.inPend, false)
+	}
+	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(tok)}
+	if err := unix.EpollCtl(q.epfd, unix.EPOLL_CTL_ADD, s.fds[fdTxData], &ev); err != nil {
+		q.free = append(q.free, tok)
+		return 0, fmt.Errorf("fabric: epoll_ctl: %w", err)
+	}
+	q.slots[tok] = s
+	q.pend(tok)
+	return tok, nil
+}
+
+// Remove unregisters a stream.
+func (q *EventQueue) Remove(s *Stream) {
+	for tok, x := range q.slots {
+		if x == s {
+			unix.EpollCtl(q.epfd, unix.EPOLL_CTL_DEL, s.fds[fdTxData], nil)
+			q.slots[tok] = nil
+			q.free = append(q.free, tok)
+			if q.inPend[tok] {
+				for i, p := range q.pending {
+					if p == tok {
+						q.pending = append(q.pending[:i], q.pending[i+1:]...)
+						break
+					}
+				}
+				q.inPend[tok] = false
+			}
+			return
+		}
+	}
+}
+
+// Stream returns the stream registered under tok.
+func (q *EventQueue) Stream(tok int) *Stream { return q.slots[tok] }
+
+// readyOrArm re-checks a stream handed out last round; if it is empty it
+// arms its tripwire and checks once more, so a publish that raced with the
+// arming is either seen here or signalled through epoll.
+func (q *EventQueue) readyOrArm(s *Stream) bool {
+	if s.rr.ready() {
+		return true
+	}
+	atomic.StoreUint32(s.recv.v.consArmed, 1)
+	if s.rr.ready() {
+		atomic.StoreUint32(s.recv.v.consArmed, 0)
+		return true
+	}
+	return false
+}
+
+func (q *EventQueue) pend(tok int) {
+	if !q.inPend[tok] {
+		q.inPend[tok] = true
+		q.pending = append(q.pending, tok)
+	}
+}
+
+func (q *EventQueue) emit(out []int, n int, tok int) int {
+	if n < len(out) && !q.inOut[tok] {
+		q.inOut[tok] = true
+		out[n] = tok
+		n++
+	}
+	return n
+}
+
+// Wait fills out with tokens of streams that have packets (or are broken
+// or closed: the caller finds out by receiving from them) and returns how
+// many. The caller should drain each returned stream — or take a fair
+// batch from it — before the next Wait, which re-checks exactly those
+// streams: it polls them for up to Spin, and arms the tripwire of the ones
+// that stay empty before sleeping in epoll. timeout < 0 waits forever;
+// when it expires Wait returns 0, nil.
+func (q *EventQueue) Wait(out []int, timeout time.Duration) (int, error) {
+	n := 0
+	start := time.Now()
+	// Poll the unarmed streams (last round's) while spinning.
+	for {
+		n = q.scan(out, n, false)
+		if n > 0 || len(q.pending) == 0 || time.Since(start) >= q.Spin {
+			break
+		}
+	}
+	if n == 0 {
+		n = q.scan(out, n, true) // arm each empty one, catching late publishes
+	}
+	if n == 0 {
+		ms := -1
+		if timeout >= 0 {
+			left := timeout - time.Since(start)
+			if left < 0 {
+				left = 0
+			}
+			ms = int((left + time.Millisecond - 1) / time.Millisecond)
+		}
+		q.sleeps.Add(1)
+		k, err := unix.EpollWait(q.epfd, q.events[:], ms)
+		if err != nil && err != unix.EINTR {
+			return 0, err
+		}
+		for i := 0; i < k; i++ {
+			tok := int(q.events[i].Fd)
+			if tok < 0 || tok >= len(q.slots) || q.slots[tok] == nil {
+				continue
+			}
+			eventfdDrain(q.slots[tok].fds[fdTxData], &q.buf)
+			if n < len(out) && !q.inPend[tok] {
+				n = q.emit(out, n, tok)
+			} else {
+				q.pend(tok)
+			}
+		}
+	}
+	for i := 0; i < n; i++ {
+		q.inOut[out[i]] = false
+		q.pend(out[i])
+	}
+	return n, nil
+}
+
+// scan checks the pending (unarmed) streams, moving ready ones to out
+// while there is room. With arm set, the empty ones are armed and leave
+// the pending list: from then on only their eventfd reports them.
+func (q *EventQueue) scan(out []int, n int, arm bool) int {
+	kept := q.pending[:0]
+	for _, tok := range q.pending {
+		s := q.slots[tok]
+		if s == nil {
+			q.inPend[tok] = false
+			continue
+		}
+		var ready bool
+		if arm {
+			ready = q.readyOrArm(s)
+		} else {
+			ready = s.rr.ready()
+		}
+		switch {
+		case ready && n < len(out):
+			n = q.emit(out, n, tok)
+			q.inPend[tok] = false
+		case ready || !arm:
+			kept = append(kept, tok) // no room, or not armed yet: look again
+		default:
+			q.inPend[tok] = false // armed
+		}
+	}
+	q.pending = kept
+	return n
+}

@@ -1,0 +1,338 @@
+package fabric
+
+import (
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+func newTestPair(t testing.TB, cfg Config) (*Stream, *Stream) {
+	t.Helper()
+	b, a, err := NewPair(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { a.Close(); b.Close() })
+	return b, a
+}
+
+// RX: when the application does not read, the bridge drops exactly the
+// packets beyond the ring depth, the newest ones, and counts them; the
+// stream turns sick, and normal again after two quiet intervals.
+func TestStreamDropNewestWhenFull(t *testing.T) {
+	b, a := newTestPair(t, Config{RxSlots: 16, TxSlots: 16, SlotSize: 256})
+	in := mkBufs(10, 64)
+	pk := make([][]byte, 10)
+	sent := uint32(0)
+	for round := 0; round < 5; round++ { // 50 packets into 16 slots
+		for i := range pk {
+			pk[i] = seqPkt(in[i], sent+uint32(i), 40)
+		}
+		n, err := b.Send(pk)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if want := min(10, max(0, 16-int(sent))); n != want {
+			t.Fatalf("round %d: queued %d, want %d", round, n, want)
+		}
+		sent += 10
+	}
+	if st := b.Stats(); st.Dropped != 34 || st.Sent != 16 {
+		t.Fatalf("stats %+v, want 34 dropped, 16 sent", st)
+	}
+	if a.PeerDrops() != 34 {
+		t.Fatalf("application sees %d drops, want 34", a.PeerDrops())
+	}
+	if h := b.Health(); h != Sick {
+		t.Fatalf("health %v, want sick", h)
+	}
+	out := mkBufs(64, 256)
+	n, err := a.Recv(out)
+	if err != nil || n != 16 {
+		t.Fatalf("recv n=%d err=%v, want 16", n, err)
+	}
+	for i := 0; i < n; i++ {
+		checkSeqPkt(t, out[i], uint32(i), 40) // the oldest 16 survived
+	}
+	b.Tick()
+	if h := b.Health(); h != Sick {
+		t.Fatalf("health after one tick %v, want still sick", h)
+	}
+	b.Tick()
+	if h := b.Health(); h != Normal {
+		t.Fatalf("health after two quiet ticks %v, want normal", h)
+	}
+}
+
+// TX: the application blocks when the ring is full and resumes as the
+// bridge drains; everything arrives in order, nothing is dropped.
+func TestStreamBackpressure(t *testing.T) {
+	b, a := newTestPair(t, Config{RxSlots: 8, TxSlots: 8, SlotSize: 128})
+	a.SendWaiter().Spin = 0 // make it really sleep
+	const total = 32 * 160
+	done := make(chan error, 1)
+	go func() {
+		in := mkBufs(32, 64)
+		pk := make([][]byte, 32)
+		for seq := uint32(0); seq < total; seq += 32 {
+			for i := range pk {
+				pk[i] = seqPkt(in[i], seq+uint32(i), 20)
+			}
+			if n, err := a.Send(pk); n != 32 || err != nil {
+				done <- err
+				return
+			}
+		}
+		done <- nil
+	}()
+	out := mkBufs(3, 128)
+	deadline := time.Now().Add(10 * time.Second)
+	for want := uint32(0); want < total; {
+		n, err := b.RecvTimeout(out, time.Until(deadline))
+		if err != nil {
+			t.Fatalf("after %d: %v", want, err)
+		}
+		for i := 0; i < n; i++ {
+			checkSeqPkt(t, out[i], want, 20)
+			want++
+		}
+		if want%97 == 0 {
+			time.Sleep(50 * time.Microsecond) // let the sender hit a full ring
+		}
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("sender never finished")
+	}
+	if a.Stats().Sleeps == 0 {
+		t.Fatal("sender never blocked: the test did not exercise backpressure")
+	}
+	if b.Stats().Dropped != 0 || a.Stats().Dropped != 0 {
+		t.Fatal("drops on a backpressured stream")
+	}
+}
+
+// Ping-pong with both sides forced to sleep every time: a lost wake-up
+// shows as a timeout. Many iterations, meant for -race.
+func TestStreamWakeupsPingPong(t *testing.T) {
+	b, a := newTestPair(t, Config{RxSlots: 4, TxSlots: 4, SlotSize: 64})
+	iters := 3000
+	if testing.Short() {
+		iters = 500
+	}
+	for _, w := range []*Waiter{a.RecvWaiter(), b.RecvWaiter(), a.SendWaiter()} {
+		w.Spin = 0
+	}
+	errc := make(chan error, 1)
+	go func() {
+		buf := mkBufs(1, 64)
+		for i := 0; i < iters; i++ {
+			n, err := a.RecvTimeout(buf, 5*time.Second)
+			if err != nil || n != 1 {
+				errc <- err
+				return
+			}
+			if _, err := a.Send(buf[:1]); err != nil {
+				errc <- err
+				return
+			}
+		}
+		errc <- nil
+	}()
+	in, out := mkBufs(1, 64), mkBufs(1, 64)
+	for i := 0; i < iters; i++ {
+		if n, err := b.Send([][]byte{seqPkt(in[0], uint32(i), 8)}); n != 1 || err != nil {
+			t.Fatalf("send %d: %d %v", i, n, err)
+		}
+		n, err := b.RecvTimeout(out, 5*time.Second)
+		if err != nil || n != 1 {
+			t.Fatalf("iteration %d: lost wake-up? n=%d err=%v", i, n, err)
+		}
+		checkSeqPkt(t, out[0], uint32(i), 8)
+	}
+	if err := <-errc; err != nil {
+		t.Fatal(err)
+	}
+	if s := b.Stats().Sleeps + a.Stats().Sleeps; s < uint64(iters) {
+		t.Fatalf("only %d sleeps in %d round trips: waiters did not park", s, iters)
+	}
+}
+
+// Close from another goroutine unblocks a waiting Recv; the peer sees the
+// stream break with ErrPeerGone after draining what was queued.
+func TestStreamCloseAndPeerGone(t *testing.T) {
+	b, a := newTestPair(t, Config{RxSlots: 8, TxSlots: 8, SlotSize: 128})
+	got := make(chan error, 1)
+	go func() {
+		_, err := b.Recv(mkBufs(1, 128))
+		got <- err
+	}()
+	time.Sleep(20 * time.Millisecond)
+	if _, err := a.Send([][]byte{{1, 2, 3}}); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-got; err != nil {
+		t.Fatal(err)
+	}
+	a.Send([][]byte{{4}})
+	go func() {
+		_, err := a.Recv(mkBufs(1, 128))
+		got <- err
+	}()
+	time.Sleep(20 * time.Millisecond)
+	a.Close()
+	select {
+	case err := <-got:
+		if !errors.Is(err, ErrClosed) {
+			t.Fatalf("Recv after own Close: %v, want ErrClosed", err)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("Close did not unblock Recv")
+	}
+	out := mkBufs(4, 128)
+	if n, err := b.RecvTimeout(out, time.Second); n != 1 || err != nil || out[0][0] != 4 {
+		t.Fatalf("queued packet not delivered after peer close: n=%d err=%v", n, err)
+	}
+	if _, err := b.RecvTimeout(out, 5*time.Second); !errors.Is(err, ErrPeerGone) {
+		t.Fatalf("recv from closed peer: %v, want ErrPeerGone", err)
+	}
+	if b.Health() != Broken {
+		t.Fatalf("health %v, want broken", b.Health())
+	}
+}
+
+// A hostile application scribbles over the TX ring's write index in its
+// own mapping; the bridge marks the stream broken and never crashes.
+func TestStreamHostileApplication(t *testing.T) {
+	b, a := newTestPair(t, Config{RxSlots: 8, TxSlots: 8, SlotSize: 128})
+	a.Send([][]byte{{1}, {2}})
+	atomic.StoreUint32(a.send.v.prod, 0x7fff0000) // garbage write_i
+	out := mkBufs(8, 128)
+	_, err := b.TryRecv(out)
+	if !errors.Is(err, ErrCorruption) || !errors.Is(err, ErrBroken) {
+		t.Fatalf("bridge err %v, want broken by corruption", err)
+	}
+	if b.Health() != Broken {
+		t.Fatal("stream not broken")
+	}
+	if _, err := b.Send([][]byte{{1}}); err == nil {
+		t.Fatal("bridge keeps sending into a broken stream")
+	}
+	// And the RX direction: garbage read_i makes the bridge's Send fail.
+	b2, a2 := newTestPair(t, Config{RxSlots: 4, TxSlots: 4, SlotSize: 128})
+	b2.Send([][]byte{{1}, {2}, {3}})
+	atomic.StoreUint32(a2.recv.v.cons, 77)
+	b2.Send([][]byte{{1}, {2}})
+	if b2.Health() != Broken || !errors.Is(b2.Err(), ErrCorruption) {
+		t.Fatalf("garbage read_i: health %v err %v", b2.Health(), b2.Err())
+	}
+}
+
+// Send and Recv on streams allocate nothing per batch.
+func TestStreamZeroAlloc(t *testing.T) {
+	b, a := newTestPair(t, Config{RxSlots: 256, TxSlots: 256, SlotSize: 2048})
+	pk := mkBufs(64, 64)
+	out := mkBufs(64, 2048)
+	allocs := testing.AllocsPerRun(100, func() {
+		if n, _ := b.Send(pk); n != 64 {
+			t.Fatal("send", n)
+		}
+		if n, _ := a.Recv(out); n != 64 {
+			t.Fatal("recv", n)
+		}
+		if n, _ := a.Send(pk); n != 64 {
+			t.Fatal("app send", n)
+		}
+		if n, _ := b.TryRecv(out); n != 64 {
+			t.Fatal("bridge recv", n)
+		}
+	})
+	if allocs != 0 {
+		t.Fatalf("%v allocations per round, want 0", allocs)
+	}
+}
+
+// Many applications send bursts with idle gaps; one EventQueue gathers
+// them all, every packet arrives in per-stream order, and the queue did
+// sleep (so wake-ups through epoll were exercised).
+func TestEventQueueManyStreams(t *testing.T) {
+	const streams, perStream = 12, 2000
+	q, err := NewEventQueue()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer q.Close()
+	q.Spin = 0
+	bridges := make([]*Stream, streams)
+	var wg sync.WaitGroup
+	for i := range bridges {
+		b, a := newTestPair(t, Config{RxSlots: 4, TxSlots: 16, SlotSize: 128})
+		bridges[i] = b
+		if _, err := q.Add(b); err != nil {
+			t.Fatal(err)
+		}
+		wg.Add(1)
+		go func(a *Stream, id int) {
+			defer wg.Done()
+			in := mkBufs(8, 64)
+			pk := make([][]byte, 8)
+			for seq := 0; seq < perStream; {
+				k := 1 + (seq+id)%8
+				k = min(k, perStream-seq)
+				for j := 0; j < k; j++ {
+					pk[j] = seqPkt(in[j], uint32(seq+j), 16)
+				}
+				if _, err := a.Send(pk[:k]); err != nil {
+					t.Error(err)
+					return
+				}
+				seq += k
+				if seq%50 < 8 {
+					time.Sleep(100 * time.Microsecond)
+				}
+			}
+		}(a, i)
+	}
+	next := make([]uint32, streams)
+	out := mkBufs(16, 128)
+	toks := make([]int, 64)
+	total := 0
+	deadline := time.Now().Add(20 * time.Second)
+	for total < streams*perStream {
+		if time.Now().After(deadline) {
+			t.Fatalf("only %d of %d packets after 20 s", total, streams*perStream)
+		}
+		n, err := q.Wait(toks, time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, tok := range toks[:n] {
+			s := q.Stream(tok)
+			m, err := s.TryRecv(out)
+			if err != nil {
+				t.Fatal(err)
+			}
+			id := -1
+			for i, b := range bridges {
+				if b == s {
+					id = i
+				}
+			}
+			for j := 0; j < m; j++ {
+				checkSeqPkt(t, out[j], next[id], 16)
+				next[id]++
+			}
+			total += m
+		}
+	}
+	wg.Wait()
+	if q.Sleeps() == 0 {
+		t.Fatal("event queue never slept")
+	}
+}

@@ -66,10 +66,11 @@
 //	  0   u32  write_i      producer's next slot index  (producer line)
 //	  4   u32  lazy_read_i  producer's last-seen read_i (informational)
 //	  8   u64  drops        packets the producer dropped (informational)
+//	  16  u32  cons_armed   1: consumer sleeps, signal it on new data
 //	  128 u32  read_i       consumer's next slot index  (consumer line)
 //	  132 u32  lazy_write_i consumer's last-seen write_i (informational)
-//	  256 u32  cons_armed   1: consumer sleeps, signal on new data (wake line)
-//	  260 u32  prod_armed   1: producer sleeps, signal on free space
+//	  136 u32  prod_armed   1: producer sleeps, signal it on free space
+//	  256 128 bytes reserved, zero
 //	Slot i of a ring is at slots_off + (index mod slot_count) * slot_stride:
 //	  0   u32  len          payload bytes, <= slot_stride - 8
 //	  4   u32  meta         producer-defined (the bridge: classifier rule id)
@@ -80,11 +81,14 @@
 // packets (mod 2^32), never more than slot_count. Producer: write slots
 // [write_i, read_i + slot_count), then store write_i with release order,
 // then, if cons_armed is 1, atomically exchange it 1→0 and signal the data
-// eventfd. Consumer: load write_i with acquire order, copy slots, store
+// eventfd. (An armed flag sits on the line of the side that clears it,
+// which it writes anyway, so a busy ring moves no extra cache line.) Consumer: load write_i with acquire order, copy slots, store
 // read_i with release order, then likewise wake a producer whose
-// prod_armed is 1 through the space eventfd. A sleeper stores 1 into its
-// armed word, re-reads the other index, and only then sleeps; all these
-// accesses must be sequentially consistent (x86 XCHG / C11 seq_cst), the
+// prod_armed is 1 through the space eventfd. A sleeper atomically
+// exchanges 1 into its armed word, re-reads the other index, and only then
+// sleeps. The index store and the flag test, and the flag set and the
+// index re-read, must each be ordered store-before-load (C11 seq_cst, or an
+// atomic read-modify-write such as x86 XCHG on either side): this is the
 // Dekker pattern that guarantees no wake-up is lost. Validation, all in
 // u32 modular arithmetic: a newly read write_i must satisfy
 // write_i - read_i <= slot_count and write_i - read_i >= old_write_i -

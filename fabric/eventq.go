@@ -105,7 +105,7 @@ func (q *EventQueue) readyOrArm(s *Stream) bool {
 	if s.rr.ready() {
 		return true
 	}
-	atomic.StoreUint32(s.recv.v.consArmed, 1)
+	atomic.SwapUint32(s.recv.v.consArmed, 1) // a full barrier before the re-check
 	if s.rr.ready() {
 		atomic.StoreUint32(s.recv.v.consArmed, 0)
 		return true

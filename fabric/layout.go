@@ -17,7 +17,7 @@ const (
 	Version uint32 = 1
 
 	headerLen = 128 // bytes of the region header
-	ctlLen    = 384 // bytes of one ring control block (three 128-byte lines)
+	ctlLen    = 384 // bytes of one ring control block (three 128-byte lines, the last reserved)
 	slotHdr   = 8   // bytes of slot header: u32 length, u32 meta
 
 	// Header field offsets.
@@ -40,13 +40,17 @@ const (
 	// Ring control block offsets (relative to the block). Each group sits
 	// on its own 128-byte line pair so that the producer's and consumer's
 	// stores never share a cache line (nor an adjacent-line prefetch pair).
+	//
+	// Each armed flag lives on the line of the side that tests and clears
+	// it after every batch, so a busy ring moves no extra cache line; the
+	// sleeper writes it only when it is about to sleep.
 	ctlProd      = 0   // producer line: write index
 	ctlProdLazy  = 4   // producer line: producer's lazy copy of read index
 	ctlDrops     = 8   // producer line: u64 packets dropped by producer
+	ctlConsArmed = 16  // producer line: consumer sleeps, wants a signal on data
 	ctlCons      = 128 // consumer line: read index
 	ctlConsLazy  = 132 // consumer line: consumer's lazy copy of write index
-	ctlConsArmed = 256 // wake line: consumer sleeps, wants a signal on data
-	ctlProdArmed = 260 // wake line: producer sleeps, wants a signal on space
+	ctlProdArmed = 136 // consumer line: producer sleeps, wants a signal on space
 
 	// Side states stored in the header.
 	stateInit   = 0

@@ -47,11 +47,16 @@ type signaller struct {
 // the flag, and both accesses are sequentially consistent, so at least one
 // side sees the other. Clearing with CAS makes exactly one signal per
 // sleep, and a loaded ring whose peer never sleeps costs one load.
+//
+// Under the race detector a swap replaces the load, see raceEnabled.
 func (s *signaller) wakeIfArmed(flag *uint32) {
-	if atomic.LoadUint32(flag) == 0 {
-		return
+	var armed bool
+	if raceEnabled {
+		armed = atomic.SwapUint32(flag, 0) != 0
+	} else {
+		armed = atomic.LoadUint32(flag) != 0 && atomic.CompareAndSwapUint32(flag, 1, 0)
 	}
-	if atomic.CompareAndSwapUint32(flag, 1, 0) && s.fd >= 0 {
+	if armed && s.fd >= 0 {
 		s.signals.Add(1)
 		eventfdSignal(s.fd)
 	}

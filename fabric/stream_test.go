@@ -306,6 +306,10 @@ func TestEventQueueManyStreams(t *testing.T) {
 	deadline := time.Now().Add(20 * time.Second)
 	for total < streams*perStream {
 		if time.Now().After(deadline) {
+			for i, b := range bridges {
+				v := b.recv.v
+				t.Logf("stream %d: next %d prod %d cons %d consArmed %d prodArm %d pend %v sendsleeps %d", i, next[i], *v.prod, *v.cons, *v.consArmed, *v.prodArm, q.inPend[i], b.send.wake.signals.Load())
+			}
 			t.Fatalf("only %d of %d packets after 20 s", total, streams*perStream)
 		}
 		n, err := q.Wait(toks, time.Second)

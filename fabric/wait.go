@@ -80,7 +80,7 @@ func (w *Waiter) wait(r readier, timeout time.Duration) error {
 		}
 	}
 	for {
-		atomic.StoreUint32(w.flag, 1)
+		atomic.SwapUint32(w.flag, 1) // a full barrier before the re-check
 		if r.ready() {
 			atomic.StoreUint32(w.flag, 0)
 			return nil

@@ -1,0 +1,271 @@
+package fabric
+
+import (
+	"encoding/binary"
+	"fmt"
+	"slices"
+	"sync"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Benchmarks compare a stream against two baselines measured in the same
+// run: a Unix datagram socketpair (one message per send/recv, the usual
+// kernel IPC for packets) and a buffered Go channel. Run all of them with
+//
+//	go test -run '^$' -bench . -benchtime 2000000x ./fabric/
+//
+// Rates are messages per second from one producer goroutine to one
+// consumer goroutine; latencies are one-way, from just before the send to
+// just after the receive, on the monotonic clock of this one process.
+
+var baseline struct {
+	sync.Mutex
+	unix, ch map[int]float64 // msgs/s by packet size
+}
+
+const baselineMsgs = 200000
+
+func baselines(tb testing.TB, size int) (unixgram, channel float64) {
+	baseline.Lock()
+	defer baseline.Unlock()
+	if baseline.unix == nil {
+		baseline.unix, baseline.ch = map[int]float64{}, map[int]float64{}
+	}
+	if _, ok := baseline.unix[size]; !ok {
+		baseline.unix[size] = unixgramRate(tb, baselineMsgs, size)
+		baseline.ch[size] = chanRate(baselineMsgs, size, 1024)
+	}
+	return baseline.unix[size], baseline.ch[size]
+}
+
+func unixgramPair(tb testing.TB) [2]int {
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return [2]int{fds[0], fds[1]}
+}
+
+func unixgramRate(tb testing.TB, n, size int) float64 {
+	fds := unixgramPair(tb)
+	defer unix.Close(fds[0])
+	defer unix.Close(fds[1])
+	done := make(chan struct{})
+	start := time.Now()
+	go func() {
+		defer close(done)
+		buf := make([]byte, size)
+		for i := 0; i < n; i++ {
+			if _, err := unix.Write(fds[0], buf); err != nil {
+				tb.Error(err)
+				return
+			}
+		}
+	}()
+	rbuf := make([]byte, 2048)
+	for i := 0; i < n; i++ {
+		if _, err := unix.Read(fds[1], rbuf); err != nil {
+			tb.Fatal(err)
+		}
+	}
+	el := time.Since(start)
+	<-done
+	return float64(n) / el.Seconds()
+}
+
+// chanRate copies each message into a pooled buffer, sends the slice over
+// a channel and copies it out on the other side: the same two copies a
+// stream makes.
+func chanRate(n, size, depth int) float64 {
+	ch := make(chan []byte, depth)
+	pool := make([][]byte, depth+2)
+	for i := range pool {
+		pool[i] = make([]byte, 2048)
+	}
+	src := make([]byte, size)
+	start := time.Now()
+	go func() {
+		for i := 0; i < n; i++ {
+			b := pool[i%len(pool)][:size]
+			copy(b, src)
+			ch <- b
+		}
+	}()
+	dst := make([]byte, 2048)
+	for i := 0; i < n; i++ {
+		copy(dst, <-ch)
+	}
+	return float64(n) / time.Since(start).Seconds()
+}
+
+// streamRate sends n packets application→bridge through the TX ring
+// (blocking producer, so nothing is dropped) in batches of up to batch.
+func streamRate(tb testing.TB, n, size, depth, batch int) float64 {
+	br, app, err := NewPair(Config{RxSlots: 2, TxSlots: depth})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer br.Close()
+	defer app.Close()
+	pk := mkBufs(batch, size)
+	done := make(chan struct{})
+	start := time.Now()
+	go func() {
+		defer close(done)
+		for sent := 0; sent < n; {
+			k := min(batch, n-sent)
+			if _, err := app.Send(pk[:k]); err != nil {
+				tb.Error(err)
+				return
+			}
+			sent += k
+		}
+	}()
+	out := mkBufs(64, 2048)
+	for got := 0; got < n; {
+		k, err := br.Recv(out[:min(batch, 64)])
+		if err != nil {
+			tb.Fatal(err)
+		}
+		got += k
+	}
+	el := time.Since(start)
+	<-done
+	return float64(n) / el.Seconds()
+}
+
+// BenchmarkRate: message rate of a stream (batches of 64 and of 1) against
+// the baselines, for 64- and 1500-byte packets, ring depth 1024.
+func BenchmarkRate(b *testing.B) {
+	for _, size := range []int{64, 1500} {
+		for _, batch := range []int{64, 1} {
+			b.Run(fmt.Sprintf("size=%d/batch=%d", size, batch), func(b *testing.B) {
+				u, c := baselines(b, size)
+				b.ResetTimer()
+				r := streamRate(b, b.N, size, 1024, batch)
+				b.ReportMetric(r, "msgs/s")
+				b.ReportMetric(r/u, "x-unixgram")
+				b.ReportMetric(r/c, "x-chan")
+				b.ReportMetric(u, "unixgram-msgs/s")
+				b.ReportMetric(c, "chan-msgs/s")
+			})
+		}
+	}
+}
+
+// BenchmarkDepth: rate against ring depth, the analogue of APEnet+'s
+// efficiency-versus-FIFO-depth table (batches of 64).
+func BenchmarkDepth(b *testing.B) {
+	for _, size := range []int{64, 1500} {
+		for _, depth := range []int{256, 512, 1024, 2048, 4096} {
+			b.Run(fmt.Sprintf("size=%d/depth=%d", size, depth), func(b *testing.B) {
+				u, _ := baselines(b, size)
+				b.ResetTimer()
+				r := streamRate(b, b.N, size, depth, 64)
+				b.ReportMetric(r, "msgs/s")
+				b.ReportMetric(r*float64(size)*8/1e9, "Gbit/s")
+				b.ReportMetric(r/u, "x-unixgram")
+			})
+		}
+	}
+}
+
+func pct(d []time.Duration, p float64) time.Duration {
+	slices.Sort(d)
+	return d[int(float64(len(d)-1)*p)]
+}
+
+// streamLatency sends b.N single packets with a gap between them and records
+// send-to-receive time. With parked=true the gap (200 µs) is far longer
+// than the receiver's spin, so every packet wakes a sleeping receiver: the
+// tripwire's wake-up latency. With parked=false the receiver spins.
+func streamLatency(b *testing.B, size int, parked bool) []time.Duration {
+	br, app, err := NewPair(Config{RxSlots: 2, TxSlots: 256})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer br.Close()
+	defer app.Close()
+	if parked {
+		br.RecvWaiter().Spin = DefaultSpin
+	} else {
+		br.RecvWaiter().Spin = time.Second
+	}
+	base := time.Now()
+	lat := make([]time.Duration, b.N)
+	go func() {
+		pk := mkBufs(1, size)
+		for i := 0; i < b.N; i++ {
+			gapUntil(parked)
+			binary.LittleEndian.PutUint64(pk[0], uint64(time.Since(base)))
+			app.Send(pk)
+		}
+	}()
+	out := mkBufs(1, 2048)
+	for i := 0; i < b.N; i++ {
+		if _, err := br.RecvTimeout(out, 5*time.Second); err != nil {
+			b.Fatal(err)
+		}
+		lat[i] = time.Since(base) - time.Duration(binary.LittleEndian.Uint64(out[0]))
+	}
+	return lat
+}
+
+func gapUntil(parked bool) {
+	if parked {
+		time.Sleep(200 * time.Microsecond)
+		return
+	}
+	for t := time.Now(); time.Since(t) < 20*time.Microsecond; {
+	}
+}
+
+func unixgramLatency(b *testing.B, size int, parked bool) []time.Duration {
+	fds := unixgramPair(b)
+	defer unix.Close(fds[0])
+	defer unix.Close(fds[1])
+	base := time.Now()
+	n := b.N
+	lat := make([]time.Duration, n)
+	go func() {
+		pk := make([]byte, size)
+		for i := 0; i < n; i++ {
+			gapUntil(parked)
+			binary.LittleEndian.PutUint64(pk, uint64(time.Since(base)))
+			unix.Write(fds[0], pk)
+		}
+	}()
+	out := make([]byte, 2048)
+	for i := 0; i < n; i++ {
+		if _, err := unix.Read(fds[1], out); err != nil {
+			b.Fatal(err)
+		}
+		lat[i] = time.Since(base) - time.Duration(binary.LittleEndian.Uint64(out))
+	}
+	return lat
+}
+
+// BenchmarkLatency: one-way latency p50/p99, stream and Unix socket, with
+// the receiver parked (sleeping in the kernel) or spinning.
+func BenchmarkLatency(b *testing.B) {
+	for _, size := range []int{64, 1500} {
+		for _, parked := range []bool{true, false} {
+			mode := "spinning"
+			if parked {
+				mode = "parked"
+			}
+			b.Run(fmt.Sprintf("size=%d/%s", size, mode), func(b *testing.B) {
+				s := streamLatency(b, size, parked)
+				u := unixgramLatency(b, size, parked)
+				b.ReportMetric(float64(pct(s, 0.5).Nanoseconds()), "p50-ns")
+				b.ReportMetric(float64(pct(s, 0.99).Nanoseconds()), "p99-ns")
+				b.ReportMetric(float64(pct(u, 0.5).Nanoseconds()), "unixgram-p50-ns")
+				b.ReportMetric(float64(pct(u, 0.99).Nanoseconds()), "unixgram-p99-ns")
+				b.ReportMetric(0, "ns/op")
+			})
+		}
+	}
+}

@@ -13,10 +13,13 @@ import (
 
 // Benchmarks compare a stream against two baselines measured in the same
 // run: a Unix datagram socketpair (one message per send/recv, the usual
-// kernel IPC for packets) and a buffered Go channel. Run all of them with
+// kernel IPC for packets) and a buffered Go channel. Run them with
 //
-//	go test -run '^$' -bench . -benchtime 2000000x ./fabric/
+//	go test -run '^$' -bench 'Rate|Depth' -benchtime 1000000x ./fabric/
+//	go test -run '^$' -bench 'Latency' -benchtime 3000x ./fabric/
 //
+// (the latency benchmarks pace their packets 200 µs apart, so keep their
+// count small).
 // Rates are messages per second from one producer goroutine to one
 // consumer goroutine; latencies are one-way, from just before the send to
 // just after the receive, on the monotonic clock of this one process.

@@ -27,7 +27,6 @@ const minTestRunFrame = 14
 
 // pair runs the XDP program and the Go reference side by side.
 type pair struct {
-	tb   testing.TB
 	prog *Program
 	ref  *classifier.Classifier
 	out  []byte
@@ -44,7 +43,7 @@ func newPair(tb testing.TB) *pair {
 	if err != nil {
 		tb.Fatal(err)
 	}
-	return &pair{tb: tb, prog: p, ref: classifier.New(t, 0), out: make([]byte, 4096)}
+	return &pair{prog: p, ref: classifier.New(t, 0), out: make([]byte, 4096)}
 }
 
 // install gives both classifiers rs and empty fragment tables.

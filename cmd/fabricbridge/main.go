@@ -1,8 +1,9 @@
 // Command fabricbridge is the command-line tool of the fabricbridge
 // appliance.
 //
-//	fabricbridge demo    build a namespace topology, attach the classifier,
-//	                     drive traffic through it and print what it counted
+//	fabricbridge demo                  build a namespace topology, attach the classifier,
+//	                                   drive traffic through it and print what it counted
+//	fabricbridge check --config FILE   validate a configuration file
 package main
 
 import (
@@ -24,6 +25,8 @@ commands:
            attach the XDP classifier with an embedded default configuration,
            drive HTTP, UDP trigger bursts, blocked datagrams and pings through
            it, print a summary and clean up (needs root)
+  check    --config FILE: validate a configuration file; every problem is
+           reported with its file, line and field
   help     print this text
 `
 
@@ -38,6 +41,8 @@ func main() {
 	switch cmd, args := os.Args[1], os.Args[2:]; cmd {
 	case "demo":
 		err = demoCommand(ctx, args)
+	case "check":
+		err = checkCommand(args, os.Stdout, os.Stderr)
 	case "help", "-h", "--help":
 		fmt.Print(usage)
 	default:

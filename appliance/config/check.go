@@ -1,0 +1,336 @@
+package config
+
+import (
+	"fmt"
+	"math/bits"
+	"path/filepath"
+
+	"github.com/fabricbridge/fabricbridge/classifier"
+)
+
+// check validates what the types alone cannot: required fields, ranges,
+// references between sections and uniqueness. It reports through d so every
+// problem carries its line.
+func (c *Config) check(d *decoder) {
+	c.checkInterfaces(d)
+	c.checkAddresses(d)
+	c.checkStreams(d)
+	c.checkIngest(d)
+	c.checkApplications(d)
+	ids := map[uint32]string{}
+	c.checkListeners(d, ids)
+	c.checkRules(d, ids)
+	c.checkControl(d)
+	if len(d.errs) == 0 {
+		// The classifier's own validation is the last word; the checks
+		// above should have caught everything it would refuse, with a
+		// better location.
+		if _, err := classifier.Compile(c.staticRuleSet(nil, true)); err != nil {
+			d.errorAt("rules", "%v", err)
+		}
+	}
+}
+
+func powerOfTwo(n int) bool { return n > 0 && bits.OnesCount(uint(n)) == 1 }
+
+func (c *Config) checkInterfaces(d *decoder) {
+	if len(c.Interfaces) == 0 {
+		d.errorAt("interfaces", "at least one interface is required")
+	}
+	names := map[string]string{}
+	for i, in := range c.Interfaces {
+		p := fmt.Sprintf("interfaces[%d]", i)
+		switch {
+		case in.Name == "":
+			d.errorAt(p+".name", "required")
+		case len(in.Name) > 15:
+			d.errorAt(p+".name", "%q is longer than an interface name can be (15 bytes)", in.Name)
+		case names[in.Name] != "":
+			d.errorAt(p+".name", "%q is already configured at %s", in.Name, names[in.Name])
+		default:
+			names[in.Name] = p
+		}
+		queues := map[int]bool{}
+		for j, q := range in.Queues {
+			qp := fmt.Sprintf("%s.queues[%d]", p, j)
+			if q < 0 || q > 1023 {
+				d.errorAt(qp, "queue %d is out of range 0-1023", q)
+			} else if queues[q] {
+				d.errorAt(qp, "queue %d is listed twice", q)
+			}
+			queues[q] = true
+		}
+		if in.FrameSize != 2048 && in.FrameSize != 4096 {
+			d.errorAt(p+".frame_size", "must be 2048 or 4096, not %d", in.FrameSize)
+		}
+		if !powerOfTwo(in.Frames) || in.Frames < 64 || in.Frames > 1<<20 {
+			d.errorAt(p+".frames", "must be a power of two from 64 to 1048576, not %d", in.Frames)
+		}
+	}
+}
+
+func (c *Config) checkAddresses(d *decoder) {
+	if len(c.Addresses) == 0 {
+		d.errorAt("addresses", "at least one address is required: the addresses applications may use")
+	}
+	seen := map[classifier.Addr16]bool{}
+	for i, a := range c.Addresses {
+		p := fmt.Sprintf("addresses[%d]", i)
+		switch {
+		case a.IsUnspecified() || a.IsMulticast():
+			d.errorAt(p, "%s cannot be an address of this box", a)
+		case seen[classifier.ToAddr16(a.Addr)]:
+			d.errorAt(p, "%s is listed twice", a)
+		}
+		seen[classifier.ToAddr16(a.Addr)] = true
+	}
+	if !c.ReservedPorts.IsSet() {
+		d.errorAt("reserved_ports", "required")
+	} else if c.ReservedPorts.Lo < 1024 {
+		d.errorAt("reserved_ports", "%s reaches into the privileged ports below 1024", c.ReservedPorts)
+	}
+}
+
+func checkSlots(d *decoder, field string, n int) {
+	if !powerOfTwo(n) || n < 2 || n > 1<<20 {
+		d.errorAt(field, "must be a power of two from 2 to 1048576, not %d", n)
+	}
+}
+
+func (c *Config) checkStreams(d *decoder) {
+	checkSlots(d, "streams.rx_slots", c.Streams.RxSlots)
+	checkSlots(d, "streams.tx_slots", c.Streams.TxSlots)
+	if s := c.Streams.SlotSize; s%64 != 0 || s < 128 || s > 65536 {
+		d.errorAt("streams.slot_size", "must be a multiple of 64 from 128 to 65536, not %d", s)
+	}
+	if c.Streams.RxSlots > c.DefaultQuota.MaxRxSlots {
+		d.errorAt("streams.rx_slots", "%d is above default_quota.max_rx_slots (%d)", c.Streams.RxSlots, c.DefaultQuota.MaxRxSlots)
+	}
+	if c.Streams.TxSlots > c.DefaultQuota.MaxTxSlots {
+		d.errorAt("streams.tx_slots", "%d is above default_quota.max_tx_slots (%d)", c.Streams.TxSlots, c.DefaultQuota.MaxTxSlots)
+	}
+}
+
+func (c *Config) checkIngest(d *decoder) {
+	names := map[string]string{}
+	for i, g := range c.Ingest {
+		p := fmt.Sprintf("ingest[%d]", i)
+		switch {
+		case g.Name == "":
+			d.errorAt(p+".name", "required")
+		case names[g.Name] != "":
+			d.errorAt(p+".name", "%q is already used by %s", g.Name, names[g.Name])
+		default:
+			names[g.Name] = p
+		}
+		if g.Buffers < 2 || g.Buffers > 65536 {
+			d.errorAt(p+".buffers", "must be from 2 to 65536, not %d", g.Buffers)
+		}
+		if g.BufferSize < 4096 || g.BufferSize > 1<<30 || g.BufferSize%4096 != 0 {
+			d.errorAt(p+".buffer_size", "must be a multiple of 4096 from 4K to 1G, not %d", g.BufferSize)
+		}
+		if g.Window <= 0 {
+			d.errorAt(p+".window", "must be longer than 0")
+		}
+		if g.LatencyBudget <= 0 {
+			d.errorAt(p+".latency_budget", "must be longer than 0")
+		}
+	}
+}
+
+func (c *Config) checkQuota(d *decoder, p string, q Quota, inherit bool) {
+	if q.Ports < 0 || (!inherit && q.Ports == 0) {
+		d.errorAt(p+".ports", "must be at least 1, not %d", q.Ports)
+	}
+	for _, f := range []struct {
+		name string
+		n    int
+	}{{".max_rx_slots", q.MaxRxSlots}, {".max_tx_slots", q.MaxTxSlots}} {
+		if inherit && f.n == 0 {
+			continue
+		}
+		checkSlots(d, p+f.name, f.n)
+	}
+}
+
+func (c *Config) checkApplications(d *decoder) {
+	c.checkQuota(d, "default_quota", c.DefaultQuota, false)
+	names := map[string]string{}
+	for i, a := range c.Applications {
+		p := fmt.Sprintf("applications[%d]", i)
+		switch {
+		case a.Name == "":
+			d.errorAt(p+".name", "required")
+		case names[a.Name] != "":
+			d.errorAt(p+".name", "%q is already used by %s", a.Name, names[a.Name])
+		default:
+			names[a.Name] = p
+		}
+		if a.UID < -1 {
+			d.errorAt(p+".uid", "must be a user id (0 or more), not %d", a.UID)
+		}
+		for j, r := range a.Ports {
+			if c.overlapsReserved(r) {
+				d.errorAt(fmt.Sprintf("%s.ports[%d]", p, j), "%s overlaps reserved_ports %s, which are for outgoing connections", r, c.ReservedPorts)
+			}
+		}
+		c.checkQuota(d, p+".quota", a.Quota, true)
+	}
+}
+
+func (c *Config) overlapsReserved(r PortRange) bool {
+	return r.IsSet() && r.Lo <= c.ReservedPorts.Hi && c.ReservedPorts.Lo <= r.Hi
+}
+
+func (c *Config) checkID(d *decoder, p string, id uint32, ids map[uint32]string) {
+	switch {
+	case !d.written(p + ".id"):
+		d.errorAt(p+".id", "required: a number from 1 to %d that names the counters", MaxStaticID)
+	case id < 1 || id > MaxStaticID:
+		d.errorAt(p+".id", "%d is out of range 1-%d (ids above are the control plane's)", id, MaxStaticID)
+	case ids[id] != "":
+		d.errorAt(p+".id", "%d is already used by %s", id, ids[id])
+	default:
+		ids[id] = p
+	}
+}
+
+func (c *Config) checkAppRef(d *decoder, field, app string) {
+	if app == "" {
+		d.errorAt(field, "required: the application to deliver to")
+	} else if c.App(app) == nil {
+		d.errorAt(field, "application %q is not in applications", app)
+	}
+}
+
+func (c *Config) isAddress(a Addr) bool {
+	for _, b := range c.Addresses {
+		if b.Addr == a.Addr {
+			return true
+		}
+	}
+	return false
+}
+
+func (c *Config) checkListeners(d *decoder, ids map[uint32]string) {
+	type key struct {
+		proto Protocol
+		addr  Addr
+		port  Port
+	}
+	seen := map[key]string{}
+	for i, l := range c.Listeners {
+		p := fmt.Sprintf("listeners[%d]", i)
+		c.checkID(d, p, l.ID, ids)
+		if l.Protocol == Protocol(classifier.ProtoAny) {
+			d.errorAt(p+".protocol", "required: tcp or udp")
+		}
+		if l.Port == 0 {
+			d.errorAt(p+".port", "required")
+		} else if c.overlapsReserved(PortRange{uint16(l.Port), uint16(l.Port)}) {
+			d.errorAt(p+".port", "%d is in reserved_ports %s, which are for outgoing connections", l.Port, c.ReservedPorts)
+		}
+		if l.Address.IsValid() && !c.isAddress(l.Address) {
+			d.errorAt(p+".address", "%s is not one of addresses", l.Address)
+		}
+		c.checkAppRef(d, p+".app", l.App)
+		k := key{l.Protocol, l.Address, l.Port}
+		if other := seen[k]; other != "" && l.Port != 0 {
+			d.errorAt(p, "claims the same protocol, address and port as %s", other)
+		}
+		seen[k] = p
+	}
+}
+
+func (c *Config) checkRules(d *decoder, ids map[uint32]string) {
+	for i, r := range c.Rules {
+		p := fmt.Sprintf("rules[%d]", i)
+		c.checkID(d, p, r.ID, ids)
+		m := r.Match
+		if m.VLAN > 4094 {
+			d.errorAt(p+".match.vlan", "%d is not a VLAN id (1-4094)", m.VLAN)
+		}
+		for _, f := range []struct {
+			name string
+			pf   Prefix
+		}{{"src", m.Src}, {"dst", m.Dst}} {
+			if !f.pf.IsValid() {
+				continue
+			}
+			fam := IPVersion(classifier.Family(f.pf.Addr()))
+			if m.IP != 0 && m.IP != fam {
+				d.errorAt(p+".match."+f.name, "%s is IPv%d but match.ip is %d", f.pf, fam, m.IP)
+			}
+		}
+		if m.Src.IsValid() && m.Dst.IsValid() && m.Src.Addr().Is4() != m.Dst.Addr().Is4() {
+			d.errorAt(p+".match.dst", "%s and src %s are of different IP versions", m.Dst, m.Src)
+		}
+		switch classifier.Action(r.Action) {
+		case 0:
+			d.errorAt(p+".action", "required: pass, drop, steer or ingest")
+		case classifier.ActionSteer:
+			c.checkAppRef(d, p+".app", r.App)
+			if r.Ingest != "" {
+				d.errorAt(p+".ingest", "only an ingest rule names an ingest ring")
+			}
+		case classifier.ActionIngest:
+			if classifier.Protocol(m.Protocol) != classifier.ProtoUDP {
+				d.errorAt(p+".match.protocol", "an ingest rule must match protocol udp (ingest is UDP offload)")
+			}
+			if r.Ingest == "" {
+				d.errorAt(p+".ingest", "required: the name of an ingest ring")
+			} else if c.IngestID(r.Ingest) == 0 {
+				d.errorAt(p+".ingest", "ingest ring %q is not in ingest", r.Ingest)
+			}
+			if r.App != "" {
+				d.errorAt(p+".app", "only a steer rule names an application")
+			}
+		default:
+			if r.App != "" {
+				d.errorAt(p+".app", "only a steer rule names an application")
+			}
+			if r.Ingest != "" {
+				d.errorAt(p+".ingest", "only an ingest rule names an ingest ring")
+			}
+		}
+	}
+}
+
+func (c *Config) checkControl(d *decoder) {
+	if c.Control.Socket == "" {
+		d.errorAt("control.socket", "required: the path of the control socket")
+	} else if !filepath.IsAbs(c.Control.Socket) {
+		d.errorAt("control.socket", "%q must be an absolute path", c.Control.Socket)
+	}
+	t := c.Control.TCP
+	if t.Address == "" {
+		if d.written("control.tcp.auth") {
+			d.errorAt("control.tcp.auth", "set, but control.tcp.address is not: the TCP control plane is off")
+		}
+		return
+	}
+	need := func(field, value string) {
+		if value == "" {
+			d.errorAt("control.tcp."+field, "required with auth: %s", t.Auth)
+		}
+	}
+	refuse := func(field, value string, auth Auth) {
+		if value != "" {
+			d.errorAt("control.tcp."+field, "only used with auth: %s", auth)
+		}
+	}
+	switch t.Auth {
+	case AuthNone:
+		d.errorAt("control.tcp.auth", "required with control.tcp.address: secret or tls (the TCP control plane is never open)")
+	case AuthSecret:
+		need("secret_file", t.SecretFile)
+		refuse("cert_file", t.CertFile, AuthTLS)
+		refuse("key_file", t.KeyFile, AuthTLS)
+		refuse("client_ca_file", t.ClientCAFile, AuthTLS)
+	case AuthTLS:
+		need("cert_file", t.CertFile)
+		need("key_file", t.KeyFile)
+		need("client_ca_file", t.ClientCAFile)
+		refuse("secret_file", t.SecretFile, AuthSecret)
+	}
+}

@@ -1,0 +1,311 @@
+package config
+
+import (
+	"fmt"
+	"os"
+	"reflect"
+	"time"
+)
+
+// Config is one fabricbridge configuration file, decoded and checked. Every
+// field has a default (see Default) except the interfaces and addresses,
+// which describe the machine.
+type Config struct {
+	// File is where the configuration was read from; errors name it.
+	File string `yaml:"-"`
+
+	Interfaces []Interface `yaml:"interfaces"`
+	// Addresses are the addresses of this box that applications may use
+	// as source and listening addresses. The bridge drops any packet an
+	// application sends from another address.
+	Addresses []Addr `yaml:"addresses"`
+	// ReservedPorts is the port range taken from the kernel's ephemeral
+	// range (ip_local_reserved_ports) for the outgoing connections of
+	// applications.
+	ReservedPorts PortRange `yaml:"reserved_ports"`
+	Streams       Streams   `yaml:"streams"`
+	Ingest        []Ingest  `yaml:"ingest"`
+	// Listeners and Rules are the static classification: they are loaded
+	// at start and replaced atomically on SIGHUP.
+	Listeners    []Listener    `yaml:"listeners"`
+	Rules        []Rule        `yaml:"rules"`
+	Applications []Application `yaml:"applications"`
+	// DefaultQuota bounds applications that the applications list does not
+	// name (when control.allow_unlisted is true) and fills the fields a
+	// listed application leaves unset.
+	DefaultQuota Quota   `yaml:"default_quota"`
+	Control      Control `yaml:"control"`
+	Metrics      Metrics `yaml:"metrics"`
+	Log          Log     `yaml:"log"`
+
+	where map[string]pos
+}
+
+// Interface is one Ethernet interface the bridge serves.
+type Interface struct {
+	Name string `yaml:"name"`
+	// Queues are the receive queues to serve; empty means all of them.
+	Queues []int  `yaml:"queues"`
+	Attach Attach `yaml:"attach"`
+	// FrameSize is the UMEM frame size: 2048 or 4096.
+	FrameSize Size `yaml:"frame_size"`
+	// Frames is the number of UMEM frames per queue, a power of two.
+	Frames int `yaml:"frames"`
+	// BusyPoll turns on SO_PREFER_BUSY_POLL on the AF_XDP sockets.
+	BusyPoll bool `yaml:"busy_poll"`
+}
+
+// Streams sizes the stream an application gets when it does not ask for
+// another size (within its quota).
+type Streams struct {
+	RxSlots  int  `yaml:"rx_slots"`
+	TxSlots  int  `yaml:"tx_slots"`
+	SlotSize Size `yaml:"slot_size"`
+}
+
+// Ingest is one ring of persistent buffers for UDP offload (ingest rules
+// name it).
+type Ingest struct {
+	Name string `yaml:"name"`
+	// Buffers is the number of buffers in the ring, BufferSize the bytes of
+	// each.
+	Buffers    int  `yaml:"buffers"`
+	BufferSize Size `yaml:"buffer_size"`
+	// Window is how long a buffer that holds records stays open before it
+	// is published even though it is not full.
+	Window Duration `yaml:"window"`
+	// LatencyBudget is the wire-to-consumer latency above which a buffer
+	// counts as a violation.
+	LatencyBudget Duration `yaml:"latency_budget"`
+	// Hugepages backs the ring with huge pages when the machine has them.
+	Hugepages bool `yaml:"hugepages"`
+}
+
+// Listener claims every packet to one local address and port for an
+// application, the way a listening socket does.
+type Listener struct {
+	// ID names the listener's counters; unique across listeners and rules,
+	// 1..MaxStaticID.
+	ID       uint32   `yaml:"id"`
+	Name     string   `yaml:"name"`
+	Protocol Protocol `yaml:"protocol"`
+	// Address is one of Addresses; unset listens on all of them.
+	Address Addr   `yaml:"address"`
+	Port    Port   `yaml:"port"`
+	App     string `yaml:"app"`
+}
+
+// Rule is an ordered match on header fields with an action.
+type Rule struct {
+	// ID names the rule's counters; unique across listeners and rules,
+	// 1..MaxStaticID.
+	ID   uint32 `yaml:"id"`
+	Name string `yaml:"name"`
+	// Priority orders the rules: lower first, ties by id.
+	Priority uint32 `yaml:"priority"`
+	Match    Match  `yaml:"match"`
+	Action   Action `yaml:"action"`
+	// App is the application a steer rule delivers to.
+	App string `yaml:"app"`
+	// Ingest is the ingest ring an ingest rule fills.
+	Ingest string `yaml:"ingest"`
+}
+
+// Match is what a rule matches; every unset field matches anything.
+type Match struct {
+	VLAN     uint16    `yaml:"vlan"`
+	IP       IPVersion `yaml:"ip"`
+	Protocol Protocol  `yaml:"protocol"`
+	Src      Prefix    `yaml:"src"`
+	Dst      Prefix    `yaml:"dst"`
+	SrcPort  PortRange `yaml:"src_port"`
+	DstPort  PortRange `yaml:"dst_port"`
+}
+
+// Application is an application the bridge knows by name.
+type Application struct {
+	Name string `yaml:"name"`
+	// UID, when set (not -1), is the only local user allowed to register
+	// under this name on the control socket.
+	UID int `yaml:"uid"`
+	// Ports are the ports it may listen on; empty means any port that is
+	// outside the reserved range and not held by another application.
+	Ports []PortRange `yaml:"ports"`
+	// Quota fields left at 0 take default_quota's.
+	Quota Quota `yaml:"quota"`
+}
+
+func (a *Application) setDefaults() { a.UID = -1 }
+
+// Quota bounds what one application may hold.
+type Quota struct {
+	// Ports is how many listeners and ephemeral ports it may hold at once.
+	Ports int `yaml:"ports"`
+	// MaxRxSlots and MaxTxSlots bound the stream ring sizes it may ask for.
+	MaxRxSlots int `yaml:"max_rx_slots"`
+	MaxTxSlots int `yaml:"max_tx_slots"`
+}
+
+// Control configures the control plane.
+type Control struct {
+	// Socket is the Unix socket local applications connect to.
+	Socket     string   `yaml:"socket"`
+	SocketMode FileMode `yaml:"socket_mode"`
+	// AllowUnlisted lets applications that the applications list does not
+	// name register, under default_quota.
+	AllowUnlisted bool       `yaml:"allow_unlisted"`
+	TCP           ControlTCP `yaml:"tcp"`
+}
+
+// ControlTCP is the control plane for applications on other nodes. It is
+// off unless Address is set, and then it must be authenticated.
+type ControlTCP struct {
+	Address HostPort `yaml:"address"`
+	Auth    Auth     `yaml:"auth"`
+	// SecretFile holds the shared secret (auth: secret); at least 16 bytes.
+	SecretFile string `yaml:"secret_file"`
+	// CertFile and KeyFile are the bridge's certificate; ClientCAFile the
+	// CA that client certificates must chain to (auth: tls).
+	CertFile     string `yaml:"cert_file"`
+	KeyFile      string `yaml:"key_file"`
+	ClientCAFile string `yaml:"client_ca_file"`
+}
+
+// Metrics configures the Prometheus endpoint.
+type Metrics struct {
+	// Address serves /metrics; empty turns the endpoint off.
+	Address HostPort `yaml:"address"`
+}
+
+// Log configures the structured log on standard error.
+type Log struct {
+	Level  LogLevel  `yaml:"level"`
+	Format LogFormat `yaml:"format"`
+}
+
+// Defaults.
+const (
+	DefaultSocket        = "/run/fabricbridge/control.sock"
+	DefaultMetrics       = "127.0.0.1:9469"
+	DefaultSlots         = 1024
+	DefaultSlotSize      = 2048
+	DefaultFrames        = 4096
+	DefaultFrameSize     = 2048
+	DefaultReservedLo    = 61000
+	DefaultReservedHi    = 61999
+	DefaultIngestBuffers = 64
+	DefaultIngestSize    = 1 << 20
+	DefaultIngestWindow  = 100 * time.Microsecond
+	DefaultIngestBudget  = time.Millisecond
+	DefaultQuotaPorts    = 1024
+	DefaultQuotaSlots    = 8192
+
+	// MaxStaticID is the largest id of a static listener or rule. The ids
+	// above it, up to classifier.MaxRuleID, are left to the control plane
+	// for the listeners and flows applications register, so a reload can
+	// never collide with them.
+	MaxStaticID = 4095
+)
+
+// Default returns the configuration an empty file gives.
+func Default() *Config {
+	return &Config{
+		ReservedPorts: PortRange{DefaultReservedLo, DefaultReservedHi},
+		Streams:       Streams{RxSlots: DefaultSlots, TxSlots: DefaultSlots, SlotSize: DefaultSlotSize},
+		DefaultQuota:  Quota{Ports: DefaultQuotaPorts, MaxRxSlots: DefaultQuotaSlots, MaxTxSlots: DefaultQuotaSlots},
+		Control:       Control{Socket: DefaultSocket, SocketMode: 0o660, AllowUnlisted: true},
+		Metrics:       Metrics{Address: DefaultMetrics},
+		Log:           Log{Level: LogLevel(0)},
+	}
+}
+
+func (i *Interface) setDefaults() {
+	i.FrameSize, i.Frames = DefaultFrameSize, DefaultFrames
+}
+
+func (g *Ingest) setDefaults() {
+	g.Buffers, g.BufferSize = DefaultIngestBuffers, DefaultIngestSize
+	g.Window, g.LatencyBudget = Duration(DefaultIngestWindow), Duration(DefaultIngestBudget)
+	g.Hugepages = true
+}
+
+// Load reads and checks a configuration file.
+func Load(path string) (*Config, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	return Parse(path, data)
+}
+
+// Parse decodes and checks a configuration; file names it in errors. The
+// error, if any, is an Errors listing every problem with its line and field.
+func Parse(file string, data []byte) (*Config, error) {
+	c := Default()
+	c.File = file
+	d := &decoder{file: file, where: map[string]pos{}}
+	if root := d.parseYAML(data); root != nil {
+		d.where[""] = pos{root.Line, root.Column}
+		d.decode("", root, reflect.ValueOf(c).Elem())
+	}
+	if len(d.errs) == 0 {
+		c.where = d.where
+		c.check(d)
+	}
+	if len(d.errs) > 0 {
+		d.errs.sort()
+		return nil, d.errs
+	}
+	c.where = d.where
+	return c, nil
+}
+
+// Errorf returns an error located at a field of the file, for problems found
+// after Parse, such as a secret file that cannot be read when the daemon
+// starts.
+func (c *Config) Errorf(field, format string, args ...any) error {
+	d := &decoder{file: c.File, where: c.where}
+	d.errorAt(field, format, args...)
+	return d.errs[0]
+}
+
+// App returns the named application, or nil.
+func (c *Config) App(name string) *Application {
+	for i := range c.Applications {
+		if c.Applications[i].Name == name {
+			return &c.Applications[i]
+		}
+	}
+	return nil
+}
+
+// QuotaOf is the quota of an application: its own fields where set, the
+// default quota's elsewhere. An unlisted application gets the default quota.
+func (c *Config) QuotaOf(name string) Quota {
+	q := c.DefaultQuota
+	if a := c.App(name); a != nil {
+		if a.Quota.Ports != 0 {
+			q.Ports = a.Quota.Ports
+		}
+		if a.Quota.MaxRxSlots != 0 {
+			q.MaxRxSlots = a.Quota.MaxRxSlots
+		}
+		if a.Quota.MaxTxSlots != 0 {
+			q.MaxTxSlots = a.Quota.MaxTxSlots
+		}
+	}
+	return q
+}
+
+// IngestID is the buffer id of the named ingest ring (its position in the
+// list, from 1), which ingest rules carry in the XDP metadata; 0 if unknown.
+func (c *Config) IngestID(name string) uint32 {
+	for i, g := range c.Ingest {
+		if g.Name == name {
+			return uint32(i + 1)
+		}
+	}
+	return 0
+}
+
+func (c *Config) String() string { return fmt.Sprintf("config %s", c.File) }

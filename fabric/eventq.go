@@ -17,7 +17,18 @@ import (
 // Work per event is O(1) whatever the number of streams; streams that stay
 // busy are handed back round after round without any system call.
 //
-// Not safe for concurrent use. Remove a stream before closing it.
+// Dead streams leave by themselves. A stream that is closed (by any
+// goroutine, at any time) or broken (its owner's Send or Recv returned the
+// error) is dropped by the next Wait that looks at it: its token becomes
+// free and Stream returns nil for it. Closing a queued stream is always
+// safe; the queue holds on to its mapping until it has dropped it, and
+// releases it then (or in Remove or Close). A stream whose application has
+// gone but which still holds packets is not dead yet: Wait reports it, the
+// caller drains it, and the receive that finds it empty returns
+// ErrPeerGone and breaks it.
+//
+// Not safe for concurrent use, except that streams may be closed
+// concurrently.
 type EventQueue struct {
 	epfd    int
 	slots   []*Stream // by token; nil = free
@@ -31,6 +42,7 @@ type EventQueue struct {
 	// sleeps in epoll.
 	Spin   time.Duration
 	sleeps atomic.Uint64
+	count  int
 }
 
 // NewEventQueue creates an empty queue.
@@ -42,18 +54,37 @@ func NewEventQueue() (*EventQueue, error) {
 	return &EventQueue{epfd: fd, Spin: DefaultSpin}, nil
 }
 
-// Close releases the epoll instance (not the streams).
-func (q *EventQueue) Close() error { return unix.Close(q.epfd) }
+// Close drops every stream still registered (releasing those already
+// closed) and releases the epoll instance. Streams stay open.
+func (q *EventQueue) Close() error {
+	for tok, s := range q.slots {
+		if s != nil {
+			q.detach(tok)
+		}
+	}
+	return unix.Close(q.epfd)
+}
 
 // Sleeps counts epoll_wait calls that found nothing ready beforehand.
 func (q *EventQueue) Sleeps() uint64 { return q.sleeps.Load() }
 
+// Len is the number of streams registered.
+func (q *EventQueue) Len() int { return q.count }
+
 // Add registers a bridge-side stream and returns its token. The stream is
 // immediately reported by the next Wait, so packets queued before Add are
-// not missed.
+// not missed. A stream belongs to at most one queue.
 func (q *EventQueue) Add(s *Stream) (int, error) {
 	if s.side != BridgeSide {
 		return 0, errors.New("fabric: EventQueue gathers bridge-side streams")
+	}
+	s.lifeMu.Lock()
+	defer s.lifeMu.Unlock()
+	if s.closed.Load() {
+		return 0, ErrClosed
+	}
+	if s.queue != nil {
+		return 0, errors.New("fabric: stream is already in an EventQueue")
 	}
 	var tok int
 	if n := len(q.free); n > 0 {
@@ -69,18 +100,18 @@ func (q *EventQueue) Add(s *Stream) (int, error) {
 		q.free = append(q.free, tok)
 		return 0, fmt.Errorf("fabric: epoll_ctl: %w", err)
 	}
+	s.queue = q
 	q.slots[tok] = s
+	q.count++
 	q.pend(tok)
 	return tok, nil
 }
 
-// Remove unregisters a stream.
+// Remove unregisters a stream (a no-op if it is not registered here, for
+// instance because a Wait already dropped it as dead).
 func (q *EventQueue) Remove(s *Stream) {
 	for tok, x := range q.slots {
 		if x == s {
-			unix.EpollCtl(q.epfd, unix.EPOLL_CTL_DEL, s.fds[fdTxData], nil)
-			q.slots[tok] = nil
-			q.free = append(q.free, tok)
 			if q.inPend[tok] {
 				for i, p := range q.pending {
 					if p == tok {
@@ -90,13 +121,42 @@ func (q *EventQueue) Remove(s *Stream) {
 				}
 				q.inPend[tok] = false
 			}
+			q.detach(tok)
 			return
 		}
 	}
 }
 
-// Stream returns the stream registered under tok.
-func (q *EventQueue) Stream(tok int) *Stream { return q.slots[tok] }
+// detach forgets the stream under tok (the caller has taken it off the
+// pending list) and finishes a Close that ran while it was queued.
+func (q *EventQueue) detach(tok int) {
+	s := q.slots[tok]
+	unix.EpollCtl(q.epfd, unix.EPOLL_CTL_DEL, s.fds[fdTxData], nil)
+	q.slots[tok] = nil
+	q.free = append(q.free, tok)
+	q.count--
+	s.lifeMu.Lock()
+	s.queue = nil
+	late := s.releaseLate
+	s.lifeMu.Unlock()
+	if late {
+		s.release()
+	}
+}
+
+// isDead reports a stream the queue should drop: closed, or broken by its
+// owner's own call (which therefore already saw the error).
+func isDead(s *Stream) bool { return s.closed.Load() || s.broken.Load() }
+
+// Stream returns the stream registered under tok, or nil if the token is
+// free (never used, removed, or dropped as dead). A token handed out by
+// Wait stays valid until the next Wait.
+func (q *EventQueue) Stream(tok int) *Stream {
+	if tok < 0 || tok >= len(q.slots) {
+		return nil
+	}
+	return q.slots[tok]
+}
 
 // readyOrArm re-checks a stream handed out last round; if it is empty it
 // arms its tripwire and checks once more, so a publish that raced with the
@@ -129,9 +189,10 @@ func (q *EventQueue) emit(out []int, n int, tok int) int {
 	return n
 }
 
-// Wait fills out with tokens of streams that have packets (or are broken
-// or closed: the caller finds out by receiving from them) and returns how
-// many. The caller should drain each returned stream — or take a fair
+// Wait fills out with tokens of streams that have packets (or whose
+// application has gone: the caller finds out by receiving from them) and
+// returns how many. It drops dead streams it comes across (see
+// EventQueue). The caller should drain each returned stream — or take a fair
 // batch from it — before the next Wait, which re-checks exactly those
 // streams: it polls them for up to Spin, and arms the tripwire of the ones
 // that stay empty before sleeping in epoll. timeout < 0 waits forever;
@@ -168,6 +229,12 @@ func (q *EventQueue) Wait(out []int, timeout time.Duration) (int, error) {
 			if tok < 0 || tok >= len(q.slots) || q.slots[tok] == nil {
 				continue
 			}
+			if isDead(q.slots[tok]) {
+				if !q.inPend[tok] && !q.inOut[tok] {
+					q.detach(tok)
+				}
+				continue // a pending one goes in the next scan
+			}
 			eventfdDrain(q.slots[tok].fds[fdTxData], &q.buf)
 			if n < len(out) && !q.inPend[tok] {
 				n = q.emit(out, n, tok)
@@ -192,6 +259,11 @@ func (q *EventQueue) scan(out []int, n int, arm bool) int {
 		s := q.slots[tok]
 		if s == nil {
 			q.inPend[tok] = false
+			continue
+		}
+		if isDead(s) {
+			q.inPend[tok] = false
+			q.detach(tok)
 			continue
 		}
 		var ready bool

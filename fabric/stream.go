@@ -86,6 +86,13 @@ type Stream struct {
 	conn               *net.UnixConn
 	monDone            chan struct{}
 
+	// queue is the EventQueue this stream is registered with, if any;
+	// while it is set, Close leaves the unmapping to the queue, which may
+	// still be looking at the region (see EventQueue).
+	lifeMu      sync.Mutex
+	queue       *EventQueue
+	releaseLate bool // Close ran while queued: the queue releases
+
 	closed   atomic.Bool
 	broken   atomic.Bool
 	peerGone atomic.Bool // control connection closed: drain, then break
@@ -359,7 +366,9 @@ func (s *Stream) RecvTimeout(bufs [][]byte, d time.Duration) (int, error) {
 
 // Close marks this side closed, wakes every waiter on both sides, and
 // releases the mapping and descriptors once no Send or Recv is inside it.
-// The peer sees the stream become Broken.
+// The peer sees the stream become Broken. A stream registered with an
+// EventQueue may be closed at any time from any goroutine: the queue drops
+// it at its next Wait and releases it then.
 func (s *Stream) Close() error {
 	s.closeOne.Do(func() {
 		s.closed.Store(true)
@@ -371,18 +380,30 @@ func (s *Stream) Close() error {
 			s.conn.Close()
 			<-s.monDone
 		}
-		s.sendMu.Lock()
-		s.recvMu.Lock()
-		for _, fd := range s.fds {
-			unix.Close(fd)
+		s.lifeMu.Lock()
+		late := s.queue != nil
+		s.releaseLate = late
+		s.lifeMu.Unlock()
+		if !late {
+			s.release()
 		}
-		if s.memfd >= 0 {
-			unix.Close(s.memfd)
-		}
-		unix.Munmap(s.mem)
-		s.mem = nil
-		s.recvMu.Unlock()
-		s.sendMu.Unlock()
 	})
 	return nil
+}
+
+// release unmaps the region and closes the descriptors, waiting for any
+// Send or Recv still inside.
+func (s *Stream) release() {
+	s.sendMu.Lock()
+	s.recvMu.Lock()
+	for _, fd := range s.fds {
+		unix.Close(fd)
+	}
+	if s.memfd >= 0 {
+		unix.Close(s.memfd)
+	}
+	unix.Munmap(s.mem)
+	s.mem = nil
+	s.recvMu.Unlock()
+	s.sendMu.Unlock()
 }

@@ -2,6 +2,7 @@ package fabric
 
 import (
 	"errors"
+	"os"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -338,5 +339,166 @@ func TestEventQueueManyStreams(t *testing.T) {
 	wg.Wait()
 	if q.Sleeps() == 0 {
 		t.Fatal("event queue never slept")
+	}
+}
+
+// openFDs counts this process's open descriptors.
+func openFDs(t testing.TB) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(ents)
+}
+
+// Dead streams leave an EventQueue by themselves: applications that go
+// away (after their packets are drained), bridge-side streams closed from
+// another goroutine while queued (no Remove first), and a stream broken
+// by a hostile application. Nothing is lost, nothing crashes, the queue
+// ends with only the live stream, and every descriptor is released.
+func TestEventQueueDropsDeadStreams(t *testing.T) {
+	before := openFDs(t)
+	q, err := NewEventQueue()
+	if err != nil {
+		t.Fatal(err)
+	}
+	q.Spin = 0
+	const n = 6
+	var br, app [n]*Stream
+	for i := range br {
+		if br[i], app[i], err = NewPair(Config{RxSlots: 4, TxSlots: 16, SlotSize: 128}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := q.Add(br[i]); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// 0, 1: the application sends three packets and leaves.
+	for i := 0; i < 2; i++ {
+		for seq := uint32(0); seq < 3; seq++ {
+			app[i].Send([][]byte{seqPkt(make([]byte, 16), seq, 16)})
+		}
+		app[i].Close()
+	}
+	// 2, 3: closed on the bridge side by another goroutine while the
+	// queue may be looking at them.
+	closer := make(chan struct{})
+	go func() {
+		time.Sleep(5 * time.Millisecond)
+		br[2].Close()
+		br[3].Close()
+		close(closer)
+	}()
+	// 4: the application corrupts its write index.
+	app[4].Send([][]byte{{1}})
+	atomic.StoreUint32(app[4].send.v.prod, 0x7fff0000)
+	eventfdSignal(app[4].fds[fdTxData])
+
+	got := make([]uint32, n)
+	errs := make([]error, n)
+	idOf := func(s *Stream) int {
+		for i := range br {
+			if br[i] == s {
+				return i
+			}
+		}
+		t.Fatalf("unknown stream")
+		return -1
+	}
+	toks := make([]int, 8)
+	out := mkBufs(16, 128)
+	sentLive := false
+	deadline := time.Now().Add(10 * time.Second)
+	for q.Len() > 1 || !sentLive || got[5] == 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("queue still holds %d streams; got %v errs %v", q.Len(), got, errs)
+		}
+		if !sentLive && q.Len() == 1 {
+			<-closer
+			app[5].Send([][]byte{seqPkt(make([]byte, 16), 0, 16)})
+			sentLive = true
+		}
+		k, err := q.Wait(toks, 100*time.Millisecond)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, tok := range toks[:k] {
+			s := q.Stream(tok)
+			if s == nil {
+				t.Fatalf("Wait handed out free token %d", tok)
+			}
+			id := idOf(s)
+			m, err := s.TryRecv(out)
+			for j := 0; j < m; j++ {
+				checkSeqPkt(t, out[j], got[id], 16)
+				got[id]++
+			}
+			if err != nil {
+				errs[id] = err
+			}
+		}
+	}
+	for i := 0; i < 2; i++ {
+		if got[i] != 3 || !errors.Is(errs[i], ErrPeerGone) {
+			t.Errorf("stream %d: %d packets, err %v; want 3 then ErrPeerGone", i, got[i], errs[i])
+		}
+	}
+	if !errors.Is(errs[4], ErrCorruption) {
+		t.Errorf("hostile stream: err %v, want ErrCorruption", errs[4])
+	}
+	if q.Stream(0) != nil && q.Stream(0) != br[5] {
+		t.Error("a dropped token still names its old stream")
+	}
+	// Close everything, in the order a careless owner might.
+	for i := range br {
+		br[i].Close()
+		app[i].Close()
+	}
+	if err := q.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if after := openFDs(t); after != before {
+		t.Fatalf("%d descriptors open before, %d after", before, after)
+	}
+}
+
+// A queued stream closed while its queue sleeps in epoll is released by
+// the queue's next Wait, without Remove.
+func TestEventQueueCloseWhileWaiting(t *testing.T) {
+	before := openFDs(t)
+	q, err := NewEventQueue()
+	if err != nil {
+		t.Fatal(err)
+	}
+	q.Spin = 0
+	b, a, err := NewPair(Config{RxSlots: 4, TxSlots: 4, SlotSize: 64})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := q.Add(b); err != nil {
+		t.Fatal(err)
+	}
+	toks := make([]int, 4)
+	if k, _ := q.Wait(toks, 0); k != 0 { // arms the empty stream
+		t.Fatalf("empty stream reported %d", k)
+	}
+	go func() {
+		time.Sleep(10 * time.Millisecond)
+		b.Close()
+	}()
+	if k, err := q.Wait(toks, 5*time.Second); k != 0 || err != nil {
+		t.Fatalf("Wait returned %d, %v for a closed stream", k, err)
+	}
+	if q.Len() != 0 {
+		t.Fatalf("closed stream still queued")
+	}
+	if _, err := q.Add(b); !errors.Is(err, ErrClosed) {
+		t.Fatalf("Add of a closed stream: %v", err)
+	}
+	a.Close()
+	q.Close()
+	if after := openFDs(t); after != before {
+		t.Fatalf("%d descriptors open before, %d after", before, after)
 	}
 }

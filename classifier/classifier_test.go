@@ -262,14 +262,27 @@ func FuzzClassify(f *testing.F) {
 	if err != nil {
 		f.Fatal(err)
 	}
+	ingestRules := map[uint32]bool{}
+	for _, r := range tables.Rules() {
+		ingestRules[r.ID] = r.Action == classifier.ActionIngest
+	}
 	c := classifier.New(tables, 0)
 	f.Fuzz(func(t *testing.T, frame []byte) {
 		m := c.Classify(frame)
 		if m.Verdict >= classifier.NumVerdicts {
 			t.Fatalf("verdict %d", m.Verdict)
 		}
-		if m.Verdict == classifier.VerdictMalformed && (m.StreamID != 0 || m.RuleID != 0) {
+		// Only an ingest rule that refused a datagram names itself on a
+		// malformed frame.
+		if m.Verdict == classifier.VerdictMalformed && (m.StreamID != 0 || (m.RuleID != 0 && !ingestRules[m.RuleID])) {
 			t.Fatalf("malformed frame carries stream %d rule %d", m.StreamID, m.RuleID)
+		}
+		im, strip, ok := classifier.Ingest(frame, &m)
+		if ok != (m.Verdict == classifier.VerdictIngest) {
+			t.Fatalf("Ingest ok=%v for a %v frame", ok, m.Verdict)
+		}
+		if ok && int(im.PayloadOffset)+int(im.PayloadLen) > len(frame)-strip {
+			t.Fatalf("payload %d+%d beyond the %d-byte stripped frame", im.PayloadOffset, im.PayloadLen, len(frame)-strip)
 		}
 	})
 }

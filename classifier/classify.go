@@ -18,8 +18,8 @@ const (
 	VerdictPass      Verdict = iota // the kernel gets it: no match, a pass rule, or not classified
 	VerdictDrop                     // a drop rule matched
 	VerdictSteer                    // deliver to Meta.StreamID
-	VerdictIngest                   // UDP offload into ingest buffer Meta.StreamID
-	VerdictMalformed                // broken headers; the kernel gets it, never a stream
+	VerdictIngest                   // UDP offload into ingest buffer Meta.StreamID (metadata: IngestMeta)
+	VerdictMalformed                // broken headers, or UDP unfit for ingest; the kernel gets it, never a stream
 	VerdictFragMiss                 // a later fragment with no first fragment seen; the kernel gets it
 	NumVerdicts
 )
@@ -44,7 +44,7 @@ const (
 const MetaSize = 24
 
 // Meta is the classification of one frame. Its layout is the XDP metadata
-// written in front of every redirected frame (struct fb_meta in the C source;
+// written in front of every steered frame (struct fb_meta in the C source;
 // package ebpf checks field by field that the two agree), so user space never
 // parses a frame twice.
 type Meta struct {
@@ -313,6 +313,13 @@ func (c *Classifier) Classify(frame []byte) Meta {
 		copy(pk.dst[:4], frame[off+16:off+20])
 	}
 	c.tables.Load().lookup(&pk, &m)
+	if m.Verdict == VerdictIngest && (m.Flags&FlagFragment != 0 || l4+int(be16(frame[l4+4:])) != end) {
+		// Offload takes whole datagrams whose UDP length is the IP
+		// payload's; anything else would put a partial or ambiguous
+		// payload into a buffer. The rule id stays, so the refusal is
+		// counted under the rule as well as a malformed frame.
+		m.Verdict, m.StreamID = VerdictMalformed, 0
+	}
 	if first && m.RuleID != 0 {
 		c.frags.put(key, fragEntry{verdict: m.Verdict, stream: m.StreamID, rule: m.RuleID})
 	}

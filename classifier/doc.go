@@ -58,4 +58,20 @@
 // [VerdictMalformed]: counted, passed to the kernel, never steered. Trailing
 // bytes after the IP packet (Ethernet padding) are allowed. Checksums are not
 // verified here; the consumer of a stream does that.
+//
+// # Ingest
+//
+// An ingest rule offloads whole UDP datagrams only. A packet it matches that
+// is a fragment (first or later), or whose UDP length is not exactly the IP
+// payload after any extension headers, is [VerdictMalformed] with the rule's
+// id and stream 0: counted under the rule and as malformed, passed to the
+// kernel, never put into a buffer. (A first fragment so refused is
+// remembered as refused, so its later fragments are refused too.)
+//
+// An accepted datagram is stripped: the XDP program removes everything up to
+// the end of the UDP header and writes an [IngestMeta] (source address and
+// port, destination port, payload length, RX timestamp, buffer and rule id)
+// in front of the payload; [Ingest] computes the same bytes and strip length
+// in Go. When no ingest socket is bound on the receive queue, the frame goes
+// to the kernel unchanged, as a failed redirect.
 package classifier

@@ -33,7 +33,8 @@ type bpfFbEvent uint32
 const (
 	bpfFbEventFB_EVENT_REDIRECT_FAILED bpfFbEvent = 0
 	bpfFbEventFB_EVENT_META_FAILED     bpfFbEvent = 1
-	bpfFbEventFB_NUM_EVENTS            bpfFbEvent = 2
+	bpfFbEventFB_EVENT_STRIP_FAILED    bpfFbEvent = 2
+	bpfFbEventFB_NUM_EVENTS            bpfFbEvent = 3
 )
 
 type bpfFbFlag uint32
@@ -71,6 +72,21 @@ type bpfFbFragResult struct {
 	RuleId   uint32
 	Verdict  uint8
 	Pad      [3]uint8
+}
+
+type bpfFbIngestMeta struct {
+	_             structs.HostLayout
+	RxTimestampNs uint64
+	Src           [2]uint64
+	BufferId      uint32
+	RuleId        uint16
+	SrcPort       uint16
+	DstPort       uint16
+	PayloadLen    uint16
+	PayloadOffset uint8
+	Pad           uint8
+	Verdict       uint8
+	Flags         uint8
 }
 
 type bpfFbListenKey struct {
@@ -142,25 +158,27 @@ const (
 //
 // Used for safe lookups in a Collection or CollectionSpec.
 const (
-	bpfMapEventCounters   = "event_counters"
-	bpfMapFlows           = "flows"
-	bpfMapFragments       = "fragments"
-	bpfMapIngestXsks      = "ingest_xsks"
-	bpfMapLastMeta        = "last_meta"
-	bpfMapListeners       = "listeners"
-	bpfMapRuleCounters    = "rule_counters"
-	bpfMapRulesets        = "rulesets"
-	bpfMapVerdictCounters = "verdict_counters"
-	bpfMapXsks            = "xsks"
-	bpfProgFabricbridge   = "fabricbridge"
-	bpfProgPassAll        = "pass_all"
-	bpfVarRecordLast      = "record_last"
-	bpfVarUnusedAction    = "unused_action"
-	bpfVarUnusedEvent     = "unused_event"
-	bpfVarUnusedFlag      = "unused_flag"
-	bpfVarUnusedMeta      = "unused_meta"
-	bpfVarUnusedRuleset   = "unused_ruleset"
-	bpfVarUnusedVerdict   = "unused_verdict"
+	bpfMapEventCounters    = "event_counters"
+	bpfMapFlows            = "flows"
+	bpfMapFragments        = "fragments"
+	bpfMapIngestXsks       = "ingest_xsks"
+	bpfMapLastMeta         = "last_meta"
+	bpfMapListeners        = "listeners"
+	bpfMapRuleCounters     = "rule_counters"
+	bpfMapRulesets         = "rulesets"
+	bpfMapVerdictCounters  = "verdict_counters"
+	bpfMapXsks             = "xsks"
+	bpfProgFabricbridge    = "fabricbridge"
+	bpfProgPassAll         = "pass_all"
+	bpfVarRecordLast       = "record_last"
+	bpfVarStripUnbound     = "strip_unbound"
+	bpfVarUnusedAction     = "unused_action"
+	bpfVarUnusedEvent      = "unused_event"
+	bpfVarUnusedFlag       = "unused_flag"
+	bpfVarUnusedIngestMeta = "unused_ingest_meta"
+	bpfVarUnusedMeta       = "unused_meta"
+	bpfVarUnusedRuleset    = "unused_ruleset"
+	bpfVarUnusedVerdict    = "unused_verdict"
 )
 
 // loadBpf returns the embedded CollectionSpec for bpf.
@@ -229,13 +247,15 @@ type bpfMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type bpfVariableSpecs struct {
-	RecordLast    *ebpf.VariableSpec `ebpf:"record_last"`
-	UnusedAction  *ebpf.VariableSpec `ebpf:"unused_action"`
-	UnusedEvent   *ebpf.VariableSpec `ebpf:"unused_event"`
-	UnusedFlag    *ebpf.VariableSpec `ebpf:"unused_flag"`
-	UnusedMeta    *ebpf.VariableSpec `ebpf:"unused_meta"`
-	UnusedRuleset *ebpf.VariableSpec `ebpf:"unused_ruleset"`
-	UnusedVerdict *ebpf.VariableSpec `ebpf:"unused_verdict"`
+	RecordLast       *ebpf.VariableSpec `ebpf:"record_last"`
+	StripUnbound     *ebpf.VariableSpec `ebpf:"strip_unbound"`
+	UnusedAction     *ebpf.VariableSpec `ebpf:"unused_action"`
+	UnusedEvent      *ebpf.VariableSpec `ebpf:"unused_event"`
+	UnusedFlag       *ebpf.VariableSpec `ebpf:"unused_flag"`
+	UnusedIngestMeta *ebpf.VariableSpec `ebpf:"unused_ingest_meta"`
+	UnusedMeta       *ebpf.VariableSpec `ebpf:"unused_meta"`
+	UnusedRuleset    *ebpf.VariableSpec `ebpf:"unused_ruleset"`
+	UnusedVerdict    *ebpf.VariableSpec `ebpf:"unused_verdict"`
 }
 
 // bpfObjects contains all objects after they have been loaded into the kernel.
@@ -289,13 +309,15 @@ func (m *bpfMaps) Close() error {
 //
 // It can be passed to loadBpfObjects or ebpf.CollectionSpec.LoadAndAssign.
 type bpfVariables struct {
-	RecordLast    *ebpf.Variable `ebpf:"record_last"`
-	UnusedAction  *ebpf.Variable `ebpf:"unused_action"`
-	UnusedEvent   *ebpf.Variable `ebpf:"unused_event"`
-	UnusedFlag    *ebpf.Variable `ebpf:"unused_flag"`
-	UnusedMeta    *ebpf.Variable `ebpf:"unused_meta"`
-	UnusedRuleset *ebpf.Variable `ebpf:"unused_ruleset"`
-	UnusedVerdict *ebpf.Variable `ebpf:"unused_verdict"`
+	RecordLast       *ebpf.Variable `ebpf:"record_last"`
+	StripUnbound     *ebpf.Variable `ebpf:"strip_unbound"`
+	UnusedAction     *ebpf.Variable `ebpf:"unused_action"`
+	UnusedEvent      *ebpf.Variable `ebpf:"unused_event"`
+	UnusedFlag       *ebpf.Variable `ebpf:"unused_flag"`
+	UnusedIngestMeta *ebpf.Variable `ebpf:"unused_ingest_meta"`
+	UnusedMeta       *ebpf.Variable `ebpf:"unused_meta"`
+	UnusedRuleset    *ebpf.Variable `ebpf:"unused_ruleset"`
+	UnusedVerdict    *ebpf.Variable `ebpf:"unused_verdict"`
 }
 
 // bpfPrograms contains all programs after they have been loaded into the kernel.

@@ -64,8 +64,9 @@ func (p *pair) install(rs *classifier.RuleSet) error {
 }
 
 // run classifies frame in the kernel and returns the XDP action, the
-// recorded classification and the bytes in front of the frame (metadata).
-func (p *pair) run(frame []byte) (action uint32, got classifier.Meta, meta []byte, err error) {
+// recorded classification, the bytes in front of the frame (metadata) and
+// the frame as the program left it.
+func (p *pair) run(frame []byte) (action uint32, got classifier.Meta, meta, out []byte, err error) {
 	var ctxOut xdpMD
 	opts := ebpf.RunOptions{
 		Data:       frame,
@@ -76,11 +77,11 @@ func (p *pair) run(frame []byte) (action uint32, got classifier.Meta, meta []byt
 	}
 	action, err = p.prog.Program().Run(&opts)
 	if err != nil {
-		return 0, got, nil, err
+		return 0, got, nil, nil, err
 	}
 	var rec bpfFbMeta
 	if err := p.prog.objs.LastMeta.Lookup(uint32(0), &rec); err != nil {
-		return 0, got, nil, err
+		return 0, got, nil, nil, err
 	}
 	got = classifier.Meta{
 		RxTimestampNs: rec.RxTimestampNs, StreamID: rec.StreamId, RuleID: rec.RuleId,
@@ -89,9 +90,9 @@ func (p *pair) run(frame []byte) (action uint32, got classifier.Meta, meta []byt
 	}
 	metaLen := ctxOut.Data - ctxOut.DataMeta
 	if int(metaLen) > len(opts.DataOut) {
-		return 0, got, nil, fmt.Errorf("metadata length %d beyond output", metaLen)
+		return 0, got, nil, nil, fmt.Errorf("metadata length %d beyond output", metaLen)
 	}
-	return action, got, opts.DataOut[:metaLen], nil
+	return action, got, opts.DataOut[:metaLen], opts.DataOut[metaLen:], nil
 }
 
 // xdpMD is struct xdp_md, the context of an XDP test run.
@@ -112,7 +113,7 @@ func (p *pair) agree(frame []byte, want classifier.Meta) error {
 		}
 		return nil
 	}
-	action, got, meta, err := p.run(frame)
+	action, got, meta, out, err := p.run(frame)
 	if err != nil {
 		return err
 	}
@@ -126,10 +127,16 @@ func (p *pair) agree(frame []byte, want classifier.Meta) error {
 	if action != wantAction {
 		return fmt.Errorf("action %d, want %d for %v", action, wantAction, want.Verdict)
 	}
-	redirected := want.Verdict == classifier.VerdictSteer || want.Verdict == classifier.VerdictIngest
-	if !redirected {
+	switch want.Verdict {
+	case classifier.VerdictSteer:
+	case classifier.VerdictIngest:
+		return agreeIngest(frame, &want, meta, out)
+	default:
 		if len(meta) != 0 {
 			return fmt.Errorf("%d metadata bytes on a %v frame", len(meta), want.Verdict)
+		}
+		if !bytes.Equal(out, frame) {
+			return fmt.Errorf("a %v frame changed", want.Verdict)
 		}
 		return nil
 	}
@@ -145,8 +152,33 @@ func (p *pair) agree(frame []byte, want classifier.Meta) error {
 	if binary.NativeEndian.Uint64(meta) == 0 {
 		return fmt.Errorf("metadata has no RX timestamp")
 	}
-	if !bytes.Equal(p.out[len(meta):len(meta)+len(frame)], frame) {
+	if !bytes.Equal(out, frame) {
 		return fmt.Errorf("frame changed behind the metadata")
+	}
+	return nil
+}
+
+// agreeIngest checks an ingest frame as the program left it (stripped, with
+// the test hook strip_unbound) against classifier.Ingest: the same metadata
+// bytes and the same stripped frame.
+func agreeIngest(frame []byte, m *classifier.Meta, meta, out []byte) error {
+	im, strip, ok := classifier.Ingest(frame, m)
+	if !ok {
+		return fmt.Errorf("reference: classifier.Ingest refused its own ingest classification %+v", *m)
+	}
+	if len(meta) != classifier.IngestMetaSize {
+		return fmt.Errorf("ingest metadata is %d bytes, want %d", len(meta), classifier.IngestMetaSize)
+	}
+	var wantBytes [classifier.IngestMetaSize]byte
+	im.MarshalTo(wantBytes[:])
+	if !bytes.Equal(meta[8:], wantBytes[8:]) {
+		return fmt.Errorf("ingest metadata bytes differ:\n  xdp % x\n  go  % x", meta, wantBytes)
+	}
+	if binary.NativeEndian.Uint64(meta) == 0 {
+		return fmt.Errorf("ingest metadata has no RX timestamp")
+	}
+	if !bytes.Equal(out, frame[strip:]) {
+		return fmt.Errorf("stripped frame differs:\n  xdp % x\n  go  % x", out, frame[strip:])
 	}
 	return nil
 }
@@ -158,6 +190,7 @@ func TestEqualToReference(t *testing.T) {
 	p := newPair(t)
 	const ruleSets, corruptions = 12, 40
 	var stats [classifier.NumVerdicts]int
+	var refused, fullStrip, shortStrip int // ingest rule matched: refused, stripped whole, stripped short
 	checked := 0
 	for seed := range uint64(ruleSets) {
 		rng := rand.New(rand.NewPCG(seed, 0xfab))
@@ -184,15 +217,28 @@ func TestEqualToReference(t *testing.T) {
 				}
 				stats[v]++
 				checked++
+				switch m := p.ref.Classify(f); {
+				case v == classifier.VerdictMalformed && m.RuleID != 0:
+					refused++
+				case v == classifier.VerdictIngest:
+					if im, _, _ := classifier.Ingest(f, &m); im.PayloadOffset == 0 {
+						fullStrip++
+					} else {
+						shortStrip++
+					}
+				}
 			}
 		}
 	}
-	t.Logf("%d frames agreed; by verdict: %v", checked, stats)
+	t.Logf("%d frames agreed; by verdict: %v; ingest refused %d, stripped whole %d, short %d", checked, stats, refused, fullStrip, shortStrip)
 	// The generator must reach every verdict, or the proof proves less
 	// than it claims.
 	for v, n := range stats {
 		if n == 0 {
 			t.Errorf("no frame reached verdict %v", classifier.Verdict(v))
 		}
+	}
+	if refused == 0 || fullStrip == 0 || shortStrip == 0 {
+		t.Errorf("ingest paths not all reached: refused %d, stripped whole %d, short %d", refused, fullStrip, shortStrip)
 	}
 }

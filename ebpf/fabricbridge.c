@@ -44,7 +44,8 @@ enum fb_flag {
 enum fb_event {
 	FB_EVENT_REDIRECT_FAILED = 0, // no AF_XDP socket on the queue: the kernel got it
 	FB_EVENT_META_FAILED = 1,     // the driver gave no metadata room: the kernel got it
-	FB_NUM_EVENTS = 2,
+	FB_EVENT_STRIP_FAILED = 2,    // an ingest frame could not be stripped: the kernel got it whole
+	FB_NUM_EVENTS = 3,
 };
 
 // Written in front of every redirected frame. Keep in step with
@@ -56,6 +57,23 @@ struct fb_meta {
 	__u16 l3_offset;
 	__u16 l4_offset;
 	__u16 vlan;
+	__u8 verdict;
+	__u8 flags;
+};
+
+// Written in front of every ingest frame, after its headers are stripped.
+// Keep in step with classifier.IngestMeta. Like fb_meta it ends with the
+// verdict and flags, so the byte in front of a frame names the layout.
+struct fb_ingest_meta {
+	__u64 rx_timestamp_ns;
+	__u64 src[2]; // the address's bytes in order; IPv4 as ::ffff:a.b.c.d
+	__u32 buffer_id;
+	__u16 rule_id;
+	__u16 src_port; // host order
+	__u16 dst_port;
+	__u16 payload_len;
+	__u8 payload_offset; // payload start in the stripped frame
+	__u8 pad;
 	__u8 verdict;
 	__u8 flags;
 };
@@ -206,6 +224,11 @@ struct {
 // last_meta, whatever its verdict. Left 0, the verifier removes the copy.
 volatile const __u32 record_last = 0;
 
+// Tests set strip_unbound at load time to have ingest frames stripped even
+// when no socket is bound (and then passed), so that BPF_PROG_TEST_RUN shows
+// the stripped frame. Left 0, an unbound ingest frame goes to the kernel whole.
+volatile const __u32 strip_unbound = 0;
+
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, 1);
@@ -215,6 +238,7 @@ struct {
 
 // Make the shared types visible to bpf2go's -type.
 const struct fb_meta *unused_meta __attribute__((unused));
+const struct fb_ingest_meta *unused_ingest_meta __attribute__((unused));
 const struct fb_ruleset *unused_ruleset __attribute__((unused));
 const enum fb_verdict *unused_verdict __attribute__((unused));
 const enum fb_action *unused_action __attribute__((unused));
@@ -381,14 +405,16 @@ static __always_inline void later_fragment(struct fb_frag_key *k, struct fb_meta
 // classify mirrors classifier.Classifier.Classify statement by statement.
 // Every scalar check against len or end is the semantic one; the pointer
 // checks beside them only convince the verifier and never decide alone.
-static __always_inline void classify(struct xdp_md *ctx, struct fb_meta *m)
+// For an ingest verdict it leaves the packet's fields in p and the UDP
+// length in ulen.
+static __always_inline void classify(struct xdp_md *ctx, struct fb_meta *m, struct pkt *pp, __u32 *ulenp)
 {
 	__u8 *data = (void *)(long)ctx->data;
 	__u8 *data_end = (void *)(long)ctx->data_end;
 	__u64 len = data_end - data;
 	struct fb_frag_key fkey = {};
 	struct pkt p = {};
-	__u32 off, l4, end;
+	__u32 off, l4, end, ulen = 0;
 	__u16 etype;
 	__u8 proto;
 	int first = 0;
@@ -519,8 +545,6 @@ static __always_inline void classify(struct xdp_md *ctx, struct fb_meta *m)
 		if (doff < 20 || l4 + doff > end)
 			goto malformed;
 	} else if (proto == 17) {
-		__u32 ulen;
-
 		if (l4 + 8 > end || th + 8 > data_end)
 			goto malformed;
 		ulen = load_be16(th + 4);
@@ -534,6 +558,16 @@ static __always_inline void classify(struct xdp_md *ctx, struct fb_meta *m)
 	p.sport = load_be16(th);
 	p.dport = load_be16(th + 2);
 	lookup(&p, m);
+	if (m->verdict == FB_VERDICT_INGEST) {
+		// Whole datagrams only, with the UDP length the IP payload's.
+		if ((m->flags & FB_FLAG_FRAGMENT) || l4 + ulen != end) {
+			m->verdict = FB_VERDICT_MALFORMED;
+			m->stream_id = 0;
+		} else {
+			*pp = p;
+			*ulenp = ulen;
+		}
+	}
 	if (first && m->rule_id) {
 		struct fb_frag_result r = {
 			.stream_id = m->stream_id,
@@ -548,15 +582,82 @@ malformed:
 	m->verdict = FB_VERDICT_MALFORMED;
 }
 
+// ingest redirects a datagram to the ingest socket of its queue, stripped to
+// its payload with an fb_ingest_meta in front; classifier.Ingest is its
+// reference. The redirect is asked first: without a socket the frame goes to
+// the kernel untouched, never stripped.
+static __always_inline int ingest(struct xdp_md *ctx, struct fb_meta *m, struct pkt *p, __u32 ulen)
+{
+	struct fb_ingest_meta im = {};
+	long ret;
+
+	ret = bpf_redirect_map(&ingest_xsks, ctx->rx_queue_index, XDP_PASS);
+	if (ret != XDP_REDIRECT) {
+		count_event(FB_EVENT_REDIRECT_FAILED);
+		if (!strip_unbound)
+			return XDP_PASS;
+	}
+
+	__u32 len = ctx->data_end - ctx->data;
+	__u32 hdr = (__u32)m->l4_offset + 8;
+	__u32 strip = hdr;
+	// The kernel keeps at least an Ethernet header's worth of frame; a
+	// shorter payload keeps some header bytes in front of it.
+	if (len < strip + 14)
+		strip = len - 14;
+
+	im.rx_timestamp_ns = bpf_ktime_get_ns();
+	if (m->flags & FB_FLAG_IPV6) {
+		im.src[0] = p->src[0];
+		im.src[1] = p->src[1];
+	} else {
+		__u8 *b = (__u8 *)&im.src[1];
+
+		b[2] = 0xff;
+		b[3] = 0xff;
+		__builtin_memcpy(b + 4, p->src, 4);
+	}
+	im.buffer_id = m->stream_id;
+	im.rule_id = m->rule_id;
+	im.src_port = p->sport;
+	im.dst_port = p->dport;
+	im.payload_len = ulen - 8;
+	im.payload_offset = hdr - strip;
+	im.verdict = FB_VERDICT_INGEST;
+	im.flags = m->flags & FB_FLAG_IPV6;
+
+	// Size the metadata first: adjust_head carries it along, and a failure
+	// here leaves the frame whole.
+	long held = (long)ctx->data - (long)ctx->data_meta;
+	if (bpf_xdp_adjust_meta(ctx, held - (long)sizeof(im))) {
+		count_event(FB_EVENT_META_FAILED);
+		return XDP_PASS;
+	}
+	if (bpf_xdp_adjust_head(ctx, strip)) {
+		count_event(FB_EVENT_STRIP_FAILED);
+		return XDP_PASS;
+	}
+	struct fb_ingest_meta *meta = (void *)(long)ctx->data_meta;
+	if ((void *)(meta + 1) > (void *)(long)ctx->data) {
+		// Cannot happen after a successful adjust_meta, but the frame
+		// is stripped now: it must not reach the kernel.
+		count_event(FB_EVENT_META_FAILED);
+		return XDP_DROP;
+	}
+	*meta = im;
+	return ret;
+}
+
 SEC("xdp")
 int fabricbridge(struct xdp_md *ctx)
 {
 	struct fb_meta m = {};
+	struct pkt p = {};
+	__u32 ulen = 0;
 	__u64 bytes = ctx->data_end - ctx->data;
-	void *xsk_map;
 	long ret;
 
-	classify(ctx, &m);
+	classify(ctx, &m, &p, &ulen);
 	if (record_last) {
 		__u32 zero = 0;
 
@@ -570,11 +671,9 @@ int fabricbridge(struct xdp_md *ctx)
 	case FB_VERDICT_DROP:
 		return XDP_DROP;
 	case FB_VERDICT_STEER:
-		xsk_map = &xsks;
 		break;
 	case FB_VERDICT_INGEST:
-		xsk_map = &ingest_xsks;
-		break;
+		return ingest(ctx, &m, &p, ulen);
 	default:
 		return XDP_PASS;
 	}
@@ -594,7 +693,7 @@ int fabricbridge(struct xdp_md *ctx)
 	}
 	*meta = m;
 
-	ret = bpf_redirect_map(xsk_map, ctx->rx_queue_index, XDP_PASS);
+	ret = bpf_redirect_map(&xsks, ctx->rx_queue_index, XDP_PASS);
 	if (ret != XDP_REDIRECT)
 		count_event(FB_EVENT_REDIRECT_FAILED);
 	return ret;

@@ -45,6 +45,51 @@ func TestMetaLayout(t *testing.T) {
 	}
 }
 
+// TestIngestMetaLayout checks classifier.IngestMeta against struct
+// fb_ingest_meta: same size, same named fields at the same offsets and
+// sizes, and MarshalTo's bytes equal to the C struct's memory.
+func TestIngestMetaLayout(t *testing.T) {
+	goType := reflect.TypeFor[classifier.IngestMeta]()
+	cType := reflect.TypeFor[bpfFbIngestMeta]()
+	if goType.Size() != cType.Size() || goType.Size() != classifier.IngestMetaSize {
+		t.Fatalf("sizes: classifier.IngestMeta %d, fb_ingest_meta %d, IngestMetaSize %d", goType.Size(), cType.Size(), classifier.IngestMetaSize)
+	}
+	named := func(typ reflect.Type) []reflect.StructField {
+		var out []reflect.StructField
+		for i := range typ.NumField() {
+			if f := typ.Field(i); f.Name != "_" && f.Name != "Pad" {
+				out = append(out, f)
+			}
+		}
+		return out
+	}
+	gf, cf := named(goType), named(cType)
+	if len(gf) != len(cf) {
+		t.Fatalf("classifier.IngestMeta has %d fields, fb_ingest_meta %d", len(gf), len(cf))
+	}
+	for i := range gf {
+		g, c := gf[i], cf[i]
+		if g.Offset != c.Offset || g.Type.Size() != c.Type.Size() {
+			t.Errorf("field %d: classifier.IngestMeta.%s (%v at %d) vs fb_ingest_meta.%s (%v at %d)", i, g.Name, g.Type, g.Offset, c.Name, c.Type, c.Offset)
+		}
+	}
+
+	m := classifier.IngestMeta{RxTimestampNs: 1, BufferID: 2, RuleID: 3, SrcPort: 4, DstPort: 5, PayloadLen: 6, PayloadOffset: 7, Verdict: 8, Flags: 9}
+	for i := range m.Src {
+		m.Src[i] = byte(16 + i)
+	}
+	var b [classifier.IngestMetaSize]byte
+	m.MarshalTo(b[:])
+	c := bpfFbIngestMeta{RxTimestampNs: 1, Src: words64(m.Src), BufferId: 2, RuleId: 3, SrcPort: 4, DstPort: 5, PayloadLen: 6, PayloadOffset: 7, Verdict: 8, Flags: 9}
+	cb := (*[classifier.IngestMetaSize]byte)(reflect.ValueOf(&c).UnsafePointer())
+	if *cb != b {
+		t.Errorf("MarshalTo wrote % x, the C layout holds % x", b, *cb)
+	}
+	if classifier.MaxRuleID > 0xffff {
+		t.Errorf("rule ids up to %d do not fit fb_ingest_meta's 16-bit rule_id", classifier.MaxRuleID)
+	}
+}
+
 // TestSharedConstants checks the C enums and limits against package
 // classifier.
 func TestSharedConstants(t *testing.T) {

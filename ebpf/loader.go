@@ -64,16 +64,19 @@ type Program struct {
 // everything passes to the kernel until Update.
 func Load() (*Program, error) { return load(false) }
 
-// load is Load with the test hook: recordLast has every classification
-// copied to the last_meta map.
-func load(recordLast bool) (*Program, error) {
+// load is Load with the test hooks: testHooks has every classification
+// copied to the last_meta map, and ingest frames stripped even when no
+// socket is bound, so that a test run shows the stripped frame.
+func load(testHooks bool) (*Program, error) {
 	spec, err := loadBpf()
 	if err != nil {
 		return nil, err
 	}
-	if recordLast {
-		if err := spec.Variables[bpfVarRecordLast].Set(uint32(1)); err != nil {
-			return nil, fmt.Errorf("ebpf: record_last: %w", err)
+	if testHooks {
+		for _, name := range []string{bpfVarRecordLast, bpfVarStripUnbound} {
+			if err := spec.Variables[name].Set(uint32(1)); err != nil {
+				return nil, fmt.Errorf("ebpf: %s: %w", name, err)
+			}
 		}
 	}
 	inner := spec.Maps[bpfMapRulesets].InnerMap
@@ -168,6 +171,9 @@ func (p *Program) Program() *ebpf.Program { return p.objs.Fabricbridge }
 func (p *Program) XSKMap() *ebpf.Map { return p.objs.Xsks }
 
 // IngestXSKMap is the map of AF_XDP sockets for ingest frames, by queue.
+// Frames redirected there are stripped to their UDP payload and carry a
+// classifier.IngestMeta in front (see classifier.Ingest); with no socket on
+// the queue a frame goes to the kernel whole.
 func (p *Program) IngestXSKMap() *ebpf.Map { return p.objs.IngestXsks }
 
 // Update makes t the program's tables without a window in which a frame is
@@ -294,6 +300,7 @@ type Counters struct {
 	Verdicts       [classifier.NumVerdicts]Counter
 	RedirectFailed uint64 // steered or ingested with no AF_XDP socket on the queue
 	MetaFailed     uint64 // the driver left no room for metadata
+	StripFailed    uint64 // an ingest frame could not be stripped (passed whole)
 }
 
 // Counters reads the per-verdict and event counters.
@@ -309,6 +316,7 @@ func (p *Program) Counters() (Counters, error) {
 	for key, dst := range map[bpfFbEvent]*uint64{
 		bpfFbEventFB_EVENT_REDIRECT_FAILED: &c.RedirectFailed,
 		bpfFbEventFB_EVENT_META_FAILED:     &c.MetaFailed,
+		bpfFbEventFB_EVENT_STRIP_FAILED:    &c.StripFailed,
 	} {
 		var per []uint64
 		if err := p.objs.EventCounters.Lookup(uint32(key), &per); err != nil {

@@ -133,7 +133,7 @@ func TestUpdateHasNoWindow(t *testing.T) {
 	runs := 0
 	for !done.Load() || runs == 0 {
 		for i, f := range frames {
-			_, got, _, err := p.run(f)
+			_, got, _, _, err := p.run(f)
 			if err != nil {
 				t.Fatal(err)
 			}

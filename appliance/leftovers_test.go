@@ -1,0 +1,203 @@
+package appliance
+
+import (
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+
+	cebpf "github.com/cilium/ebpf"
+	"github.com/cilium/ebpf/asm"
+	"github.com/vishvananda/netlink"
+	"golang.org/x/sys/unix"
+
+	"github.com/fabricbridge/fabricbridge/appliance/config"
+	"github.com/fabricbridge/fabricbridge/ebpf"
+	"github.com/fabricbridge/fabricbridge/internal/netns"
+	"github.com/fabricbridge/fabricbridge/internal/testenv"
+)
+
+func TestRunLockAndStaleSocket(t *testing.T) {
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "sub", "control.sock")
+	lock, err := lockRun(sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := lockRun(sock); err == nil || !strings.Contains(err.Error(), "pid "+strconv.Itoa(os.Getpid())) {
+		t.Errorf("second lock: %v", err)
+	}
+
+	// A socket file left by a dead listener is removed.
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ln.SetUnlinkOnClose(false)
+	ln.Close()
+	if removed, err := removeStaleSocket(sock); err != nil || !removed {
+		t.Fatalf("stale socket: removed %v, %v", removed, err)
+	}
+	if _, err := os.Stat(sock); !os.IsNotExist(err) {
+		t.Errorf("stale socket still there: %v", err)
+	}
+	if removed, err := removeStaleSocket(sock); err != nil || removed {
+		t.Errorf("no socket: removed %v, %v", removed, err)
+	}
+
+	// A live one and a regular file are left alone.
+	ln, err = net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := removeStaleSocket(sock); err == nil || !strings.Contains(err.Error(), "in use") {
+		t.Errorf("live socket: %v", err)
+	}
+	ln.Close()
+	os.WriteFile(sock, []byte("x"), 0o600)
+	if _, err := removeStaleSocket(sock); err == nil || !strings.Contains(err.Error(), "not a socket") {
+		t.Errorf("regular file: %v", err)
+	}
+
+	lock.release()
+	if l, err := lockRun(sock); err != nil {
+		t.Errorf("lock after release: %v", err)
+	} else {
+		l.release()
+	}
+}
+
+func TestReservedPorts(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	ns := netns.New(t)
+	read := func() string {
+		var s string
+		if err := ns.Do(func() error {
+			b, err := os.ReadFile(reservedPortsFile)
+			s = strings.TrimSpace(string(b))
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	err := ns.Do(func() error {
+		if err := os.WriteFile(reservedPortsFile, []byte("8080,60000-61499"), 0o644); err != nil {
+			return err
+		}
+		added, err := reservePorts(config.PortRange{Lo: 61000, Hi: 61999})
+		if err != nil {
+			return err
+		}
+		if got := added.String(); got != "61500-61999" {
+			t.Errorf("added %q, want only the ports that were not reserved", got)
+		}
+		if got, _ := readReserved(); got.String() != "8080,60000-61999" {
+			t.Errorf("reserved after: %s", got)
+		}
+		// A restart after a crash finds the range reserved and adds nothing.
+		again, err := reservePorts(config.PortRange{Lo: 61000, Hi: 61999})
+		if err != nil || again.String() != "" {
+			t.Errorf("second reserve added %q, %v", again, err)
+		}
+		return unreservePorts(added)
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := read(); got != "8080,60000-61499" {
+		t.Errorf("after unreserve: %q, want the operator's entries back", got)
+	}
+}
+
+func TestClearStaleXDP(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	ns, _, v := netns.Pair(t, netns.VethOptions{})
+	ifname := v.A.Name
+	attached := func() bool {
+		var x *netlink.LinkXdp
+		ns.Do(func() error {
+			l, err := netlink.LinkByName(ifname)
+			if err == nil {
+				x = l.Attrs().Xdp
+			}
+			return err
+		})
+		return x != nil && x.Attached
+	}
+	netlinkAttach := func(p *cebpf.Program) {
+		t.Helper()
+		if err := ns.Do(func() error {
+			l, err := netlink.LinkByName(ifname)
+			if err != nil {
+				return err
+			}
+			return netlink.LinkSetXdpFdWithFlags(l, p.FD(), unix.XDP_FLAGS_SKB_MODE)
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	clear := func() (removed bool, err error) {
+		ns.Do(func() error {
+			removed, err = clearStaleXDP(ifname)
+			return nil
+		})
+		return
+	}
+
+	// Nothing attached: nothing to do.
+	if removed, err := clear(); removed || err != nil {
+		t.Fatalf("clean interface: %v, %v", removed, err)
+	}
+
+	// Ours, attached through netlink by a process that is gone (the
+	// program is closed here; the attachment keeps it alive).
+	prog, err := ebpf.Load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	netlinkAttach(prog.Program())
+	prog.Close()
+	if !attached() {
+		t.Fatal("setup: program not attached")
+	}
+	if removed, err := clear(); !removed || err != nil {
+		t.Fatalf("stale program: removed %v, %v", removed, err)
+	}
+	if attached() {
+		t.Fatal("stale program still attached")
+	}
+
+	// Ours, attached through a BPF link by a live process: refused.
+	prog, err = ebpf.Load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer prog.Close()
+	if err := ns.Do(func() error { _, err := prog.Attach(v.A.Index, ebpf.ModeGeneric); return err }); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := clear(); err == nil || !strings.Contains(err.Error(), "running process") {
+		t.Errorf("live link: %v", err)
+	}
+	prog.Detach()
+
+	// Someone else's program: refused, left attached.
+	other, err := cebpf.NewProgram(&cebpf.ProgramSpec{
+		Name: "operators_prog", Type: cebpf.XDP, License: "MIT",
+		Instructions: asm.Instructions{asm.Mov.Imm(asm.R0, 2), asm.Return()},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	netlinkAttach(other)
+	other.Close()
+	if _, err := clear(); err == nil || !strings.Contains(err.Error(), `another XDP program "operators_prog"`) {
+		t.Errorf("foreign program: %v", err)
+	}
+	if !attached() {
+		t.Error("foreign program was removed")
+	}
+}

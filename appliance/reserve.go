@@ -1,0 +1,121 @@
+package appliance
+
+import (
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+
+	"github.com/fabricbridge/fabricbridge/appliance/config"
+)
+
+// reservedPortsFile is the kernel's list of ports its ephemeral allocator
+// must skip (net.ipv4.ip_local_reserved_ports, which covers IPv6 too). It
+// belongs to the network namespace of the thread that opens it.
+const reservedPortsFile = "/proc/sys/net/ipv4/ip_local_reserved_ports"
+
+// portSet is a set of ports.
+type portSet [65536 / 64]uint64
+
+func (s *portSet) add(lo, hi uint16) {
+	for p := int(lo); p <= int(hi); p++ {
+		s[p/64] |= 1 << (p % 64)
+	}
+}
+
+func (s *portSet) has(p int) bool { return s[p/64]&(1<<(p%64)) != 0 }
+
+// String is the set in the kernel's syntax: "1000-1999,8080".
+func (s *portSet) String() string {
+	var parts []string
+	for p := 0; p < 65536; p++ {
+		if !s.has(p) {
+			continue
+		}
+		q := p
+		for q+1 < 65536 && s.has(q+1) {
+			q++
+		}
+		if q == p {
+			parts = append(parts, strconv.Itoa(p))
+		} else {
+			parts = append(parts, fmt.Sprintf("%d-%d", p, q))
+		}
+		p = q
+	}
+	return strings.Join(parts, ",")
+}
+
+// reservePorts adds r to the kernel's reserved ports, so that the kernel
+// never hands one of them to its own sockets while applications use them
+// for their outgoing connections. It returns the ports it added — none when
+// r was already reserved, as after a crash — for unreservePorts.
+func reservePorts(r config.PortRange) (*portSet, error) {
+	have, err := readReserved()
+	if err != nil {
+		return nil, err
+	}
+	added := &portSet{}
+	for p := int(r.Lo); p <= int(r.Hi); p++ {
+		if !have.has(p) {
+			added.add(uint16(p), uint16(p))
+		}
+	}
+	if added.String() == "" {
+		return added, nil
+	}
+	want := *have
+	want.add(r.Lo, r.Hi)
+	return added, writeReserved(&want)
+}
+
+// unreservePorts removes the ports reservePorts added and leaves every
+// other entry, the operator's included, as it is.
+func unreservePorts(added *portSet) error {
+	if added == nil || added.String() == "" {
+		return nil
+	}
+	have, err := readReserved()
+	if err != nil {
+		return err
+	}
+	for i := range have {
+		have[i] &^= added[i]
+	}
+	return writeReserved(have)
+}
+
+func readReserved() (*portSet, error) {
+	b, err := os.ReadFile(reservedPortsFile)
+	if err != nil {
+		return nil, err
+	}
+	s := &portSet{}
+	for _, f := range strings.Split(strings.TrimSpace(string(b)), ",") {
+		if f == "" {
+			continue
+		}
+		lo, hi, isRange := strings.Cut(f, "-")
+		a, err1 := strconv.ParseUint(lo, 10, 16)
+		z, err2 := a, error(nil)
+		if isRange {
+			z, err2 = strconv.ParseUint(hi, 10, 16)
+		}
+		if err1 != nil || err2 != nil || z < a {
+			return nil, fmt.Errorf("%s: cannot read %q", reservedPortsFile, f)
+		}
+		s.add(uint16(a), uint16(z))
+	}
+	return s, nil
+}
+
+func writeReserved(s *portSet) error {
+	v := s.String()
+	if v == "" {
+		v = "\n" // an empty write is refused; a newline clears the list
+	}
+	if err := os.WriteFile(reservedPortsFile, []byte(v), 0o644); err != nil {
+		return fmt.Errorf("reserve ports %s: %w", strings.TrimSpace(v), err)
+	}
+	return nil
+}

@@ -1,0 +1,261 @@
+package appliance
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"reflect"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/fabricbridge/fabricbridge/appliance/config"
+	"github.com/fabricbridge/fabricbridge/appliance/metrics"
+)
+
+// Options are the daemon's settings that do not come from the file.
+type Options struct {
+	// Log receives the structured log; nil means standard error in the
+	// configured format.
+	Log io.Writer
+}
+
+// Daemon is a running fabricbridge.
+type Daemon struct {
+	log     *slog.Logger
+	level   *slog.LevelVar
+	home    home
+	lock    *runLock
+	plane   dataplane
+	book    *ruleBook
+	metrics *http.Server
+	metAddr net.Addr
+	started time.Time
+
+	reserved *portSet
+
+	mu        sync.Mutex // serialises Reload and Close
+	closed    bool
+	reloadsOK atomic.Uint64
+	reloadsKO atomic.Uint64
+}
+
+// NewLogger builds the configured structured logger; level is adjustable
+// afterwards (a reload changes it).
+func NewLogger(w io.Writer, c config.Log) (*slog.Logger, *slog.LevelVar) {
+	lv := &slog.LevelVar{}
+	lv.Set(slog.Level(c.Level))
+	o := &slog.HandlerOptions{Level: lv}
+	if c.Format == config.LogJSON {
+		return slog.New(slog.NewJSONHandler(w, o)), lv
+	}
+	return slog.New(slog.NewTextHandler(w, o)), lv
+}
+
+// Start brings the daemon up in the calling thread's network namespace:
+// clears a crashed predecessor's leftovers, reserves the applications' port
+// range, attaches the data plane to the interfaces, installs the rules and
+// starts the metrics endpoint. On error everything already done is undone.
+func Start(cfg *config.Config, opts Options) (_ *Daemon, err error) {
+	out := opts.Log
+	if out == nil {
+		out = os.Stderr
+	}
+	d := &Daemon{started: time.Now()}
+	d.log, d.level = NewLogger(out, cfg.Log)
+	if d.home, err = captureHome(); err != nil {
+		return nil, err
+	}
+	defer func() {
+		if err != nil {
+			d.shutdown()
+		}
+	}()
+
+	if d.lock, err = lockRun(cfg.Control.Socket); err != nil {
+		return nil, err
+	}
+	if removed, err := removeStaleSocket(cfg.Control.Socket); err != nil {
+		return nil, err
+	} else if removed {
+		d.log.Warn("removed a stale control socket left by a crashed daemon", "path", cfg.Control.Socket)
+	}
+	if pins, err := sweepPins(); err != nil {
+		return nil, fmt.Errorf("sweep %s: %w", PinDir, err)
+	} else if len(pins) > 0 {
+		d.log.Warn("removed stale pinned BPF objects", "paths", pins)
+	}
+	if d.reserved, err = reservePorts(cfg.ReservedPorts); err != nil {
+		return nil, cfg.Errorf("reserved_ports", "%v", err)
+	}
+	d.log.Info("reserved ports for applications' outgoing connections", "range", cfg.ReservedPorts.String(), "added", d.reserved.String())
+
+	if d.plane, err = openXDP(cfg, d.log); err != nil {
+		return nil, err
+	}
+	d.book = newRuleBook(cfg, d.plane.SetTables)
+	if err := d.book.load(); err != nil {
+		return nil, fmt.Errorf("install rules: %w", err)
+	}
+	d.log.Info("rules installed", "listeners", len(cfg.Listeners), "rules", len(cfg.Rules))
+
+	if cfg.Metrics.Address != "" {
+		ln, err := net.Listen("tcp", string(cfg.Metrics.Address))
+		if err != nil {
+			return nil, cfg.Errorf("metrics.address", "%v", err)
+		}
+		d.metAddr = ln.Addr()
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", metrics.Handler(d.collect))
+		d.metrics = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+		go d.metrics.Serve(ln)
+		d.log.Info("metrics", "address", "http://"+ln.Addr().String()+"/metrics")
+	}
+	d.log.Info("fabricbridge running", "config", cfg.File, "interfaces", len(cfg.Interfaces), "pid", os.Getpid())
+	return d, nil
+}
+
+// MetricsAddr is where /metrics is served, or nil.
+func (d *Daemon) MetricsAddr() net.Addr { return d.metAddr }
+
+// Config returns the configuration in force.
+func (d *Daemon) Config() *config.Config {
+	cfg, _, _ := d.book.snapshot()
+	return cfg
+}
+
+// restartOnly lists the sections a reload cannot change: they size or bind
+// resources that live as long as the daemon.
+var restartOnly = []struct {
+	field string
+	get   func(*config.Config) any
+}{
+	{"interfaces", func(c *config.Config) any { return c.Interfaces }},
+	{"addresses", func(c *config.Config) any { return c.Addresses }},
+	{"reserved_ports", func(c *config.Config) any { return c.ReservedPorts }},
+	{"streams", func(c *config.Config) any { return c.Streams }},
+	{"ingest", func(c *config.Config) any { return c.Ingest }},
+	{"control", func(c *config.Config) any { return c.Control }},
+	{"metrics", func(c *config.Config) any { return c.Metrics }},
+}
+
+// Reload applies a new configuration's listeners, rules, applications,
+// quotas and log settings in one atomic table swap. Established flows and
+// the listeners applications registered are untouched. Sections that only a
+// restart can change are kept and named in the log; a changed ingest
+// section refuses the reload, because the new rules may name rings that do
+// not exist. On error nothing changes.
+func (d *Daemon) Reload(next *config.Config) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return errors.New("reload: the daemon is shut down")
+	}
+	cur := d.Config()
+	merged := *cur
+	merged.File = next.File
+	merged.Listeners, merged.Rules = next.Listeners, next.Rules
+	merged.Applications, merged.DefaultQuota, merged.Log = next.Applications, next.DefaultQuota, next.Log
+	var kept []string
+	for _, s := range restartOnly {
+		if !reflect.DeepEqual(s.get(cur), s.get(next)) {
+			kept = append(kept, s.field)
+		}
+	}
+	for _, f := range kept {
+		if f == "ingest" {
+			d.reloadsKO.Add(1)
+			return errors.New("reload: the ingest section changed; that needs a restart (rules were not changed)")
+		}
+	}
+	if err := d.book.setConfig(&merged); err != nil {
+		d.reloadsKO.Add(1)
+		return fmt.Errorf("reload: %w", err)
+	}
+	d.level.Set(slog.Level(next.Log.Level))
+	d.reloadsOK.Add(1)
+	if len(kept) > 0 {
+		d.log.Warn("reload: these sections changed but take effect only after a restart", "sections", kept)
+	}
+	d.log.Info("reloaded", "config", next.File, "listeners", len(next.Listeners), "rules", len(next.Rules))
+	return nil
+}
+
+// Close shuts the daemon down: stops the metrics endpoint, detaches the data
+// plane from every interface, returns the reserved ports and removes the
+// control socket and lock.
+func (d *Daemon) Close() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return nil
+	}
+	d.closed = true
+	err := d.shutdown()
+	d.log.Info("fabricbridge stopped", "error", err)
+	return err
+}
+
+func (d *Daemon) shutdown() error {
+	var errs []error
+	if d.metrics != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+		errs = append(errs, d.metrics.Shutdown(ctx))
+		cancel()
+	}
+	if d.plane != nil {
+		errs = append(errs, d.plane.Close())
+	}
+	if d.reserved != nil {
+		errs = append(errs, d.home.do(func() error { return unreservePorts(d.reserved) }))
+	}
+	if d.lock != nil {
+		d.lock.release()
+	}
+	if d.home.ns != 0 {
+		d.home.close()
+	}
+	return errors.Join(errs...)
+}
+
+// Run is `fabricbridge run`: it starts the daemon from the file at path,
+// reloads the file on SIGHUP, and shuts down when ctx ends (the caller
+// ties ctx to SIGTERM and SIGINT).
+func Run(ctx context.Context, path string, opts Options) error {
+	cfg, err := config.Load(path)
+	if err != nil {
+		return err
+	}
+	d, err := Start(cfg, opts)
+	if err != nil {
+		return err
+	}
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
+	for {
+		select {
+		case <-ctx.Done():
+			d.log.Info("shutting down", "reason", context.Cause(ctx))
+			return d.Close()
+		case <-hup:
+			d.log.Info("SIGHUP: reloading", "config", path)
+			next, err := config.Load(path)
+			if err != nil {
+				d.reloadsKO.Add(1)
+			} else {
+				err = d.Reload(next)
+			}
+			if err != nil {
+				d.log.Error("reload failed; the running configuration is unchanged", "error", err)
+			}
+		}
+	}
+}

@@ -225,7 +225,11 @@ func TestDaemonLifecycle(t *testing.T) {
 		t.Errorf("lock file left: %v", err)
 	}
 	var reserved string
-	tp.bridge.Do(func() error { b, err := os.ReadFile(reservedPortsFile); reserved = strings.TrimSpace(string(b)); return err })
+	tp.bridge.Do(func() error {
+		b, err := os.ReadFile(reservedPortsFile)
+		reserved = strings.TrimSpace(string(b))
+		return err
+	})
 	if reserved != "" {
 		t.Errorf("reserved ports left: %q", reserved)
 	}

@@ -1,0 +1,528 @@
+package control
+
+import (
+	"errors"
+	"fmt"
+	"net/netip"
+	"slices"
+	"sync"
+
+	"github.com/fabricbridge/fabricbridge/classifier"
+	"github.com/fabricbridge/fabricbridge/fabric"
+)
+
+// Dataplane is what the server needs of the bridge. The daemon adapts the
+// real bridge to it; tests use a fake. The server calls it from one
+// goroutine at a time, always in an order that keeps the tables and the
+// streams consistent: a stream is added before any table entry points to
+// it and removed after the last one is gone; on a grant the ownership is
+// widened before the tables steer the new tuple, on a release the tables
+// stop steering before the ownership narrows.
+//
+// An error that wraps ErrBridgeGone tells the application the bridge is
+// gone; any other error is reported as internal. Either way the request
+// changes nothing.
+type Dataplane interface {
+	// AddStream attaches a local application's stream (bridge side).
+	AddStream(id uint32, s *fabric.Stream, own Ownership) error
+	// AddRemoteStream attaches a remote application's stream.
+	AddRemoteStream(id uint32, s *fabric.RemoteStream, own Ownership) error
+	// SetOwnership replaces what the stream may send.
+	SetOwnership(id uint32, own Ownership) error
+	// RemoveStream detaches a stream; the server closes it afterwards.
+	RemoveStream(id uint32) error
+	// SetTables installs a complete new classification (static rules plus
+	// every application's listeners and flows).
+	SetTables(t *classifier.Tables) error
+}
+
+// Ownership is what a stream may send, for the bridge's transmit check: its
+// source addresses, and the protocol and source port of every listener and
+// flow it holds.
+type Ownership struct {
+	Addrs []netip.Addr
+	Ports []PortClaim
+}
+
+// PortClaim is one owned protocol and port.
+type PortClaim struct {
+	Proto classifier.Protocol
+	Port  uint16
+}
+
+// registry turns the claims of all applications into classifier tables and
+// stream ownership, and keeps them applied to the data plane. All its
+// methods are safe for concurrent use; data plane calls happen under its
+// lock, so updates reach the bridge in the order they were decided.
+type registry struct {
+	mu        sync.Mutex
+	dp        Dataplane
+	ephemeral classifier.PortRange
+	static    []classifier.Rule
+	apps      map[uint32]*app
+	byPort    map[portKey][]*claim
+	usedIDs   [classifier.MaxRuleID + 1]bool // listener and flow counter ids in use (static rules included)
+	idCursor  uint32
+	streamCur uint32
+	portCur   map[classifier.Protocol]uint16
+}
+
+type portKey struct {
+	proto classifier.Protocol
+	port  uint16
+}
+
+// app is one registered application: one control connection, one stream.
+type app struct {
+	name      string
+	stream    uint32
+	policy    Policy
+	flowID    uint32 // the counter id all its flows share
+	claims    map[uint64]*claim
+	nextClaim uint64
+}
+
+// claim is one listener or flow an application holds.
+type claim struct {
+	id       uint64
+	app      *app
+	proto    classifier.Protocol
+	listener bool
+	addr     netip.Addr     // listener: zero means both families' wildcard; flow: local address
+	port     uint16         // local port
+	remote   netip.AddrPort // flows only
+	ruleID   uint32         // listeners only
+}
+
+// maxStreamID keeps stream ids inside GENEVE's 24-bit VNI.
+const maxStreamID = 1<<24 - 1
+
+func newRegistry(dp Dataplane, ephemeral classifier.PortRange, static []classifier.Rule) (*registry, error) {
+	r := &registry{
+		dp:        dp,
+		ephemeral: ephemeral,
+		apps:      make(map[uint32]*app),
+		byPort:    make(map[portKey][]*claim),
+		portCur:   make(map[classifier.Protocol]uint16),
+	}
+	if err := r.setStatic(static); err != nil {
+		return nil, err
+	}
+	return r, nil
+}
+
+// setStatic replaces the static rules and applies the result. Nothing
+// changes when the new rules do not compile together with the claims.
+func (r *registry) setStatic(rules []classifier.Rule) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, rule := range rules {
+		if rule.ID >= 1 && rule.ID <= classifier.MaxRuleID && r.usedIDs[rule.ID] && !r.isStaticID(rule.ID) {
+			return fmt.Errorf("static rule id %d is in use by an application's listener or flows", rule.ID)
+		}
+		if r.apps[rule.Stream] != nil && (rule.Action == classifier.ActionSteer || rule.Action == classifier.ActionIngest) {
+			return fmt.Errorf("static rule id %d names stream %d, which an application holds", rule.ID, rule.Stream)
+		}
+	}
+	old := r.static
+	r.static = slices.Clone(rules)
+	t, err := r.compile()
+	if err == nil {
+		err = r.dp.SetTables(t)
+	}
+	if err != nil {
+		r.static = old
+		return err
+	}
+	for _, rule := range old {
+		if rule.ID <= classifier.MaxRuleID {
+			r.usedIDs[rule.ID] = false
+		}
+	}
+	for _, rule := range r.static {
+		r.usedIDs[rule.ID] = true
+	}
+	return nil
+}
+
+func (r *registry) isStaticID(id uint32) bool {
+	for _, rule := range r.static {
+		if rule.ID == id {
+			return true
+		}
+	}
+	return false
+}
+
+// compile builds the tables from the static rules and every claim.
+func (r *registry) compile() (*classifier.Tables, error) {
+	set := classifier.RuleSet{Rules: r.static}
+	for _, a := range r.apps {
+		for _, c := range a.claims {
+			if c.listener {
+				set.Listeners = append(set.Listeners, classifier.Listener{
+					ID: c.ruleID, Protocol: c.proto, Addr: c.addr, Port: c.port, Stream: a.stream,
+				})
+			} else {
+				set.Flows = append(set.Flows, classifier.Flow{
+					ID: a.flowID, Protocol: c.proto, Remote: c.remote,
+					Local: netip.AddrPortFrom(c.addr, c.port), Stream: a.stream,
+				})
+			}
+		}
+	}
+	return classifier.Compile(&set)
+}
+
+// ownership is what a's stream may send.
+func (a *app) ownership() Ownership {
+	own := Ownership{Addrs: slices.Clone(a.policy.Addrs)}
+	for _, c := range a.claims {
+		pc := PortClaim{Proto: c.proto, Port: c.port}
+		if !slices.Contains(own.Ports, pc) {
+			own.Ports = append(own.Ports, pc)
+		}
+	}
+	slices.SortFunc(own.Ports, func(x, y PortClaim) int {
+		if x.Proto != y.Proto {
+			return int(x.Proto) - int(y.Proto)
+		}
+		return int(x.Port) - int(y.Port)
+	})
+	return own
+}
+
+// dataplaneErr marks an error as the bridge's unless it already says what
+// it is.
+func dataplaneErr(err error) error {
+	if errors.Is(err, ErrBridgeGone) {
+		return err
+	}
+	return fmt.Errorf("%w: data plane: %v", ErrInternal, err)
+}
+
+// register adds an application: it picks a stream id and a flow counter id
+// and calls attach, which creates the stream and adds it to the data
+// plane. On any error nothing is left behind.
+func (r *registry) register(name string, pol Policy, attach func(id uint32, own Ownership) error) (*app, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	id, ok := r.freeStream()
+	if !ok {
+		return nil, fmt.Errorf("%w: no free stream id", ErrQuota)
+	}
+	flowID, ok := r.allocID()
+	if !ok {
+		return nil, fmt.Errorf("%w: no free counter id", ErrQuota)
+	}
+	a := &app{name: name, stream: id, policy: pol, flowID: flowID, claims: make(map[uint64]*claim)}
+	if err := attach(id, a.ownership()); err != nil {
+		r.usedIDs[flowID] = false
+		return nil, err
+	}
+	r.apps[id] = a
+	return a, nil
+}
+
+// freeStream picks the next unused stream id after the last one given, so
+// that ids are not reused at once (a late packet of an old stream cannot
+// reach its successor). Ids that static rules name are never given.
+func (r *registry) freeStream() (uint32, bool) {
+	for range maxStreamID {
+		r.streamCur = r.streamCur%maxStreamID + 1
+		id := r.streamCur
+		if r.apps[id] != nil || r.staticStream(id) {
+			continue
+		}
+		return id, true
+	}
+	return 0, false
+}
+
+func (r *registry) staticStream(id uint32) bool {
+	for _, rule := range r.static {
+		if rule.Stream == id && (rule.Action == classifier.ActionSteer || rule.Action == classifier.ActionIngest) {
+			return true
+		}
+	}
+	return false
+}
+
+// allocID takes a free listener/flow counter id.
+func (r *registry) allocID() (uint32, bool) {
+	for range classifier.MaxRuleID {
+		r.idCursor = r.idCursor%classifier.MaxRuleID + 1
+		if !r.usedIDs[r.idCursor] {
+			r.usedIDs[r.idCursor] = true
+			return r.idCursor, true
+		}
+	}
+	return 0, false
+}
+
+// unregister removes everything a holds and detaches its stream. The
+// application is gone, so this cannot fail in a way it could act on; data
+// plane errors are returned for the log.
+func (r *registry) unregister(a *app) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.apps[a.stream] != a {
+		return nil
+	}
+	for _, c := range a.claims {
+		r.unindex(c)
+	}
+	a.claims = map[uint64]*claim{}
+	delete(r.apps, a.stream)
+	r.usedIDs[a.flowID] = false
+	var errs []error
+	if t, err := r.compile(); err != nil {
+		errs = append(errs, err)
+	} else if err := r.dp.SetTables(t); err != nil {
+		errs = append(errs, err)
+	}
+	if err := r.dp.RemoveStream(a.stream); err != nil {
+		errs = append(errs, err)
+	}
+	return errors.Join(errs...)
+}
+
+func (r *registry) index(c *claim) {
+	k := portKey{c.proto, c.port}
+	r.byPort[k] = append(r.byPort[k], c)
+	if c.listener {
+		r.usedIDs[c.ruleID] = true
+	}
+}
+
+func (r *registry) unindex(c *claim) {
+	k := portKey{c.proto, c.port}
+	list := slices.DeleteFunc(r.byPort[k], func(x *claim) bool { return x == c })
+	if len(list) == 0 {
+		delete(r.byPort, k)
+	} else {
+		r.byPort[k] = list
+	}
+	if c.listener {
+		r.usedIDs[c.ruleID] = false
+	}
+}
+
+// overlaps reports whether two listener addresses can both match one packet.
+func overlaps(a, b netip.Addr) bool {
+	if !a.IsValid() || !b.IsValid() {
+		return true
+	}
+	if a.Is4() != b.Is4() {
+		return false
+	}
+	return a.IsUnspecified() || b.IsUnspecified() || a == b
+}
+
+// grant adds c to a and applies it: ownership first, then tables. On
+// failure everything is as before.
+func (r *registry) grant(a *app, c *claim) error {
+	if len(a.claims) >= a.policy.MaxClaims {
+		return fmt.Errorf("%w: %d listeners and connections held, the limit", ErrQuota, len(a.claims))
+	}
+	if c.listener {
+		id, ok := r.allocID()
+		if !ok {
+			return fmt.Errorf("%w: no free listener id", ErrQuota)
+		}
+		c.ruleID = id
+	}
+	a.nextClaim++
+	c.id = a.nextClaim
+	c.app = a
+	a.claims[c.id] = c
+	r.index(c)
+	undo := func() {
+		delete(a.claims, c.id)
+		r.unindex(c)
+	}
+	t, err := r.compile()
+	if err != nil {
+		undo()
+		return fmt.Errorf("%w: the claim does not fit the rules: %v", ErrNotPermitted, err)
+	}
+	if err := r.dp.SetOwnership(a.stream, a.ownership()); err != nil {
+		undo()
+		return dataplaneErr(err)
+	}
+	if err := r.dp.SetTables(t); err != nil {
+		undo()
+		r.dp.SetOwnership(a.stream, a.ownership())
+		return dataplaneErr(err)
+	}
+	return nil
+}
+
+// listen claims proto addr:port for a (port 0: a free port of the reserved
+// range).
+func (r *registry) listen(a *app, proto classifier.Protocol, addr netip.Addr, port uint16) (*claim, error) {
+	if addr.IsValid() && !addr.IsUnspecified() && !slices.Contains(a.policy.Addrs, addr) {
+		return nil, fmt.Errorf("%w: address %v is not one this application may use", ErrNotPermitted, addr)
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if port == 0 {
+		p, err := r.freePort(proto)
+		if err != nil {
+			return nil, err
+		}
+		port = p
+	} else {
+		if r.ephemeral.Contains(port) {
+			return nil, fmt.Errorf("%w: port %d is in the reserved range %d-%d, which the bridge hands out (ask for port 0)",
+				ErrNotPermitted, port, r.ephemeral.Lo, r.ephemeral.Hi)
+		}
+		if !a.policy.mayListen(port) {
+			return nil, fmt.Errorf("%w: port %d is not among this application's ports", ErrNotPermitted, port)
+		}
+		for _, c := range r.byPort[portKey{proto, port}] {
+			if c.listener && overlaps(c.addr, addr) {
+				who := fmt.Sprintf("application %q (stream %d)", c.app.name, c.app.stream)
+				if c.app == a {
+					who = "this application already"
+				}
+				return nil, fmt.Errorf("%w: %v port %d on %v is held by %s", ErrPortInUse, proto, port, anyAddr(c.addr), who)
+			}
+		}
+	}
+	c := &claim{proto: proto, listener: true, addr: addr, port: port}
+	if err := r.grant(a, c); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+func anyAddr(a netip.Addr) string {
+	if !a.IsValid() {
+		return "any address"
+	}
+	return a.String()
+}
+
+// connect allocates a port for a flow from local to remote and installs the
+// flow.
+func (r *registry) connect(a *app, proto classifier.Protocol, local netip.Addr, remote netip.AddrPort) (*claim, error) {
+	ra := remote.Addr()
+	if !remote.IsValid() || remote.Port() == 0 || ra.IsUnspecified() || ra.IsMulticast() || ra.Is4In6() {
+		return nil, fmt.Errorf("%w: remote %v is not a unicast address and port", ErrBadRequest, remote)
+	}
+	if !local.IsValid() {
+		for _, x := range a.policy.Addrs {
+			if x.Is4() == ra.Is4() {
+				local = x
+				break
+			}
+		}
+		if !local.IsValid() {
+			return nil, fmt.Errorf("%w: this application has no IPv%d address", ErrNotPermitted, family(ra))
+		}
+	}
+	if !slices.Contains(a.policy.Addrs, local) {
+		return nil, fmt.Errorf("%w: address %v is not one this application may use", ErrNotPermitted, local)
+	}
+	if local.Is4() != ra.Is4() {
+		return nil, fmt.Errorf("%w: local %v and remote %v are of different families", ErrBadRequest, local, ra)
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	port, err := r.freePort(proto)
+	if err != nil {
+		return nil, err
+	}
+	c := &claim{proto: proto, addr: local, port: port, remote: remote}
+	if err := r.grant(a, c); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+func family(a netip.Addr) int {
+	if a.Is4() {
+		return 4
+	}
+	return 6
+}
+
+// freePort finds a port of the reserved range that no claim of proto uses,
+// continuing after the last one given so that a port just released is
+// reused as late as possible (its old connection may linger in TIME-WAIT).
+func (r *registry) freePort(proto classifier.Protocol) (uint16, error) {
+	lo, hi := r.ephemeral.Lo, r.ephemeral.Hi
+	if lo == 0 && hi == 0 {
+		return 0, fmt.Errorf("%w: the bridge has no reserved port range", ErrNoPorts)
+	}
+	size := int(hi) - int(lo) + 1
+	cur := r.portCur[proto]
+	for range size {
+		if cur < lo || cur >= hi {
+			cur = lo
+		} else {
+			cur++
+		}
+		if len(r.byPort[portKey{proto, cur}]) == 0 {
+			r.portCur[proto] = cur
+			return cur, nil
+		}
+	}
+	return 0, fmt.Errorf("%w: all %d %v ports of %d-%d are held", ErrNoPorts, size, proto, lo, hi)
+}
+
+// release gives up one claim: tables first, then ownership. If the tables
+// cannot be updated the claim stays.
+func (r *registry) release(a *app, id uint64) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	c := a.claims[id]
+	if c == nil {
+		return fmt.Errorf("%w: %d", ErrUnknownClaim, id)
+	}
+	delete(a.claims, id)
+	r.unindex(c)
+	t, err := r.compile()
+	if err == nil {
+		err = r.dp.SetTables(t)
+	}
+	if err != nil {
+		// The tables still steer the tuple: keep the claim, so that state
+		// and data plane agree. The lease's end removes it in any case.
+		a.claims[id] = c
+		r.index(c)
+		return dataplaneErr(err)
+	}
+	if err := r.dp.SetOwnership(a.stream, a.ownership()); err != nil {
+		return dataplaneErr(err)
+	}
+	return nil
+}
+
+// AppInfo describes one registered application, for metrics and the CLI.
+type AppInfo struct {
+	Name      string
+	Stream    uint32
+	Listeners int
+	Flows     int
+}
+
+func (r *registry) snapshot() []AppInfo {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := make([]AppInfo, 0, len(r.apps))
+	for _, a := range r.apps {
+		info := AppInfo{Name: a.name, Stream: a.stream}
+		for _, c := range a.claims {
+			if c.listener {
+				info.Listeners++
+			} else {
+				info.Flows++
+			}
+		}
+		out = append(out, info)
+	}
+	slices.SortFunc(out, func(x, y AppInfo) int { return int(x.Stream) - int(y.Stream) })
+	return out
+}

@@ -39,7 +39,8 @@ type Daemon struct {
 	metAddr net.Addr
 	started time.Time
 
-	reserved *portSet
+	reserved   *portSet
+	portRecord string // where the ports this daemon reserved are recorded
 
 	mu        sync.Mutex // serialises Reload and Close
 	closed    bool
@@ -92,7 +93,8 @@ func Start(cfg *config.Config, opts Options) (_ *Daemon, err error) {
 	} else if len(pins) > 0 {
 		d.log.Warn("removed stale pinned BPF objects", "paths", pins)
 	}
-	if d.reserved, err = reservePorts(cfg.ReservedPorts); err != nil {
+	d.portRecord = cfg.Control.Socket + ".ports"
+	if d.reserved, err = adoptReservation(d.portRecord, cfg.ReservedPorts); err != nil {
 		return nil, cfg.Errorf("reserved_ports", "%v", err)
 	}
 	d.log.Info("reserved ports for applications' outgoing connections", "range", cfg.ReservedPorts.String(), "added", d.reserved.String())
@@ -214,7 +216,11 @@ func (d *Daemon) shutdown() error {
 		errs = append(errs, d.plane.Close())
 	}
 	if d.reserved != nil {
-		errs = append(errs, d.home.do(func() error { return unreservePorts(d.reserved) }))
+		err := d.home.do(func() error { return unreservePorts(d.reserved) })
+		if err == nil {
+			os.Remove(d.portRecord)
+		}
+		errs = append(errs, err)
 	}
 	if d.lock != nil {
 		d.lock.release()

@@ -201,3 +201,44 @@ func TestClearStaleXDP(t *testing.T) {
 		t.Error("foreign program was removed")
 	}
 }
+
+// TestAdoptReservation: a daemon started after a crash takes over the ports
+// its predecessor recorded, inside its range, and releases the rest.
+func TestAdoptReservation(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	ns := netns.New(t)
+	record := filepath.Join(t.TempDir(), "control.sock.ports")
+	err := ns.Do(func() error {
+		// The crashed daemon had reserved 50000-50099 (recorded); the
+		// operator reserves 8080.
+		if err := os.WriteFile(reservedPortsFile, []byte("8080,50000-50099"), 0o644); err != nil {
+			return err
+		}
+		if err := os.WriteFile(record, []byte("50000-50099\n"), 0o644); err != nil {
+			return err
+		}
+		added, err := adoptReservation(record, config.PortRange{Lo: 50050, Hi: 50149})
+		if err != nil {
+			return err
+		}
+		if got, _ := readReserved(); got.String() != "8080,50050-50149" {
+			t.Errorf("reserved: %s, want the operator's port and the new range", got)
+		}
+		if added.String() != "50050-50149" {
+			t.Errorf("owned %s, want the whole new range", added)
+		}
+		if rec, _ := os.ReadFile(record); strings.TrimSpace(string(rec)) != "50050-50149" {
+			t.Errorf("record %q", rec)
+		}
+		if err := unreservePorts(added); err != nil {
+			return err
+		}
+		if got, _ := readReserved(); got.String() != "8080" {
+			t.Errorf("after stop: %s, want only the operator's port", got)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}

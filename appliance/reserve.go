@@ -90,8 +90,13 @@ func readReserved() (*portSet, error) {
 	if err != nil {
 		return nil, err
 	}
+	return parsePorts(reservedPortsFile, string(b))
+}
+
+// parsePorts reads the kernel's list syntax, "1000-1999,8080".
+func parsePorts(file, text string) (*portSet, error) {
 	s := &portSet{}
-	for _, f := range strings.Split(strings.TrimSpace(string(b)), ",") {
+	for _, f := range strings.Split(strings.TrimSpace(text), ",") {
 		if f == "" {
 			continue
 		}
@@ -102,7 +107,7 @@ func readReserved() (*portSet, error) {
 			z, err2 = strconv.ParseUint(hi, 10, 16)
 		}
 		if err1 != nil || err2 != nil || z < a {
-			return nil, fmt.Errorf("%s: cannot read %q", reservedPortsFile, f)
+			return nil, fmt.Errorf("%s: cannot read %q", file, f)
 		}
 		s.add(uint16(a), uint16(z))
 	}
@@ -118,4 +123,51 @@ func writeReserved(s *portSet) error {
 		return fmt.Errorf("reserve ports %s: %w", strings.TrimSpace(v), err)
 	}
 	return nil
+}
+
+// The ports a daemon added are recorded in a file beside the control socket,
+// so that a daemon started after a crash knows which reserved ports its
+// predecessor added — and removes them when it stops — instead of taking
+// them for the operator's.
+
+func readPortRecord(path string) (*portSet, error) {
+	b, err := os.ReadFile(path)
+	if os.IsNotExist(err) {
+		return &portSet{}, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	return parsePorts(path, string(b))
+}
+
+func writePortRecord(path string, s *portSet) error {
+	return os.WriteFile(path, []byte(s.String()+"\n"), 0o644)
+}
+
+// adoptReservation reserves r and takes over what a crashed predecessor
+// recorded: its ports inside r count as added by this daemon, its ports
+// outside r are released now. The result is recorded at path.
+func adoptReservation(path string, r config.PortRange) (*portSet, error) {
+	prev, err := readPortRecord(path)
+	if err != nil {
+		return nil, err
+	}
+	outside := &portSet{}
+	for p := 0; p < 65536; p++ {
+		if prev.has(p) && !(int(r.Lo) <= p && p <= int(r.Hi)) {
+			outside.add(uint16(p), uint16(p))
+		}
+	}
+	if err := unreservePorts(outside); err != nil {
+		return nil, err
+	}
+	added, err := reservePorts(r)
+	if err != nil {
+		return nil, err
+	}
+	for i := range added {
+		added[i] |= prev[i] &^ outside[i]
+	}
+	return added, writePortRecord(path, added)
 }

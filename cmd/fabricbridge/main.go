@@ -3,6 +3,7 @@
 //
 //	fabricbridge demo                  build a namespace topology, attach the classifier,
 //	                                   drive traffic through it and print what it counted
+//	fabricbridge run --config FILE     the daemon (SIGHUP reloads, SIGTERM stops)
 //	fabricbridge check --config FILE   validate a configuration file
 package main
 
@@ -25,6 +26,8 @@ commands:
            attach the XDP classifier with an embedded default configuration,
            drive HTTP, UDP trigger bursts, blocked datagrams and pings through
            it, print a summary and clean up (needs root)
+  run      [--config FILE]: the daemon; SIGHUP reloads the rules, SIGTERM
+           shuts down cleanly (default FILE /etc/fabricbridge/fabricbridge.yaml)
   check    --config FILE: validate a configuration file; every problem is
            reported with its file, line and field
   help     print this text
@@ -41,6 +44,8 @@ func main() {
 	switch cmd, args := os.Args[1], os.Args[2:]; cmd {
 	case "demo":
 		err = demoCommand(ctx, args)
+	case "run":
+		err = runCommand(ctx, args)
 	case "check":
 		err = checkCommand(args, os.Stdout, os.Stderr)
 	case "help", "-h", "--help":

@@ -3,6 +3,8 @@ package config
 import (
 	"fmt"
 	"math/bits"
+	"net"
+	"net/netip"
 	"path/filepath"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
@@ -103,11 +105,11 @@ func (c *Config) checkStreams(d *decoder) {
 	if s := c.Streams.SlotSize; s%64 != 0 || s < 128 || s > 65536 {
 		d.errorAt("streams.slot_size", "must be a multiple of 64 from 128 to 65536, not %d", s)
 	}
-	if c.Streams.RxSlots > c.DefaultQuota.MaxRxSlots {
-		d.errorAt("streams.rx_slots", "%d is above default_quota.max_rx_slots (%d)", c.Streams.RxSlots, c.DefaultQuota.MaxRxSlots)
+	if c.Streams.RxSlots > c.DefaultQuota.MaxSlots {
+		d.errorAt("streams.rx_slots", "%d is above default_quota.max_slots (%d)", c.Streams.RxSlots, c.DefaultQuota.MaxSlots)
 	}
-	if c.Streams.TxSlots > c.DefaultQuota.MaxTxSlots {
-		d.errorAt("streams.tx_slots", "%d is above default_quota.max_tx_slots (%d)", c.Streams.TxSlots, c.DefaultQuota.MaxTxSlots)
+	if c.Streams.TxSlots > c.DefaultQuota.MaxSlots {
+		d.errorAt("streams.tx_slots", "%d is above default_quota.max_slots (%d)", c.Streams.TxSlots, c.DefaultQuota.MaxSlots)
 	}
 }
 
@@ -142,14 +144,8 @@ func (c *Config) checkQuota(d *decoder, p string, q Quota, inherit bool) {
 	if q.Ports < 0 || (!inherit && q.Ports == 0) {
 		d.errorAt(p+".ports", "must be at least 1, not %d", q.Ports)
 	}
-	for _, f := range []struct {
-		name string
-		n    int
-	}{{".max_rx_slots", q.MaxRxSlots}, {".max_tx_slots", q.MaxTxSlots}} {
-		if inherit && f.n == 0 {
-			continue
-		}
-		checkSlots(d, p+f.name, f.n)
+	if !inherit || q.MaxSlots != 0 {
+		checkSlots(d, p+".max_slots", q.MaxSlots)
 	}
 }
 
@@ -166,8 +162,8 @@ func (c *Config) checkApplications(d *decoder) {
 		default:
 			names[a.Name] = p
 		}
-		if a.UID < -1 {
-			d.errorAt(p+".uid", "must be a user id (0 or more), not %d", a.UID)
+		if a.SecretFile != "" && !filepath.IsAbs(a.SecretFile) {
+			d.errorAt(p+".secret_file", "%q must be an absolute path", a.SecretFile)
 		}
 		for j, r := range a.Ports {
 			if c.overlapsReserved(r) {
@@ -304,33 +300,50 @@ func (c *Config) checkControl(d *decoder) {
 	}
 	t := c.Control.TCP
 	if t.Address == "" {
-		if d.written("control.tcp.auth") {
-			d.errorAt("control.tcp.auth", "set, but control.tcp.address is not: the TCP control plane is off")
+		for _, f := range []struct {
+			name string
+			set  bool
+		}{{"auth", t.Auth != AuthNone}, {"geneve", t.Geneve != ""}, {"cert_file", t.CertFile != ""}, {"key_file", t.KeyFile != ""}, {"client_ca_file", t.ClientCAFile != ""}} {
+			if f.set {
+				d.errorAt("control.tcp."+f.name, "set, but control.tcp.address is not: the TCP control plane is off")
+			}
 		}
 		return
 	}
-	need := func(field, value string) {
-		if value == "" {
-			d.errorAt("control.tcp."+field, "required with auth: %s", t.Auth)
-		}
+	if t.Geneve == "" && !specificHost(t.Address) {
+		d.errorAt("control.tcp.geneve", "required when control.tcp.address has no specific host: the address remote applications send their streams to")
 	}
-	refuse := func(field, value string, auth Auth) {
-		if value != "" {
-			d.errorAt("control.tcp."+field, "only used with auth: %s", auth)
-		}
+	secrets := false
+	for _, a := range c.Applications {
+		secrets = secrets || a.SecretFile != ""
+	}
+	if !secrets {
+		d.errorAt("control.tcp.address", "set, but no application has a secret_file: no remote application could connect")
 	}
 	switch t.Auth {
 	case AuthNone:
-		d.errorAt("control.tcp.auth", "required with control.tcp.address: secret or tls (the TCP control plane is never open)")
+		d.errorAt("control.tcp.auth", "required with control.tcp.address: secret or tls")
 	case AuthSecret:
-		need("secret_file", t.SecretFile)
-		refuse("cert_file", t.CertFile, AuthTLS)
-		refuse("key_file", t.KeyFile, AuthTLS)
-		refuse("client_ca_file", t.ClientCAFile, AuthTLS)
+		for _, f := range []struct{ name, v string }{{"cert_file", t.CertFile}, {"key_file", t.KeyFile}, {"client_ca_file", t.ClientCAFile}} {
+			if f.v != "" {
+				d.errorAt("control.tcp."+f.name, "only used with auth: tls")
+			}
+		}
 	case AuthTLS:
-		need("cert_file", t.CertFile)
-		need("key_file", t.KeyFile)
-		need("client_ca_file", t.ClientCAFile)
-		refuse("secret_file", t.SecretFile, AuthSecret)
+		for _, f := range []struct{ name, v string }{{"cert_file", t.CertFile}, {"key_file", t.KeyFile}, {"client_ca_file", t.ClientCAFile}} {
+			if f.v == "" {
+				d.errorAt("control.tcp."+f.name, "required with auth: tls")
+			}
+		}
 	}
+}
+
+// specificHost reports whether a host:port names one address.
+func specificHost(h HostPort) bool {
+	host, _, err := net.SplitHostPort(string(h))
+	if err != nil {
+		return false
+	}
+	a, err := netip.ParseAddr(host)
+	return err == nil && !a.IsUnspecified()
 }

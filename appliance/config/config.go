@@ -31,8 +31,7 @@ type Config struct {
 	Rules        []Rule        `yaml:"rules"`
 	Applications []Application `yaml:"applications"`
 	// DefaultQuota bounds applications that the applications list does not
-	// name (when control.allow_unlisted is true) and fills the fields a
-	// listed application leaves unset.
+	// name and fills the fields a listed application leaves unset.
 	DefaultQuota Quota   `yaml:"default_quota"`
 	Control      Control `yaml:"control"`
 	Metrics      Metrics `yaml:"metrics"`
@@ -125,45 +124,45 @@ type Match struct {
 // Application is an application the bridge knows by name.
 type Application struct {
 	Name string `yaml:"name"`
-	// UID, when set (not -1), is the only local user allowed to register
-	// under this name on the control socket.
-	UID int `yaml:"uid"`
 	// Ports are the ports it may listen on; empty means any port that is
 	// outside the reserved range and not held by another application.
 	Ports []PortRange `yaml:"ports"`
 	// Quota fields left at 0 take default_quota's.
 	Quota Quota `yaml:"quota"`
+	// SecretFile holds the secret this application proves when it
+	// connects over TCP (control.tcp); at least 16 bytes. Without one the
+	// application can only use the local control socket.
+	SecretFile string `yaml:"secret_file"`
 }
-
-func (a *Application) setDefaults() { a.UID = -1 }
 
 // Quota bounds what one application may hold.
 type Quota struct {
 	// Ports is how many listeners and ephemeral ports it may hold at once.
 	Ports int `yaml:"ports"`
-	// MaxRxSlots and MaxTxSlots bound the stream ring sizes it may ask for.
-	MaxRxSlots int `yaml:"max_rx_slots"`
-	MaxTxSlots int `yaml:"max_tx_slots"`
+	// MaxSlots bounds the depth of each ring of its stream.
+	MaxSlots int `yaml:"max_slots"`
 }
 
 // Control configures the control plane.
 type Control struct {
-	// Socket is the Unix socket local applications connect to.
-	Socket     string   `yaml:"socket"`
-	SocketMode FileMode `yaml:"socket_mode"`
-	// AllowUnlisted lets applications that the applications list does not
-	// name register, under default_quota.
-	AllowUnlisted bool       `yaml:"allow_unlisted"`
-	TCP           ControlTCP `yaml:"tcp"`
+	// Socket is the Unix socket local applications connect to; its mode
+	// decides which local users may.
+	Socket     string     `yaml:"socket"`
+	SocketMode FileMode   `yaml:"socket_mode"`
+	TCP        ControlTCP `yaml:"tcp"`
 }
 
 // ControlTCP is the control plane for applications on other nodes. It is
-// off unless Address is set, and then it must be authenticated.
+// off unless Address is set. Every application proves its secret
+// (applications[].secret_file) with a mutual HMAC challenge-response; with
+// auth: tls the connection is also mutual TLS, encrypted, and the client's
+// certificate must chain to ClientCAFile.
 type ControlTCP struct {
 	Address HostPort `yaml:"address"`
 	Auth    Auth     `yaml:"auth"`
-	// SecretFile holds the shared secret (auth: secret); at least 16 bytes.
-	SecretFile string `yaml:"secret_file"`
+	// Geneve is the UDP endpoint of the remote stream transport; default
+	// the host of Address with port 6081.
+	Geneve HostPort `yaml:"geneve"`
 	// CertFile and KeyFile are the bridge's certificate; ClientCAFile the
 	// CA that client certificates must chain to (auth: tls).
 	CertFile     string `yaml:"cert_file"`
@@ -212,8 +211,8 @@ func Default() *Config {
 	return &Config{
 		ReservedPorts: PortRange{DefaultReservedLo, DefaultReservedHi},
 		Streams:       Streams{RxSlots: DefaultSlots, TxSlots: DefaultSlots, SlotSize: DefaultSlotSize},
-		DefaultQuota:  Quota{Ports: DefaultQuotaPorts, MaxRxSlots: DefaultQuotaSlots, MaxTxSlots: DefaultQuotaSlots},
-		Control:       Control{Socket: DefaultSocket, SocketMode: 0o660, AllowUnlisted: true},
+		DefaultQuota:  Quota{Ports: DefaultQuotaPorts, MaxSlots: DefaultQuotaSlots},
+		Control:       Control{Socket: DefaultSocket, SocketMode: 0o660},
 		Metrics:       Metrics{Address: DefaultMetrics},
 		Log:           Log{Level: LogLevel(0)},
 	}
@@ -287,11 +286,8 @@ func (c *Config) QuotaOf(name string) Quota {
 		if a.Quota.Ports != 0 {
 			q.Ports = a.Quota.Ports
 		}
-		if a.Quota.MaxRxSlots != 0 {
-			q.MaxRxSlots = a.Quota.MaxRxSlots
-		}
-		if a.Quota.MaxTxSlots != 0 {
-			q.MaxTxSlots = a.Quota.MaxTxSlots
+		if a.Quota.MaxSlots != 0 {
+			q.MaxSlots = a.Quota.MaxSlots
 		}
 	}
 	return q

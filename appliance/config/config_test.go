@@ -44,7 +44,7 @@ func TestErrorsArePrecise(t *testing.T) {
 		{"reserved privileged", base + "reserved_ports: 100-2000\n", []string{"t.yaml:3:1: reserved_ports: 100-2000 reaches into the privileged ports below 1024"}},
 		{"port out of range", base + "reserved_ports: 61000-70000\n", []string{`t.yaml:3:17: reserved_ports: "70000" is not a port (1-65535)`}},
 		{"slots", base + "streams:\n  rx_slots: 1000\n", []string{"t.yaml:4:3: streams.rx_slots: must be a power of two from 2 to 1048576, not 1000"}},
-		{"slots above quota", base + "streams:\n  tx_slots: 16384\n", []string{"t.yaml:4:3: streams.tx_slots: 16384 is above default_quota.max_tx_slots (8192)"}},
+		{"slots above quota", base + "streams:\n  tx_slots: 16384\n", []string{"t.yaml:4:3: streams.tx_slots: 16384 is above default_quota.max_slots (8192)"}},
 		{"slot size", base + "streams: {slot_size: 100}\n", []string{"t.yaml:3:11: streams.slot_size: must be a multiple of 64 from 128 to 65536, not 100"}},
 		{"size suffix", base + "ingest:\n  - name: t\n    buffer_size: 1T\n", []string{`t.yaml:5:18: ingest[0].buffer_size: "1T" is not a size (a number of bytes, optionally with K, M or G)`}},
 		{"duration", base + "ingest:\n  - name: t\n    window: soon\n", []string{`t.yaml:5:13: ingest[0].window: "soon" is not a duration (for example 100us, 5s)`}},
@@ -97,18 +97,27 @@ func TestErrorsArePrecise(t *testing.T) {
 		{"application ports reserved", base + "applications:\n  - name: a\n    ports: [80, 60000-61000]\n", []string{
 			"t.yaml:5:17: applications[0].ports[1]: 60000-61000 overlaps reserved_ports 61000-61999, which are for outgoing connections",
 		}},
-		{"quota slots", base + "applications:\n  - name: a\n    quota: {max_rx_slots: 3}\n", []string{"t.yaml:5:13: applications[0].quota.max_rx_slots: must be a power of two from 2 to 1048576, not 3"}},
+		{"quota slots", base + "applications:\n  - name: a\n    quota: {max_slots: 3}\n", []string{"t.yaml:5:13: applications[0].quota.max_slots: must be a power of two from 2 to 1048576, not 3"}},
 		{"default quota ports", base + "default_quota: {ports: 0}\n", []string{"t.yaml:3:17: default_quota.ports: must be at least 1, not 0"}},
 		{"socket relative", base + "control: {socket: fb.sock}\n", []string{`t.yaml:3:11: control.socket: "fb.sock" must be an absolute path`}},
 		{"socket mode", base + "control: {socket_mode: 999}\n", []string{`t.yaml:3:24: control.socket_mode: "999" is not an octal permission mode such as 0660`}},
 		{"tcp without auth", base + "control:\n  tcp:\n    address: 198.18.0.1:7070\n", []string{
-			"t.yaml:4:3: control.tcp.auth: required with control.tcp.address: secret or tls (the TCP control plane is never open)",
+			"t.yaml:4:3: control.tcp.auth: required with control.tcp.address: secret or tls",
+			"t.yaml:5:5: control.tcp.address: set, but no application has a secret_file: no remote application could connect",
 		}},
-		{"secret without file", base + "control:\n  tcp: {address: \":7070\", auth: secret}\n", []string{"t.yaml:4:3: control.tcp.secret_file: required with auth: secret"}},
-		{"tls needs files", base + "control:\n  tcp:\n    address: 198.18.0.1:7070\n    auth: tls\n    cert_file: /etc/c.pem\n    secret_file: /etc/s\n", []string{
-			"t.yaml:4:3: control.tcp.key_file: required with auth: tls",
-			"t.yaml:4:3: control.tcp.client_ca_file: required with auth: tls",
-			"t.yaml:8:5: control.tcp.secret_file: only used with auth: secret",
+		{"wildcard address needs geneve", base + "applications: [{name: a, secret_file: /s}]\ncontrol:\n  tcp: {address: \":7070\", auth: secret}\n", []string{
+			"t.yaml:5:3: control.tcp.geneve: required when control.tcp.address has no specific host: the address remote applications send their streams to",
+		}},
+		{"secret relative", base + "applications: [{name: a, secret_file: s}]\n", []string{`t.yaml:3:26: applications[0].secret_file: "s" must be an absolute path`}},
+		{"tcp without secrets", base + "control:\n  tcp: {address: \"198.18.0.1:7070\", auth: secret}\n", []string{
+			"t.yaml:4:9: control.tcp.address: set, but no application has a secret_file: no remote application could connect",
+		}},
+		{"tls files with secret", base + "applications: [{name: a, secret_file: /s}]\ncontrol:\n  tcp: {address: \"198.18.0.1:7070\", auth: secret, cert_file: /c}\n", []string{
+			"t.yaml:5:51: control.tcp.cert_file: only used with auth: tls",
+		}},
+		{"tls needs files", base + "applications: [{name: a, secret_file: /s}]\ncontrol:\n  tcp:\n    address: 198.18.0.1:7070\n    auth: tls\n    cert_file: /etc/c.pem\n", []string{
+			"t.yaml:5:3: control.tcp.key_file: required with auth: tls",
+			"t.yaml:5:3: control.tcp.client_ca_file: required with auth: tls",
 		}},
 		{"auth without address", base + "control:\n  tcp: {auth: secret}\n", []string{"t.yaml:4:9: control.tcp.auth: set, but control.tcp.address is not: the TCP control plane is off"}},
 		{"auth unknown", base + "control:\n  tcp: {address: \":1\", auth: password}\n", []string{`t.yaml:4:30: control.tcp.auth: "password" is not one of secret, tls`}},
@@ -165,13 +174,13 @@ func TestDefaults(t *testing.T) {
 	if g.Buffers != 64 || g.BufferSize != 1<<20 || time.Duration(g.Window) != 100*time.Microsecond || !g.Hugepages {
 		t.Errorf("ingest defaults: %+v", g)
 	}
-	if c.Control.Socket != DefaultSocket || c.Control.SocketMode != 0o660 || !c.Control.AllowUnlisted || c.Control.TCP.Address != "" {
+	if c.Control.Socket != DefaultSocket || c.Control.SocketMode != 0o660 || c.Control.TCP.Address != "" {
 		t.Errorf("control defaults: %+v", c.Control)
 	}
 	if c.Metrics.Address != DefaultMetrics || slog.Level(c.Log.Level) != slog.LevelInfo || c.Log.Format != LogText {
 		t.Errorf("metrics/log defaults: %+v %+v", c.Metrics, c.Log)
 	}
-	if c.Applications[0].UID != -1 || c.QuotaOf("web") != c.DefaultQuota || c.QuotaOf("unlisted") != c.DefaultQuota {
+	if c.QuotaOf("web") != c.DefaultQuota || c.QuotaOf("unlisted") != c.DefaultQuota {
 		t.Errorf("application defaults: %+v, quota %+v", c.Applications[0], c.QuotaOf("web"))
 	}
 }
@@ -196,7 +205,7 @@ ingest:
   - {name: a, buffer_size: 2MiB, window: 1ms}
 applications:
   - name: web
-    uid: 1000
+    secret_file: /etc/fabricbridge/web.secret
     ports: [80, 8000-8099]
     quota: {ports: 10}
 listeners:
@@ -227,7 +236,7 @@ metrics: {address: ""}
 	if c.Ingest[0].BufferSize != 2<<20 || time.Duration(c.Ingest[0].Window) != time.Millisecond {
 		t.Errorf("ingest: %+v", c.Ingest[0])
 	}
-	if q := c.QuotaOf("web"); q.Ports != 10 || q.MaxRxSlots != DefaultQuotaSlots {
+	if q := c.QuotaOf("web"); q.Ports != 10 || q.MaxSlots != DefaultQuotaSlots {
 		t.Errorf("quota of web: %+v", q)
 	}
 	if c.Control.SocketMode != 0o600 || c.Control.TCP.Auth != AuthTLS || c.Metrics.Address != "" || c.Log.Format != LogJSON {
@@ -258,17 +267,17 @@ metrics: {address: ""}
 }
 
 func TestErrorfLocatesLaterProblems(t *testing.T) {
-	c, err := Parse("t.yaml", []byte(base+"control:\n  tcp:\n    address: \":7070\"\n    auth: secret\n    secret_file: /nonexistent\n"))
+	c, err := Parse("t.yaml", []byte(base+"applications:\n  - name: a\n    secret_file: /nonexistent\ncontrol:\n  tcp:\n    address: 198.18.0.1:7070\n    auth: secret\n"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	got := c.Errorf("control.tcp.secret_file", "cannot read it: %v", "no such file").Error()
-	if want := "t.yaml:7:5: control.tcp.secret_file: cannot read it: no such file"; got != want {
+	got := c.Errorf("applications[0].secret_file", "cannot read it: %v", "no such file").Error()
+	if want := "t.yaml:5:5: applications[0].secret_file: cannot read it: no such file"; got != want {
 		t.Errorf("got %q, want %q", got, want)
 	}
 	// A field the file did not write falls back to its parent.
 	got = c.Errorf("control.tcp.cert_file", "x").Error()
-	if want := "t.yaml:4:3: control.tcp.cert_file: x"; got != want {
+	if want := "t.yaml:7:3: control.tcp.cert_file: x"; got != want {
 		t.Errorf("got %q, want %q", got, want)
 	}
 }

@@ -256,8 +256,8 @@ type Auth uint8
 
 const (
 	AuthNone   Auth = iota // unset: only valid without a TCP control address
-	AuthSecret             // a shared secret read from secret_file
-	AuthTLS                // mutual TLS: cert_file/key_file, clients checked against client_ca_file
+	AuthSecret             // each application's shared secret (mutual HMAC challenge-response)
+	AuthTLS                // the same inside mutual TLS: cert_file/key_file, clients checked against client_ca_file
 )
 
 func (a *Auth) parseScalar(s string) error {

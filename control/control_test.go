@@ -627,7 +627,7 @@ func TestMalformedRequestsGetAnErrorAndChangeNothing(t *testing.T) {
 
 func TestStaticRulesAndReload(t *testing.T) {
 	static := []classifier.Rule{{ID: 1, Protocol: classifier.ProtoUDP, DstPorts: classifier.Port(6666), Action: classifier.ActionDrop}}
-	f := newFixture(t, func(c *Config) { c.StaticRules = static })
+	f := newFixture(t, func(c *Config) { c.Static.Rules = static })
 	if rules := f.dp.current().Rules(); len(rules) != 1 || rules[0].ID != 1 {
 		t.Fatalf("static rules not installed: %+v", rules)
 	}
@@ -642,7 +642,7 @@ func TestStaticRulesAndReload(t *testing.T) {
 		}
 	}
 	more := append(slices.Clone(static), classifier.Rule{ID: 500, Protocol: classifier.ProtoUDP, DstPorts: classifier.Port(9000), Action: classifier.ActionIngest, Stream: 10})
-	if err := f.srv.SetStaticRules(more); err != nil {
+	if err := f.srv.SetStatic(Static{Rules: more}); err != nil {
 		t.Fatal(err)
 	}
 	if len(f.dp.current().Rules()) != 2 || len(f.dp.entries()) != 2 {
@@ -650,11 +650,11 @@ func TestStaticRulesAndReload(t *testing.T) {
 	}
 	// A rule that steers into an application's stream is refused whole.
 	clash := append(slices.Clone(more), classifier.Rule{ID: 501, Action: classifier.ActionSteer, Stream: reg.Stream})
-	if err := f.srv.SetStaticRules(clash); err == nil {
+	if err := f.srv.SetStatic(Static{Rules: clash}); err == nil {
 		t.Fatal("rule naming an application's stream accepted")
 	}
 	invalid := []classifier.Rule{{ID: 0, Action: classifier.ActionDrop}}
-	if err := f.srv.SetStaticRules(invalid); err == nil {
+	if err := f.srv.SetStatic(Static{Rules: invalid}); err == nil {
 		t.Fatal("invalid rule accepted")
 	}
 	if len(f.dp.current().Rules()) != 2 {
@@ -662,7 +662,7 @@ func TestStaticRulesAndReload(t *testing.T) {
 	}
 	// Streams named by static rules are never given to applications.
 	f2 := newFixture(t, func(c *Config) {
-		c.StaticRules = []classifier.Rule{{ID: 1, Action: classifier.ActionSteer, Stream: 1, Protocol: classifier.ProtoTCP, DstPorts: classifier.Port(80)}}
+		c.Static.Rules = []classifier.Rule{{ID: 1, Action: classifier.ActionSteer, Stream: 1, Protocol: classifier.ProtoTCP, DstPorts: classifier.Port(80)}}
 	})
 	_, reg2, _ := f2.register("web")
 	if reg2.Stream == 1 {
@@ -830,5 +830,163 @@ func TestConcurrentConnectsGetDistinctPorts(t *testing.T) {
 	wg.Wait()
 	if n := len(f.dp.entries()); n != 200 {
 		t.Fatalf("%d flows installed, want 200", n)
+	}
+}
+
+func TestConfiguredEntriesFollowTheirApplication(t *testing.T) {
+	web := AppStatic{
+		Listeners: []classifier.Listener{{ID: 10, Protocol: classifier.ProtoTCP, Port: 80}},
+		Rules: []classifier.Rule{{ID: 11, Priority: 5, Protocol: classifier.ProtoUDP, DstPorts: classifier.Port(5353),
+			Action: classifier.ActionSteer}},
+	}
+	f := newFixture(t, func(c *Config) {
+		c.Static = Static{Apps: map[string]AppStatic{"web": web}}
+		c.FirstDynamicID = 4096
+	})
+	if got := f.dp.entries(); len(got) != 0 {
+		t.Fatalf("entries of an absent application installed: %q", got)
+	}
+	c, reg, _ := f.register("web")
+	want := []string{
+		fmt.Sprintf("L 4 6 0.0.0.0:80 -> %d", reg.Stream),
+		fmt.Sprintf("L 6 6 :::80 -> %d", reg.Stream),
+	}
+	if got := f.dp.entries(); !slices.Equal(got, want) {
+		t.Fatalf("after register: %q, want %q", got, want)
+	}
+	if rules := f.dp.current().Rules(); len(rules) != 1 || rules[0].Stream != reg.Stream || rules[0].ID != 11 {
+		t.Fatalf("bound rule %+v", rules)
+	}
+	wantPorts := []PortClaim{{classifier.ProtoTCP, 80}, {classifier.ProtoUDP, 5353}}
+	if own := f.dp.ownership(reg.Stream); !slices.Equal(own.Ports, wantPorts) {
+		t.Fatalf("ownership %+v, want %v", own.Ports, wantPorts)
+	}
+	// Nobody else gets the configured port, not even while web is away.
+	other, _, _ := f.register("other")
+	if _, err := other.Listen(ctx(t), "tcp", boxB, 80); !errors.Is(err, ErrPortInUse) {
+		t.Fatalf("other app on web's configured port: %v", err)
+	}
+	if _, err := c.Listen(ctx(t), "tcp", boxA, 80); !errors.Is(err, ErrPortInUse) {
+		t.Fatalf("web listening again on its configured port: %v", err)
+	}
+	// A second "web" cannot take the name's entries.
+	c2, err := DialLocal(ctx(t), f.path, "web")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c2.Close()
+	if _, _, err := c2.RegisterLocal(ctx(t), 0, 0); !errors.Is(err, ErrPortInUse) {
+		t.Fatalf("second web: %v", err)
+	}
+	// Dynamic ids stay above the floor.
+	l, err := c.Listen(ctx(t), "tcp", netip.Addr{}, 8080)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for k, tg := range f.dp.current().Listeners() {
+		if k.Port == 8080 && tg.Rule < 4096 {
+			t.Fatalf("dynamic listener id %d below the floor", tg.Rule)
+		}
+	}
+	// A reload that changes web's port keeps its claims.
+	web2 := AppStatic{Listeners: []classifier.Listener{{ID: 10, Protocol: classifier.ProtoTCP, Port: 81}}}
+	if err := f.srv.SetStatic(Static{Apps: map[string]AppStatic{"web": web2}}); err != nil {
+		t.Fatal(err)
+	}
+	want = []string{
+		fmt.Sprintf("L 4 6 0.0.0.0:8080 -> %d", reg.Stream),
+		fmt.Sprintf("L 4 6 0.0.0.0:81 -> %d", reg.Stream),
+		fmt.Sprintf("L 6 6 :::8080 -> %d", reg.Stream),
+		fmt.Sprintf("L 6 6 :::81 -> %d", reg.Stream),
+	}
+	if got := f.dp.entries(); !slices.Equal(got, want) {
+		t.Fatalf("after reload: %q, want %q", got, want)
+	}
+	wantPorts = []PortClaim{{classifier.ProtoTCP, 81}, {classifier.ProtoTCP, 8080}}
+	if own := f.dp.ownership(reg.Stream); !slices.Equal(own.Ports, wantPorts) {
+		t.Fatalf("ownership after reload %+v, want %v", own.Ports, wantPorts)
+	}
+	// A reload binding a port someone holds is refused whole.
+	clash := Static{Apps: map[string]AppStatic{"other": {Listeners: []classifier.Listener{{ID: 12, Protocol: classifier.ProtoTCP, Port: 8080}}}}}
+	if err := f.srv.SetStatic(clash); err == nil {
+		t.Fatal("reload binding web's port 8080 to other accepted")
+	}
+	var dynID uint32
+	for k, tg := range f.dp.current().Listeners() {
+		if k.Port == 8080 {
+			dynID = tg.Rule
+		}
+	}
+	taken := Static{
+		Apps:  map[string]AppStatic{"web": web2},
+		Rules: []classifier.Rule{{ID: dynID, Action: classifier.ActionDrop, Protocol: classifier.ProtoUDP}},
+	}
+	if err := f.srv.SetStatic(taken); err == nil {
+		t.Fatalf("static rule with the id %d of a live listener accepted", dynID)
+	}
+	if err := c.Release(ctx(t), l.ID); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.srv.SetStatic(taken); err != nil {
+		t.Fatalf("the same id after the listener went: %v", err)
+	}
+	if apps := f.srv.Apps(); len(apps) != 2 {
+		t.Fatalf("apps %+v", apps)
+	}
+}
+
+func TestWhoMayRegister(t *testing.T) {
+	me := uint32(os.Getuid())
+	f := newFixture(t, func(c *Config) {
+		c.RefuseUnlisted = true
+		c.Apps["mine"] = Policy{UIDs: []uint32{me}}
+		c.Apps["theirs"] = Policy{UIDs: []uint32{me + 1}}
+	})
+	if _, err := DialLocal(ctx(t), f.path, "stranger"); !errors.Is(err, ErrNotPermitted) {
+		t.Fatalf("unlisted application: %v", err)
+	}
+	if _, err := DialLocal(ctx(t), f.path, "theirs"); !errors.Is(err, ErrNotPermitted) {
+		t.Fatalf("another user's application: %v", err)
+	}
+	c, err := DialLocal(ctx(t), f.path, "mine")
+	if err != nil {
+		t.Fatalf("own application: %v", err)
+	}
+	c.Close()
+}
+
+func TestSharedSecret(t *testing.T) {
+	shared := []byte("a-secret-everyone-shares")
+	f := newFixture(t, func(c *Config) {
+		c.Secret = shared
+		c.Secrets = map[string][]byte{"special": []byte("0123456789abcdef")}
+	})
+	pl := newPipeListener()
+	go f.srv.ServeRemote(pl)
+	try := func(app string, key []byte) error {
+		c := newClient(pl.dial(), app)
+		defer c.Close()
+		cn := nonce()
+		rep, err := c.call(ctx(t), &Request{Op: OpHello, Version: Version, App: app, Nonce: cn})
+		if err != nil {
+			return err
+		}
+		if !hmac.Equal(rep.MAC, proof(key, labelBridge, app, cn, rep.Nonce)) {
+			return ErrAuth
+		}
+		_, err = c.call(ctx(t), &Request{Op: OpAuth, MAC: proof(key, labelApp, app, cn, rep.Nonce)})
+		return err
+	}
+	if err := try("anyone", shared); err != nil {
+		t.Fatalf("shared secret: %v", err)
+	}
+	if err := try("special", shared); !errors.Is(err, ErrAuth) {
+		t.Fatalf("shared secret for an app with its own: %v", err)
+	}
+	if err := try("special", []byte("0123456789abcdef")); err != nil {
+		t.Fatalf("own secret: %v", err)
+	}
+	if _, err := NewServer(Config{Dataplane: newRecorder(), Secret: []byte("short")}); err == nil {
+		t.Fatal("short secret accepted")
 	}
 }

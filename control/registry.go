@@ -58,8 +58,10 @@ type registry struct {
 	mu        sync.Mutex
 	dp        Dataplane
 	ephemeral classifier.PortRange
-	static    []classifier.Rule
+	firstID   uint32 // dynamic counter ids start here
+	static    Static
 	apps      map[uint32]*app
+	named     map[string]*app // the application that holds its name's static entries
 	byPort    map[portKey][]*claim
 	usedIDs   [classifier.MaxRuleID + 1]bool // listener and flow counter ids in use (static rules included)
 	idCursor  uint32
@@ -80,6 +82,7 @@ type app struct {
 	flowID    uint32 // the counter id all its flows share
 	claims    map[uint64]*claim
 	nextClaim uint64
+	static    *AppStatic // the configuration's entries bound to this name, while it holds them
 }
 
 // claim is one listener or flow an application holds.
@@ -97,13 +100,42 @@ type claim struct {
 // maxStreamID keeps stream ids inside GENEVE's 24-bit VNI.
 const maxStreamID = 1<<24 - 1
 
-func newRegistry(dp Dataplane, ephemeral classifier.PortRange, static []classifier.Rule) (*registry, error) {
+// Static is the configured part of the classification.
+type Static struct {
+	// Rules are not bound to any application (pass, drop, ingest, or
+	// steer to a fixed stream id).
+	Rules []classifier.Rule
+	// Apps are bound to an application by name: they are installed, with
+	// the application's stream filled in, while an application of that name
+	// is registered, and their ports belong to its stream's ownership.
+	Apps map[string]AppStatic
+}
+
+// AppStatic are the listeners and steer rules the configuration gives one
+// application. Their Stream fields are ignored. A rule adds its destination
+// port to the application's ownership when it names exactly one port (and
+// TCP, UDP or both); rules over port ranges only steer.
+type AppStatic struct {
+	Listeners []classifier.Listener
+	Rules     []classifier.Rule
+}
+
+// placeholderStream stands in for an application's stream when static
+// entries are validated before the application is there.
+const placeholderStream = maxStreamID
+
+func newRegistry(dp Dataplane, ephemeral classifier.PortRange, firstID uint32, static Static) (*registry, error) {
 	r := &registry{
 		dp:        dp,
 		ephemeral: ephemeral,
+		firstID:   max(firstID, 1),
+		named:     make(map[string]*app),
 		apps:      make(map[uint32]*app),
 		byPort:    make(map[portKey][]*claim),
 		portCur:   make(map[classifier.Protocol]uint16),
+	}
+	if r.firstID > classifier.MaxRuleID {
+		return nil, fmt.Errorf("first dynamic id %d beyond %d", r.firstID, classifier.MaxRuleID)
 	}
 	if err := r.setStatic(static); err != nil {
 		return nil, err
@@ -111,44 +143,159 @@ func newRegistry(dp Dataplane, ephemeral classifier.PortRange, static []classifi
 	return r, nil
 }
 
-// setStatic replaces the static rules and applies the result. Nothing
-// changes when the new rules do not compile together with the claims.
-func (r *registry) setStatic(rules []classifier.Rule) error {
+// setStatic replaces the static classification and applies the result.
+// Nothing changes when the new entries are invalid, clash with what
+// applications hold, or the data plane refuses them.
+func (r *registry) setStatic(st Static) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	for _, rule := range rules {
-		if rule.ID >= 1 && rule.ID <= classifier.MaxRuleID && r.usedIDs[rule.ID] && !r.isStaticID(rule.ID) {
-			return fmt.Errorf("static rule id %d is in use by an application's listener or flows", rule.ID)
+	// Validate every entry, bound or not, as if all applications were
+	// there: ids unique, listeners distinct, rules well formed.
+	all := classifier.RuleSet{Rules: st.Rules}
+	for _, as := range st.Apps {
+		for _, l := range as.Listeners {
+			l.Stream = placeholderStream
+			all.Listeners = append(all.Listeners, l)
 		}
-		if r.apps[rule.Stream] != nil && (rule.Action == classifier.ActionSteer || rule.Action == classifier.ActionIngest) {
-			return fmt.Errorf("static rule id %d names stream %d, which an application holds", rule.ID, rule.Stream)
+		for _, rule := range as.Rules {
+			if rule.Action != classifier.ActionSteer {
+				return fmt.Errorf("rule id %d: only steer rules can be bound to an application", rule.ID)
+			}
+			rule.Stream = placeholderStream
+			all.Rules = append(all.Rules, rule)
 		}
 	}
-	old := r.static
-	r.static = slices.Clone(rules)
-	t, err := r.compile()
-	if err == nil {
-		err = r.dp.SetTables(t)
-	}
-	if err != nil {
-		r.static = old
+	if err := all.Validate(); err != nil {
 		return err
 	}
-	for _, rule := range old {
-		if rule.ID <= classifier.MaxRuleID {
-			r.usedIDs[rule.ID] = false
+	ids := map[uint32]bool{}
+	for _, l := range all.Listeners {
+		ids[l.ID] = true
+	}
+	for _, rule := range all.Rules {
+		ids[rule.ID] = true
+		if rule.Stream != placeholderStream && r.apps[rule.Stream] != nil &&
+			(rule.Action == classifier.ActionSteer || rule.Action == classifier.ActionIngest) {
+			return fmt.Errorf("rule id %d names stream %d, which an application holds", rule.ID, rule.Stream)
 		}
 	}
-	for _, rule := range r.static {
-		r.usedIDs[rule.ID] = true
+	for id := range ids {
+		if r.usedIDs[id] && !r.static.hasID(id) {
+			return fmt.Errorf("id %d is in use by an application's listener or flows (keep static ids below %d)", id, r.firstID)
+		}
+	}
+	for _, a := range r.apps {
+		for _, l := range st.Apps[a.name].Listeners {
+			for _, c := range r.byPort[portKey{l.Protocol, l.Port}] {
+				if c.listener && overlaps(c.addr, l.Addr) && (c.app != r.named[a.name] || r.named[a.name] == nil) {
+					return fmt.Errorf("listener id %d: %v port %d is held by application %q", l.ID, l.Protocol, l.Port, c.app.name)
+				}
+			}
+		}
+	}
+	before := make(map[uint32]Ownership, len(r.apps))
+	for id, a := range r.apps {
+		before[id] = a.ownership()
+	}
+	old, oldNamed := r.static, r.named
+	r.static = st
+	r.named = make(map[string]*app)
+	for _, a := range r.apps {
+		a.static = nil
+	}
+	for _, a := range oldNamed { // holders keep their name
+		if _, ok := st.Apps[a.name]; ok {
+			r.bind(a)
+		}
+	}
+	for _, a := range r.apps {
+		if _, ok := st.Apps[a.name]; ok && r.named[a.name] == nil {
+			r.bind(a)
+		}
+	}
+	restore := func() {
+		r.static, r.named = old, oldNamed
+		for _, a := range r.apps {
+			a.static = nil
+		}
+		for _, a := range oldNamed {
+			r.bind(a)
+		}
+		for id := range r.apps {
+			r.dp.SetOwnership(id, before[id])
+		}
+	}
+	t, err := r.compile()
+	if err != nil {
+		restore()
+		return err
+	}
+	// Ownership widens to old and new ports before the tables change and
+	// narrows to the new ones after, so no packet of either is refused
+	// in between.
+	for id, a := range r.apps {
+		if err := r.dp.SetOwnership(id, union(before[id], a.ownership())); err != nil {
+			restore()
+			return dataplaneErr(err)
+		}
+	}
+	if err := r.dp.SetTables(t); err != nil {
+		restore()
+		return dataplaneErr(err)
+	}
+	for id, a := range r.apps {
+		r.dp.SetOwnership(id, a.ownership())
+	}
+	for id := range r.usedIDs {
+		if r.usedIDs[id] && old.hasID(uint32(id)) {
+			r.usedIDs[id] = false
+		}
+	}
+	for id := range ids {
+		r.usedIDs[id] = true
 	}
 	return nil
 }
 
-func (r *registry) isStaticID(id uint32) bool {
-	for _, rule := range r.static {
+// bind gives a its name's static entries.
+func (r *registry) bind(a *app) {
+	as := r.static.Apps[a.name]
+	a.static = &as
+	r.named[a.name] = a
+}
+
+// union is the ownership of both x and y.
+func union(x, y Ownership) Ownership {
+	out := Ownership{Addrs: slices.Clone(x.Addrs), Ports: slices.Clone(x.Ports)}
+	for _, a := range y.Addrs {
+		if !slices.Contains(out.Addrs, a) {
+			out.Addrs = append(out.Addrs, a)
+		}
+	}
+	for _, p := range y.Ports {
+		if !slices.Contains(out.Ports, p) {
+			out.Ports = append(out.Ports, p)
+		}
+	}
+	return out
+}
+
+func (st *Static) hasID(id uint32) bool {
+	for _, rule := range st.Rules {
 		if rule.ID == id {
 			return true
+		}
+	}
+	for _, as := range st.Apps {
+		for _, l := range as.Listeners {
+			if l.ID == id {
+				return true
+			}
+		}
+		for _, rule := range as.Rules {
+			if rule.ID == id {
+				return true
+			}
 		}
 	}
 	return false
@@ -156,8 +303,18 @@ func (r *registry) isStaticID(id uint32) bool {
 
 // compile builds the tables from the static rules and every claim.
 func (r *registry) compile() (*classifier.Tables, error) {
-	set := classifier.RuleSet{Rules: r.static}
+	set := classifier.RuleSet{Rules: slices.Clone(r.static.Rules)}
 	for _, a := range r.apps {
+		if a.static != nil {
+			for _, l := range a.static.Listeners {
+				l.Stream = a.stream
+				set.Listeners = append(set.Listeners, l)
+			}
+			for _, rule := range a.static.Rules {
+				rule.Stream = a.stream
+				set.Rules = append(set.Rules, rule)
+			}
+		}
 		for _, c := range a.claims {
 			if c.listener {
 				set.Listeners = append(set.Listeners, classifier.Listener{
@@ -174,13 +331,33 @@ func (r *registry) compile() (*classifier.Tables, error) {
 	return classifier.Compile(&set)
 }
 
-// ownership is what a's stream may send.
+// ownership is what a's stream may send: its claims' ports and those of
+// its static entries.
 func (a *app) ownership() Ownership {
 	own := Ownership{Addrs: slices.Clone(a.policy.Addrs)}
-	for _, c := range a.claims {
-		pc := PortClaim{Proto: c.proto, Port: c.port}
+	add := func(proto classifier.Protocol, port uint16) {
+		pc := PortClaim{Proto: proto, Port: port}
 		if !slices.Contains(own.Ports, pc) {
 			own.Ports = append(own.Ports, pc)
+		}
+	}
+	for _, c := range a.claims {
+		add(c.proto, c.port)
+	}
+	if as := a.static; as != nil {
+		for _, l := range as.Listeners {
+			add(l.Protocol, l.Port)
+		}
+		for _, rule := range as.Rules {
+			if rule.DstPorts.Lo != rule.DstPorts.Hi || rule.DstPorts.IsAny() {
+				continue
+			}
+			if rule.Protocol != classifier.ProtoUDP {
+				add(classifier.ProtoTCP, rule.DstPorts.Lo)
+			}
+			if rule.Protocol != classifier.ProtoTCP {
+				add(classifier.ProtoUDP, rule.DstPorts.Lo)
+			}
 		}
 	}
 	slices.SortFunc(own.Ports, func(x, y PortClaim) int {
@@ -203,10 +380,15 @@ func dataplaneErr(err error) error {
 
 // register adds an application: it picks a stream id and a flow counter id
 // and calls attach, which creates the stream and adds it to the data
-// plane. On any error nothing is left behind.
+// plane; then the static entries bound to the application's name, if any,
+// start steering to it. On any error nothing is left behind.
 func (r *registry) register(name string, pol Policy, attach func(id uint32, own Ownership) error) (*app, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	_, bound := r.static.Apps[name]
+	if holder := r.named[name]; bound && holder != nil {
+		return nil, fmt.Errorf("%w: application %q is registered already (stream %d) and holds its configured listeners", ErrPortInUse, name, holder.stream)
+	}
 	id, ok := r.freeStream()
 	if !ok {
 		return nil, fmt.Errorf("%w: no free stream id", ErrQuota)
@@ -216,11 +398,29 @@ func (r *registry) register(name string, pol Policy, attach func(id uint32, own 
 		return nil, fmt.Errorf("%w: no free counter id", ErrQuota)
 	}
 	a := &app{name: name, stream: id, policy: pol, flowID: flowID, claims: make(map[uint64]*claim)}
+	if bound {
+		as := r.static.Apps[name]
+		a.static = &as
+	}
 	if err := attach(id, a.ownership()); err != nil {
 		r.usedIDs[flowID] = false
 		return nil, err
 	}
 	r.apps[id] = a
+	if bound {
+		r.named[name] = a
+		t, err := r.compile()
+		if err == nil {
+			err = r.dp.SetTables(t)
+		}
+		if err != nil {
+			delete(r.apps, id)
+			delete(r.named, name)
+			r.usedIDs[flowID] = false
+			r.dp.RemoveStream(id)
+			return nil, dataplaneErr(err)
+		}
+	}
 	return a, nil
 }
 
@@ -240,7 +440,7 @@ func (r *registry) freeStream() (uint32, bool) {
 }
 
 func (r *registry) staticStream(id uint32) bool {
-	for _, rule := range r.static {
+	for _, rule := range r.static.Rules {
 		if rule.Stream == id && (rule.Action == classifier.ActionSteer || rule.Action == classifier.ActionIngest) {
 			return true
 		}
@@ -248,10 +448,14 @@ func (r *registry) staticStream(id uint32) bool {
 	return false
 }
 
-// allocID takes a free listener/flow counter id.
+// allocID takes a free listener/flow counter id at or above firstID.
 func (r *registry) allocID() (uint32, bool) {
-	for range classifier.MaxRuleID {
-		r.idCursor = r.idCursor%classifier.MaxRuleID + 1
+	for range classifier.MaxRuleID - r.firstID + 1 {
+		if r.idCursor < r.firstID || r.idCursor >= classifier.MaxRuleID {
+			r.idCursor = r.firstID
+		} else {
+			r.idCursor++
+		}
 		if !r.usedIDs[r.idCursor] {
 			r.usedIDs[r.idCursor] = true
 			return r.idCursor, true
@@ -274,6 +478,9 @@ func (r *registry) unregister(a *app) error {
 	}
 	a.claims = map[uint64]*claim{}
 	delete(r.apps, a.stream)
+	if r.named[a.name] == a {
+		delete(r.named, a.name)
+	}
 	r.usedIDs[a.flowID] = false
 	var errs []error
 	if t, err := r.compile(); err != nil {
@@ -380,6 +587,13 @@ func (r *registry) listen(a *app, proto classifier.Protocol, addr netip.Addr, po
 		if !a.policy.mayListen(port) {
 			return nil, fmt.Errorf("%w: port %d is not among this application's ports", ErrNotPermitted, port)
 		}
+		if owner := r.staticHolder(proto, port, addr); owner != "" {
+			who := fmt.Sprintf("application %q by configuration", owner)
+			if owner == a.name {
+				who = "this application's configuration"
+			}
+			return nil, fmt.Errorf("%w: %v port %d on %v is held by %s", ErrPortInUse, proto, port, anyAddr(addr), who)
+		}
 		for _, c := range r.byPort[portKey{proto, port}] {
 			if c.listener && overlaps(c.addr, addr) {
 				who := fmt.Sprintf("application %q (stream %d)", c.app.name, c.app.stream)
@@ -395,6 +609,19 @@ func (r *registry) listen(a *app, proto classifier.Protocol, addr netip.Addr, po
 		return nil, err
 	}
 	return c, nil
+}
+
+// staticHolder names the application whose configured listener covers
+// proto addr:port, or returns "".
+func (r *registry) staticHolder(proto classifier.Protocol, port uint16, addr netip.Addr) string {
+	for name, as := range r.static.Apps {
+		for _, l := range as.Listeners {
+			if l.Protocol == proto && l.Port == port && overlaps(l.Addr, addr) {
+				return name
+			}
+		}
+	}
+	return ""
 }
 
 func anyAddr(a netip.Addr) string {
@@ -464,7 +691,7 @@ func (r *registry) freePort(proto classifier.Protocol) (uint16, error) {
 		} else {
 			cur++
 		}
-		if len(r.byPort[portKey{proto, cur}]) == 0 {
+		if len(r.byPort[portKey{proto, cur}]) == 0 && r.staticHolder(proto, cur, netip.Addr{}) == "" {
 			r.portCur[proto] = cur
 			return cur, nil
 		}
@@ -504,8 +731,9 @@ func (r *registry) release(a *app, id uint64) error {
 type AppInfo struct {
 	Name      string
 	Stream    uint32
-	Listeners int
-	Flows     int
+	Listeners int         // listeners it asked for
+	Flows     int         // connections it asked for
+	Ports     []PortClaim // every port its stream owns, configured ones included
 }
 
 func (r *registry) snapshot() []AppInfo {
@@ -513,7 +741,7 @@ func (r *registry) snapshot() []AppInfo {
 	defer r.mu.Unlock()
 	out := make([]AppInfo, 0, len(r.apps))
 	for _, a := range r.apps {
-		info := AppInfo{Name: a.name, Stream: a.stream}
+		info := AppInfo{Name: a.name, Stream: a.stream, Ports: a.ownership().Ports}
 		for _, c := range a.claims {
 			if c.listener {
 				info.Listeners++

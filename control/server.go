@@ -36,6 +36,9 @@ type Policy struct {
 	// MaxSlots bounds the depth of each of the stream's rings. Default
 	// 4096.
 	MaxSlots int
+	// UIDs, if not empty, are the only local users (by the control
+	// socket's peer credentials) that may register under this name.
+	UIDs []uint32
 }
 
 func (p *Policy) mayListen(port uint16) bool {
@@ -68,15 +71,22 @@ type Config struct {
 	// Stream is the default shape of a local application's stream; an
 	// application may ask for other ring depths within its MaxSlots.
 	Stream fabric.Config
-	// StaticRules are the configured rules; SetStaticRules replaces them.
-	StaticRules []classifier.Rule
+	// Static is the configured classification; SetStatic replaces it.
+	Static Static
+	// FirstDynamicID is the lowest counter id the server gives to
+	// listeners and flows. Keep the static entries' ids below it, so that
+	// a reload adding one never finds its id taken. Default 1.
+	FirstDynamicID uint32
 	// Default applies to applications not named in Apps.
 	Default Policy
+	// RefuseUnlisted refuses applications not named in Apps.
+	RefuseUnlisted bool
 	// Apps holds per-application policies by name.
 	Apps map[string]Policy
-	// Secrets are the shared secrets of remote applications by name
-	// (at least MinSecretSize bytes each). A remote application without one
-	// cannot connect.
+	// Secret is the secret remote applications share with the bridge (at
+	// least MinSecretSize bytes); Secrets overrides it per application.
+	// A remote application with neither cannot connect.
+	Secret  []byte
 	Secrets map[string][]byte
 	// Remote is the bridge's GENEVE endpoint for remote applications; nil
 	// refuses them.
@@ -128,6 +138,9 @@ func NewServer(cfg Config) (*Server, error) {
 	if cfg.Remote != nil && !cfg.RemoteAdvertise.IsValid() {
 		cfg.RemoteAdvertise = cfg.Remote.LocalAddr()
 	}
+	if cfg.Secret != nil && len(cfg.Secret) < MinSecretSize {
+		return nil, fmt.Errorf("control: the shared secret is %d bytes, at least %d needed", len(cfg.Secret), MinSecretSize)
+	}
 	for name, s := range cfg.Secrets {
 		if len(s) < MinSecretSize {
 			return nil, fmt.Errorf("control: secret of application %q is %d bytes, at least %d needed", name, len(s), MinSecretSize)
@@ -138,7 +151,7 @@ func NewServer(cfg Config) (*Server, error) {
 			return nil, fmt.Errorf("control: %v is not a usable application address", a)
 		}
 	}
-	reg, err := newRegistry(cfg.Dataplane, cfg.Ephemeral, cfg.StaticRules)
+	reg, err := newRegistry(cfg.Dataplane, cfg.Ephemeral, cfg.FirstDynamicID, cfg.Static)
 	if err != nil {
 		return nil, fmt.Errorf("control: static rules: %w", err)
 	}
@@ -170,11 +183,12 @@ func (s *Server) policy(name string) Policy {
 	return p
 }
 
-// SetStaticRules replaces the static rules (a configuration reload). The
-// applications' listeners and flows are kept; if the new rules do not fit
-// with them, or the data plane refuses, nothing changes.
-func (s *Server) SetStaticRules(rules []classifier.Rule) error {
-	return s.reg.setStatic(rules)
+// SetStatic replaces the configured classification (a reload). What
+// applications asked for is kept, so established connections survive; if
+// the new entries do not fit with it, or the data plane refuses, nothing
+// changes.
+func (s *Server) SetStatic(st Static) error {
+	return s.reg.setStatic(st)
 }
 
 // Apps lists the registered applications.
@@ -453,7 +467,16 @@ func (ss *session) hello(req *Request) (Reply, []int, error) {
 	if !validName(req.App) {
 		return Reply{}, nil, errEnd{fmt.Errorf("%w: application name must be 1-64 characters of [A-Za-z0-9._-]", ErrBadRequest)}
 	}
+	if _, listed := ss.srv.cfg.Apps[req.App]; !listed && ss.srv.cfg.RefuseUnlisted {
+		return Reply{}, nil, errEnd{fmt.Errorf("%w: application %q is not configured on this bridge", ErrNotPermitted, req.App)}
+	}
 	if !ss.remote {
+		if uids := ss.srv.policy(req.App).UIDs; len(uids) > 0 {
+			uid, err := peerUID(ss.unix)
+			if err != nil || !slices.Contains(uids, uid) {
+				return Reply{}, nil, errEnd{fmt.Errorf("%w: this user may not register as %q", ErrNotPermitted, req.App)}
+			}
+		}
 		ss.name = req.App
 		ss.authed = true
 		return Reply{Version: Version}, nil, nil
@@ -464,12 +487,37 @@ func (ss *session) hello(req *Request) (Reply, []int, error) {
 	ss.name = req.App
 	ss.cnonce = req.Nonce
 	ss.snonce = nonce()
-	ss.secret = ss.srv.cfg.Secrets[req.App]
+	ss.secret = ss.srv.cfg.Secret
+	if s, ok := ss.srv.cfg.Secrets[req.App]; ok {
+		ss.secret = s
+	}
 	key := ss.secret
 	if key == nil {
 		key = nonce() // unknown name: a MAC nobody can check, same shape
 	}
 	return Reply{Version: Version, Nonce: ss.snonce, MAC: proof(key, labelBridge, ss.name, ss.cnonce, ss.snonce)}, nil, nil
+}
+
+// peerUID is the user at the other end of a Unix socket.
+func peerUID(c *net.UnixConn) (uint32, error) {
+	if c == nil {
+		return 0, errors.New("not a Unix socket")
+	}
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return 0, err
+	}
+	var cred *unix.Ucred
+	var gerr error
+	if err := rc.Control(func(fd uintptr) {
+		cred, gerr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
+	}); err != nil {
+		return 0, err
+	}
+	if gerr != nil {
+		return 0, gerr
+	}
+	return cred.Uid, nil
 }
 
 func (ss *session) auth(req *Request) (Reply, []int, error) {

@@ -14,12 +14,25 @@ import (
 //	4      u24  VNI = stream id, big-endian; then u8 reserved
 //	8      options, then the inner IP packet
 //
-// Credit updates are control packets (O set, no payload, protocol type 0)
-// carrying one option in the experimental class range: class 0xFFF0,
-// type 0x01, length 1 word, value = u32 big-endian count of packets the
-// receiver has consumed on that stream since it was registered.
-// Because the standard port and header are used, tshark and Wireshark
-// decode the traffic as GENEVE without configuration.
+// Fabric control messages are GENEVE control packets (O set, no payload)
+// with protocol type 0x88B5, IEEE 802's "Local Experimental Ethertype 1",
+// the one value set aside for private protocols that are never assigned
+// to anything else: RFC 8926 makes the field an Ethertype and asks nothing
+// more of control packets, and 0 would be a non-Ethertype that analysers
+// show as an error. Their options come from the option class range
+// 0xFFF0-0xFFFF that IANA reserves for experimental use:
+//
+//	class 0xFFF0, type 0x01, length 1 word: credit, a u32 big-endian count
+//	    of packets the sender of the option has consumed on that stream
+//	    since it was registered. Sent when it changes and, unchanged, as
+//	    the stream's keepalive.
+//	class 0xFFF0, type 0x02, length 0: goodbye, the sender closed the
+//	    stream; the receiver breaks its end once it has drained it.
+//
+// A control packet with another protocol type, or a data packet with the
+// O bit, is refused as malformed. Because the standard port and header
+// are used, tshark and Wireshark decode the traffic as GENEVE without
+// configuration (TestTsharkDecodesGeneve checks it).
 
 const (
 	// GenevePort is the IANA port for GENEVE.
@@ -28,11 +41,14 @@ const (
 	geneveHdrLen   = 8
 	protoIPv4      = 0x0800
 	protoIPv6      = 0x86DD
+	protoControl   = 0x88B5 // IEEE 802 Local Experimental Ethertype 1
 	flagControl    = 0x80
 	flagCritical   = 0x40
-	creditOptClass = 0xFFF0
+	fabricOptClass = 0xFFF0
 	creditOptType  = 0x01
+	closeOptType   = 0x02
 	creditMsgLen   = geneveHdrLen + 8
+	closeMsgLen    = geneveHdrLen + 4
 	maxVNI         = 1<<24 - 1
 )
 
@@ -49,11 +65,18 @@ func putGeneve(b []byte, vni uint32, proto uint16, optWords uint8, control bool)
 }
 
 func putCredit(b []byte, vni, consumed uint32) {
-	putGeneve(b, vni, 0, 2, true)
-	binary.BigEndian.PutUint16(b[8:], creditOptClass)
+	putGeneve(b, vni, protoControl, 2, true)
+	binary.BigEndian.PutUint16(b[8:], fabricOptClass)
 	b[10] = creditOptType
 	b[11] = 1
 	binary.BigEndian.PutUint32(b[12:], consumed)
+}
+
+func putGoodbye(b []byte, vni uint32) {
+	putGeneve(b, vni, protoControl, 1, true)
+	binary.BigEndian.PutUint16(b[8:], fabricOptClass)
+	b[10] = closeOptType
+	b[11] = 0
 }
 
 // geneveMsg is a parsed datagram; payload aliases the input.
@@ -63,6 +86,7 @@ type geneveMsg struct {
 	control   bool
 	hasCredit bool
 	credit    uint32
+	goodbye   bool
 	payload   []byte
 }
 
@@ -93,8 +117,10 @@ func parseGeneve(b []byte) (geneveMsg, error) {
 			return m, errMalformed
 		}
 		switch {
-		case class == creditOptClass && typ == creditOptType && l == 8:
+		case class == fabricOptClass && typ == creditOptType && l == 8:
 			m.hasCredit, m.credit = true, binary.BigEndian.Uint32(opts[4:])
+		case class == fabricOptClass && typ == closeOptType && l == 4:
+			m.goodbye = true
 		case typ&0x80 != 0 && critical:
 			return m, errMalformed // unknown critical option: must drop
 		}
@@ -102,6 +128,9 @@ func parseGeneve(b []byte) (geneveMsg, error) {
 	}
 	m.payload = b[geneveHdrLen+optLen:]
 	if m.control {
+		if m.proto != protoControl {
+			return m, errMalformed
+		}
 		return m, nil
 	}
 	if len(m.payload) == 0 {

@@ -151,20 +151,29 @@ func startPeer(t *testing.T, cfg Config, mode string, env ...string) (*Stream, *
 	}
 	acc := make(chan res, 1)
 	go func() { s, err := l.Accept(); acc <- res{s, err} }()
+	var r res
 	select {
-	case r := <-acc:
-		if r.err != nil {
-			t.Fatal(r.err)
-		}
-		t.Cleanup(func() { r.s.Close() })
-		return r.s, p
+	case r = <-acc:
 	case <-p.exited:
-		t.Fatalf("peer exited before attaching: %v", p.err)
+		// A peer may attach and exit (the "die" mode) before Accept
+		// returns: Accept's outcome decides, and it comes soon now.
+		select {
+		case r = <-acc:
+		case <-time.After(10 * time.Second):
+			t.Fatalf("peer exited (%v) and Accept never returned", p.err)
+		}
+		if r.err != nil {
+			t.Fatalf("peer exited before attaching: %v (accept: %v)", p.err, r.err)
+		}
 	case <-time.After(10 * time.Second):
 		cmd.Process.Kill()
 		t.Fatal("peer did not attach")
 	}
-	return nil, nil
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	t.Cleanup(func() { r.s.Close() })
+	return r.s, p
 }
 
 func (p *peerProc) expectLine(t *testing.T, want string) {

@@ -330,13 +330,17 @@ func (s *Stream) tryRecvLocked(bufs [][]byte, meta []uint32) (int, error) {
 	if err := s.dead(); err != nil {
 		return 0, err
 	}
+	// Look at the peer's state before the ring: it publishes its last
+	// packets before it leaves, so a ring found empty after the departure
+	// was seen is empty for good.
+	left := s.peerLeft()
 	n, err := s.recv.ConsumeMeta(bufs, meta)
 	s.received.Add(uint64(n))
 	if err != nil {
 		s.markBroken(err)
 		return n, s.Err()
 	}
-	if n == 0 && s.peerLeft() {
+	if n == 0 && left {
 		// Drain first, then report the peer's departure.
 		s.markBroken(ErrPeerGone)
 		return 0, s.Err()

@@ -2,6 +2,7 @@ package appliance
 
 import (
 	"fmt"
+	"strconv"
 
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 )
@@ -15,6 +16,8 @@ var (
 		Help: "Static listeners and rules in the configuration in force, by kind."}
 	famApps = metrics.Family{Name: "fabricbridge_applications_connected", Type: metrics.Gauge,
 		Help: "Applications connected to the control plane."}
+	famAppClaims = metrics.Family{Name: "fabricbridge_application_claims", Type: metrics.Gauge,
+		Help: "Listeners and flows each connected application holds."}
 )
 
 // collect writes every metric of the daemon for one scrape.
@@ -22,10 +25,16 @@ func (d *Daemon) collect(w *metrics.Writer) {
 	w.Add(famStart, float64(d.started.UnixNano())/1e9)
 	w.AddUint(famReloads, d.reloadsOK.Load(), metrics.L("result", "ok")...)
 	w.AddUint(famReloads, d.reloadsKO.Load(), metrics.L("result", "error")...)
-	cfg, streams, _ := d.book.snapshot()
+	cfg := d.Config()
 	w.Add(famStatic, float64(len(cfg.Listeners)), metrics.L("kind", "listener")...)
 	w.Add(famStatic, float64(len(cfg.Rules)), metrics.L("kind", "rule")...)
-	w.Add(famApps, float64(len(streams)))
+	apps := d.Apps()
+	w.Add(famApps, float64(len(apps)))
+	for _, a := range apps {
+		s := strconv.FormatUint(uint64(a.Stream), 10)
+		w.Add(famAppClaims, float64(a.Listeners), metrics.L("app", a.Name, "stream", s, "kind", "listener")...)
+		w.Add(famAppClaims, float64(a.Flows), metrics.L("app", a.Name, "stream", s, "kind", "flow")...)
+	}
 	names := cfg.RuleNames()
 	d.plane.Collect(w, func(id uint32) string {
 		if n, ok := names[id]; ok {

@@ -18,6 +18,8 @@ import (
 
 	"github.com/fabricbridge/fabricbridge/appliance/config"
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
+	"github.com/fabricbridge/fabricbridge/control"
+	"github.com/fabricbridge/fabricbridge/fabric"
 )
 
 // Options are the daemon's settings that do not come from the file.
@@ -34,7 +36,12 @@ type Daemon struct {
 	home    home
 	lock    *runLock
 	plane   dataplane
-	book    *ruleBook
+	server  *control.Server
+	unixLn  *net.UnixListener
+	tcpLn   net.Listener
+	remote  *fabric.Remote
+	cfg     atomic.Pointer[config.Config]
+	serving sync.WaitGroup
 	metrics *http.Server
 	metAddr net.Addr
 	started time.Time
@@ -62,8 +69,10 @@ func NewLogger(w io.Writer, c config.Log) (*slog.Logger, *slog.LevelVar) {
 
 // Start brings the daemon up in the calling thread's network namespace:
 // clears a crashed predecessor's leftovers, reserves the applications' port
-// range, attaches the data plane to the interfaces, installs the rules and
-// starts the metrics endpoint. On error everything already done is undone.
+// range, attaches the data plane to the interfaces, installs the rules,
+// opens the control plane (the Unix socket, and TCP with the remote
+// transport if configured) and starts the metrics endpoint. On error
+// everything already done is undone.
 func Start(cfg *config.Config, opts Options) (_ *Daemon, err error) {
 	out := opts.Log
 	if out == nil {
@@ -102,11 +111,29 @@ func Start(cfg *config.Config, opts Options) (_ *Daemon, err error) {
 	if d.plane, err = openXDP(cfg, d.log); err != nil {
 		return nil, err
 	}
-	d.book = newRuleBook(cfg, d.plane.SetTables)
-	if err := d.book.load(); err != nil {
+	d.cfg.Store(cfg)
+	if cfg.Control.TCP.Address != "" {
+		if d.tcpLn, d.remote, err = listenTCP(cfg); err != nil {
+			return nil, err
+		}
+	}
+	cc, err := controlConfig(cfg, d.plane, d.remote, d.log)
+	if err != nil {
+		return nil, err
+	}
+	if d.server, err = control.NewServer(cc); err != nil {
 		return nil, fmt.Errorf("install rules: %w", err)
 	}
-	d.log.Info("rules installed", "listeners", len(cfg.Listeners), "rules", len(cfg.Rules))
+	d.log.Info("rules installed", "rules", len(cc.Static.Rules), "application_entries", len(cfg.Listeners)+len(cfg.Rules)-len(cc.Static.Rules))
+	if d.unixLn, err = listenUnix(cfg); err != nil {
+		return nil, err
+	}
+	d.serve("unix", func() error { return d.server.ServeLocal(d.unixLn) })
+	d.log.Info("control socket", "path", cfg.Control.Socket, "mode", fmt.Sprintf("%04o", cfg.Control.SocketMode))
+	if d.tcpLn != nil {
+		d.serve("tcp", func() error { return d.server.ServeRemote(d.tcpLn) })
+		d.log.Info("remote control plane", "address", d.tcpLn.Addr().String(), "auth", cfg.Control.TCP.Auth.String(), "geneve", d.remote.LocalAddr().String())
+	}
 
 	if cfg.Metrics.Address != "" {
 		ln, err := net.Listen("tcp", string(cfg.Metrics.Address))
@@ -124,13 +151,38 @@ func Start(cfg *config.Config, opts Options) (_ *Daemon, err error) {
 	return d, nil
 }
 
+// serve runs a control listener's accept loop; it ends when the listener
+// is closed.
+func (d *Daemon) serve(name string, loop func() error) {
+	d.serving.Add(1)
+	go func() {
+		defer d.serving.Done()
+		if err := loop(); err != nil {
+			d.log.Error("control listener failed", "listener", name, "error", err)
+		}
+	}()
+}
+
 // MetricsAddr is where /metrics is served, or nil.
 func (d *Daemon) MetricsAddr() net.Addr { return d.metAddr }
 
+// ControlAddr is the remote control plane's TCP address, or nil.
+func (d *Daemon) ControlAddr() net.Addr {
+	if d.tcpLn == nil {
+		return nil
+	}
+	return d.tcpLn.Addr()
+}
+
 // Config returns the configuration in force.
-func (d *Daemon) Config() *config.Config {
-	cfg, _, _ := d.book.snapshot()
-	return cfg
+func (d *Daemon) Config() *config.Config { return d.cfg.Load() }
+
+// Apps lists the applications connected to the control plane.
+func (d *Daemon) Apps() []control.AppInfo {
+	if d.server == nil {
+		return nil
+	}
+	return d.server.Apps()
 }
 
 // restartOnly lists the sections a reload cannot change: they size or bind
@@ -146,14 +198,16 @@ var restartOnly = []struct {
 	{"ingest", func(c *config.Config) any { return c.Ingest }},
 	{"control", func(c *config.Config) any { return c.Control }},
 	{"metrics", func(c *config.Config) any { return c.Metrics }},
+	{"applications", func(c *config.Config) any { return c.Applications }},
+	{"default_quota", func(c *config.Config) any { return c.DefaultQuota }},
 }
 
-// Reload applies a new configuration's listeners, rules, applications,
-// quotas and log settings in one atomic table swap. Established flows and
-// the listeners applications registered are untouched. Sections that only a
-// restart can change are kept and named in the log; a changed ingest
-// section refuses the reload, because the new rules may name rings that do
-// not exist. On error nothing changes.
+// Reload applies a new configuration's rules and log settings in one atomic
+// table swap. Established flows and the listeners applications registered
+// are untouched. Sections that only a restart can change are kept and named
+// in the log (applications and quotas among them: the control server takes
+// policies at start); a changed ingest section refuses the reload, because
+// the new rules may name rings that do not exist. On error nothing changes.
 func (d *Daemon) Reload(next *config.Config) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -163,8 +217,7 @@ func (d *Daemon) Reload(next *config.Config) error {
 	cur := d.Config()
 	merged := *cur
 	merged.File = next.File
-	merged.Listeners, merged.Rules = next.Listeners, next.Rules
-	merged.Applications, merged.DefaultQuota, merged.Log = next.Applications, next.DefaultQuota, next.Log
+	merged.Listeners, merged.Rules, merged.Log = next.Listeners, next.Rules, next.Log
 	var kept []string
 	for _, s := range restartOnly {
 		if !reflect.DeepEqual(s.get(cur), s.get(next)) {
@@ -172,15 +225,16 @@ func (d *Daemon) Reload(next *config.Config) error {
 		}
 	}
 	for _, f := range kept {
-		if f == "ingest" {
+		if f == "ingest" || f == "applications" {
 			d.reloadsKO.Add(1)
-			return errors.New("reload: the ingest section changed; that needs a restart (rules were not changed)")
+			return fmt.Errorf("reload: the %s section changed; that needs a restart (rules were not changed)", f)
 		}
 	}
-	if err := d.book.setConfig(&merged); err != nil {
+	if err := d.server.SetStatic(static(&merged)); err != nil {
 		d.reloadsKO.Add(1)
 		return fmt.Errorf("reload: %w", err)
 	}
+	d.cfg.Store(&merged)
 	d.level.Set(slog.Level(next.Log.Level))
 	d.reloadsOK.Add(1)
 	if len(kept) > 0 {
@@ -207,6 +261,20 @@ func (d *Daemon) Close() error {
 
 func (d *Daemon) shutdown() error {
 	var errs []error
+	if d.server != nil {
+		// Ends every session: each application loses what it held, as if
+		// it had disconnected, and its stream is closed.
+		errs = append(errs, d.server.Close())
+	}
+	for _, l := range []io.Closer{d.unixLn, d.tcpLn} {
+		if l != nil && !reflect.ValueOf(l).IsNil() {
+			l.Close()
+		}
+	}
+	d.serving.Wait()
+	if d.remote != nil {
+		errs = append(errs, d.remote.Close())
+	}
 	if d.metrics != nil {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 		errs = append(errs, d.metrics.Shutdown(ctx))

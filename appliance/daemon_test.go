@@ -53,15 +53,17 @@ func newTopo(t *testing.T) *topo {
 	return &topo{bridge: b, outside: o, v: v, dir: t.TempDir()}
 }
 
-// config renders a configuration for the topology; extra is appended.
-func (tp *topo) config(t *testing.T, extra string) *config.Config {
+// config renders a configuration for the topology; extra is appended,
+// control (lines indented by two spaces) goes into the control section.
+func (tp *topo) config(t *testing.T, extra string, control ...string) *config.Config {
 	t.Helper()
 	text := fmt.Sprintf(`interfaces: [{name: %s}]
 addresses: [%s]
-control: {socket: %s}
 metrics: {address: "127.0.0.1:0"}
 log: {level: debug}
-`, tp.v.A.Name, tp.v.A.Addr4.Addr(), filepath.Join(tp.dir, "control.sock")) + extra
+control:
+  socket: %s
+%s`, tp.v.A.Name, tp.v.A.Addr4.Addr(), filepath.Join(tp.dir, "control.sock"), strings.Join(control, "")) + extra
 	path := filepath.Join(tp.dir, "fabricbridge.yaml")
 	if err := os.WriteFile(path, []byte(text), 0o644); err != nil {
 		t.Fatal(err)

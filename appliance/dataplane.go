@@ -6,17 +6,20 @@ import (
 	"log/slog"
 	"net"
 	"strconv"
+	"sync"
 
 	"github.com/fabricbridge/fabricbridge/appliance/config"
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 	"github.com/fabricbridge/fabricbridge/classifier"
+	"github.com/fabricbridge/fabricbridge/control"
 	"github.com/fabricbridge/fabricbridge/ebpf"
+	"github.com/fabricbridge/fabricbridge/fabric"
 )
 
-// dataplane is what the daemon needs of the data plane.
+// dataplane is what the daemon needs of the data plane: what the control
+// server drives, plus metrics and shutdown.
 type dataplane interface {
-	// SetTables installs a complete rule set atomically.
-	SetTables(*classifier.Tables) error
+	control.Dataplane
 	// Collect writes the data plane's metrics; names label rule ids.
 	Collect(w *metrics.Writer, names func(id uint32) string)
 	// Close detaches from the interfaces and releases everything.
@@ -25,10 +28,14 @@ type dataplane interface {
 
 // xdpPlane is the classifier alone: the XDP program attached to every
 // configured interface, with no AF_XDP sockets behind it, so steered and
-// ingested frames fall back to the kernel (counted as failed redirects).
+// ingested frames fall back to the kernel (counted as failed redirects),
+// and application streams are accepted and accounted but carry nothing.
 // It is the data plane until the bridge is wired in.
 type xdpPlane struct {
 	ifaces []*xdpIface
+
+	mu      sync.Mutex
+	streams map[uint32]control.Ownership
 }
 
 type xdpIface struct {
@@ -38,7 +45,7 @@ type xdpIface struct {
 }
 
 func openXDP(cfg *config.Config, log *slog.Logger) (_ *xdpPlane, err error) {
-	p := &xdpPlane{}
+	p := &xdpPlane{streams: map[uint32]control.Ownership{}}
 	defer func() {
 		if err != nil {
 			p.Close()
@@ -85,6 +92,28 @@ func (p *xdpPlane) SetTables(t *classifier.Tables) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+func (p *xdpPlane) AddStream(id uint32, _ *fabric.Stream, own control.Ownership) error {
+	return p.SetOwnership(id, own)
+}
+
+func (p *xdpPlane) AddRemoteStream(id uint32, _ *fabric.RemoteStream, own control.Ownership) error {
+	return p.SetOwnership(id, own)
+}
+
+func (p *xdpPlane) SetOwnership(id uint32, own control.Ownership) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.streams[id] = own
+	return nil
+}
+
+func (p *xdpPlane) RemoveStream(id uint32) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	delete(p.streams, id)
+	return nil
 }
 
 func (p *xdpPlane) Close() error {

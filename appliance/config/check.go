@@ -27,7 +27,7 @@ func (c *Config) check(d *decoder) {
 		// The classifier's own validation is the last word; the checks
 		// above should have caught everything it would refuse, with a
 		// better location.
-		if _, err := classifier.Compile(c.staticRuleSet(nil, true)); err != nil {
+		if _, err := classifier.Compile(c.ruleSet()); err != nil {
 			d.errorAt("rules", "%v", err)
 		}
 	}
@@ -293,6 +293,9 @@ func (c *Config) checkRules(d *decoder, ids map[uint32]string) {
 }
 
 func (c *Config) checkControl(d *decoder) {
+	if c.Control.RefuseUnlisted && len(c.Applications) == 0 {
+		d.errorAt("control.refuse_unlisted", "true, but applications is empty: no application could register")
+	}
 	if c.Control.Socket == "" {
 		d.errorAt("control.socket", "required: the path of the control socket")
 	} else if !filepath.IsAbs(c.Control.Socket) {
@@ -303,7 +306,7 @@ func (c *Config) checkControl(d *decoder) {
 		for _, f := range []struct {
 			name string
 			set  bool
-		}{{"auth", t.Auth != AuthNone}, {"geneve", t.Geneve != ""}, {"cert_file", t.CertFile != ""}, {"key_file", t.KeyFile != ""}, {"client_ca_file", t.ClientCAFile != ""}} {
+		}{{"auth", t.Auth != AuthNone}, {"secret_file", t.SecretFile != ""}, {"geneve", t.Geneve != ""}, {"cert_file", t.CertFile != ""}, {"key_file", t.KeyFile != ""}, {"client_ca_file", t.ClientCAFile != ""}} {
 			if f.set {
 				d.errorAt("control.tcp."+f.name, "set, but control.tcp.address is not: the TCP control plane is off")
 			}
@@ -313,12 +316,15 @@ func (c *Config) checkControl(d *decoder) {
 	if t.Geneve == "" && !specificHost(t.Address) {
 		d.errorAt("control.tcp.geneve", "required when control.tcp.address has no specific host: the address remote applications send their streams to")
 	}
-	secrets := false
+	secrets := t.SecretFile != ""
 	for _, a := range c.Applications {
 		secrets = secrets || a.SecretFile != ""
 	}
 	if !secrets {
-		d.errorAt("control.tcp.address", "set, but no application has a secret_file: no remote application could connect")
+		d.errorAt("control.tcp.address", "set, but neither control.tcp.secret_file nor any application's secret_file is: no remote application could connect")
+	}
+	if t.SecretFile != "" && !filepath.IsAbs(t.SecretFile) {
+		d.errorAt("control.tcp.secret_file", "%q must be an absolute path", t.SecretFile)
 	}
 	switch t.Auth {
 	case AuthNone:

@@ -129,9 +129,12 @@ type Application struct {
 	Ports []PortRange `yaml:"ports"`
 	// Quota fields left at 0 take default_quota's.
 	Quota Quota `yaml:"quota"`
+	// UIDs, if set, are the only local users (by the control socket's peer
+	// credentials) that may register under this name.
+	UIDs []uint32 `yaml:"uids"`
 	// SecretFile holds the secret this application proves when it
-	// connects over TCP (control.tcp); at least 16 bytes. Without one the
-	// application can only use the local control socket.
+	// connects over TCP (control.tcp), instead of control.tcp.secret_file;
+	// at least 16 bytes.
 	SecretFile string `yaml:"secret_file"`
 }
 
@@ -147,19 +150,25 @@ type Quota struct {
 type Control struct {
 	// Socket is the Unix socket local applications connect to; its mode
 	// decides which local users may.
-	Socket     string     `yaml:"socket"`
-	SocketMode FileMode   `yaml:"socket_mode"`
-	TCP        ControlTCP `yaml:"tcp"`
+	Socket     string   `yaml:"socket"`
+	SocketMode FileMode `yaml:"socket_mode"`
+	// RefuseUnlisted refuses applications that the applications list
+	// does not name.
+	RefuseUnlisted bool       `yaml:"refuse_unlisted"`
+	TCP            ControlTCP `yaml:"tcp"`
 }
 
 // ControlTCP is the control plane for applications on other nodes. It is
 // off unless Address is set. Every application proves its secret
-// (applications[].secret_file) with a mutual HMAC challenge-response; with
-// auth: tls the connection is also mutual TLS, encrypted, and the client's
-// certificate must chain to ClientCAFile.
+// (applications[].secret_file, else SecretFile) with a mutual HMAC
+// challenge-response; with auth: tls the connection is also mutual TLS,
+// encrypted, and the client's certificate must chain to ClientCAFile.
 type ControlTCP struct {
 	Address HostPort `yaml:"address"`
 	Auth    Auth     `yaml:"auth"`
+	// SecretFile holds the secret shared by every application without a
+	// secret_file of its own; at least 16 bytes.
+	SecretFile string `yaml:"secret_file"`
 	// Geneve is the UDP endpoint of the remote stream transport; default
 	// the host of Address with port 6081.
 	Geneve HostPort `yaml:"geneve"`

@@ -103,14 +103,14 @@ func TestErrorsArePrecise(t *testing.T) {
 		{"socket mode", base + "control: {socket_mode: 999}\n", []string{`t.yaml:3:24: control.socket_mode: "999" is not an octal permission mode such as 0660`}},
 		{"tcp without auth", base + "control:\n  tcp:\n    address: 198.18.0.1:7070\n", []string{
 			"t.yaml:4:3: control.tcp.auth: required with control.tcp.address: secret or tls",
-			"t.yaml:5:5: control.tcp.address: set, but no application has a secret_file: no remote application could connect",
+			"t.yaml:5:5: control.tcp.address: set, but neither control.tcp.secret_file nor any application's secret_file is: no remote application could connect",
 		}},
 		{"wildcard address needs geneve", base + "applications: [{name: a, secret_file: /s}]\ncontrol:\n  tcp: {address: \":7070\", auth: secret}\n", []string{
 			"t.yaml:5:3: control.tcp.geneve: required when control.tcp.address has no specific host: the address remote applications send their streams to",
 		}},
 		{"secret relative", base + "applications: [{name: a, secret_file: s}]\n", []string{`t.yaml:3:26: applications[0].secret_file: "s" must be an absolute path`}},
 		{"tcp without secrets", base + "control:\n  tcp: {address: \"198.18.0.1:7070\", auth: secret}\n", []string{
-			"t.yaml:4:9: control.tcp.address: set, but no application has a secret_file: no remote application could connect",
+			"t.yaml:4:9: control.tcp.address: set, but neither control.tcp.secret_file nor any application's secret_file is: no remote application could connect",
 		}},
 		{"tls files with secret", base + "applications: [{name: a, secret_file: /s}]\ncontrol:\n  tcp: {address: \"198.18.0.1:7070\", auth: secret, cert_file: /c}\n", []string{
 			"t.yaml:5:51: control.tcp.cert_file: only used with auth: tls",
@@ -119,6 +119,9 @@ func TestErrorsArePrecise(t *testing.T) {
 			"t.yaml:5:3: control.tcp.key_file: required with auth: tls",
 			"t.yaml:5:3: control.tcp.client_ca_file: required with auth: tls",
 		}},
+		{"refuse everyone", base + "control: {refuse_unlisted: true}\n", []string{"t.yaml:3:11: control.refuse_unlisted: true, but applications is empty: no application could register"}},
+		{"uid", base + "applications: [{name: a, uids: [-1]}]\n", []string{`t.yaml:3:33: applications[0].uids[0]: want an integer from 0 to 4294967295, got "-1"`}},
+		{"shared secret without address", base + "control:\n  tcp: {secret_file: /s}\n", []string{"t.yaml:4:9: control.tcp.secret_file: set, but control.tcp.address is not: the TCP control plane is off"}},
 		{"auth without address", base + "control:\n  tcp: {auth: secret}\n", []string{"t.yaml:4:9: control.tcp.auth: set, but control.tcp.address is not: the TCP control plane is off"}},
 		{"auth unknown", base + "control:\n  tcp: {address: \":1\", auth: password}\n", []string{`t.yaml:4:30: control.tcp.auth: "password" is not one of secret, tls`}},
 		{"metrics address", base + "metrics: {address: 9469}\n", []string{`t.yaml:3:20: metrics.address: "9469" is not host:port`}},
@@ -206,6 +209,7 @@ ingest:
 applications:
   - name: web
     secret_file: /etc/fabricbridge/web.secret
+    uids: [0, 1000]
     ports: [80, 8000-8099]
     quota: {ports: 10}
 listeners:
@@ -243,22 +247,27 @@ metrics: {address: ""}
 		t.Errorf("control %+v metrics %+v log %+v", c.Control, c.Metrics, c.Log)
 	}
 
-	// Without the application connected, only the ingest rule is installed.
-	rs := c.RuleSet(nil)
-	if len(rs.Listeners) != 0 || len(rs.Rules) != 1 || rs.Rules[0].ID != 3 {
-		t.Fatalf("rule set without web: %+v", rs)
-	}
+	rules, apps := c.Classification()
 	want := classifier.Rule{ID: 3, Priority: 7, VLAN: 10, IPVersion: 6, Protocol: classifier.ProtoUDP,
 		Src: netip.MustParsePrefix("2001:db8:1::/48"), Dst: netip.MustParsePrefix("2001:db8::1/128"),
 		SrcPorts: classifier.PortRange{Lo: 1, Hi: 1023}, DstPorts: classifier.Port(9000), Action: classifier.ActionIngest, Stream: 1}
-	if rs.Rules[0] != want {
-		t.Errorf("ingest rule:\n%+v\nwant\n%+v", rs.Rules[0], want)
+	if len(rules) != 1 || rules[0] != want {
+		t.Errorf("rules bound to no application:\n%+v\nwant\n%+v", rules, want)
 	}
-	rs = c.RuleSet(map[string]uint32{"web": 42})
-	if len(rs.Listeners) != 2 || len(rs.Rules) != 2 || rs.Listeners[1].Stream != 42 || rs.Rules[1].Stream != 42 || rs.Listeners[1].Addr.IsValid() {
-		t.Fatalf("rule set with web: %+v", rs)
+	web := apps["web"]
+	if len(apps) != 1 || len(web.Listeners) != 2 || len(web.Rules) != 1 {
+		t.Fatalf("application entries: %+v", apps)
 	}
-	if _, err := classifier.Compile(rs); err != nil {
+	if l := web.Listeners[0]; l.ID != 1 || l.Protocol != classifier.ProtoTCP || l.Addr != netip.MustParseAddr("2001:db8::1") || l.Port != 80 || l.Stream != 0 {
+		t.Errorf("listener: %+v", l)
+	}
+	if l := web.Listeners[1]; l.Addr.IsValid() || l.Port != 8053 {
+		t.Errorf("wildcard listener: %+v", l)
+	}
+	if r := web.Rules[0]; r.ID != 4 || r.Action != classifier.ActionSteer || r.DstPorts != (classifier.PortRange{Lo: 8000, Hi: 8099}) {
+		t.Errorf("steer rule: %+v", r)
+	}
+	if _, err := classifier.Compile(c.ruleSet()); err != nil {
 		t.Errorf("the rule set does not compile: %v", err)
 	}
 	if n := c.RuleNames(); n[4] != "web-range" || n[3] != "rule 3" || n[1] != "listener 1" {

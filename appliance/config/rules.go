@@ -6,53 +6,66 @@ import (
 	"github.com/fabricbridge/fabricbridge/classifier"
 )
 
-// RuleSet builds the classifier's rule set from the static listeners and
-// rules. streams maps the names of connected applications to their stream
-// ids; a listener or steer rule whose application is not connected is left
-// out, so its packets reach the kernel as unclaimed packets do, until the
-// application connects and the daemon rebuilds the set.
-func (c *Config) RuleSet(streams map[string]uint32) *classifier.RuleSet {
-	return c.staticRuleSet(streams, false)
+// AppEntries are the static listeners and steer rules bound to one
+// application. Their Stream fields are 0: the control plane fills in the
+// application's stream while it is registered.
+type AppEntries struct {
+	Listeners []classifier.Listener
+	Rules     []classifier.Rule
 }
 
-// staticRuleSet is RuleSet; with allApps every application gets a stand-in
-// stream so that validation sees every rule.
-func (c *Config) staticRuleSet(streams map[string]uint32, allApps bool) *classifier.RuleSet {
-	stream := func(app string) (uint32, bool) {
-		if allApps {
-			return 1, true
-		}
-		s, ok := streams[app]
-		return s, ok
-	}
-	rs := &classifier.RuleSet{}
+// Classification splits the static classification into the rules bound to
+// no application (pass, drop, ingest) and the entries of each application
+// (listeners, steer rules).
+func (c *Config) Classification() (rules []classifier.Rule, apps map[string]AppEntries) {
+	apps = map[string]AppEntries{}
 	for _, l := range c.Listeners {
-		s, ok := stream(l.App)
-		if !ok {
-			continue
-		}
-		rs.Listeners = append(rs.Listeners, classifier.Listener{
-			ID: l.ID, Protocol: classifier.Protocol(l.Protocol), Addr: l.Address.Addr, Port: uint16(l.Port), Stream: s,
-		})
+		e := apps[l.App]
+		e.Listeners = append(e.Listeners, c.listener(l, 0))
+		apps[l.App] = e
 	}
 	for _, r := range c.Rules {
-		cr := classifier.Rule{
-			ID: r.ID, Priority: r.Priority, VLAN: r.Match.VLAN, IPVersion: uint8(r.Match.IP),
-			Protocol: classifier.Protocol(r.Match.Protocol), Src: r.Match.Src.Prefix, Dst: r.Match.Dst.Prefix,
-			SrcPorts: r.Match.SrcPort.Classifier(), DstPorts: r.Match.DstPort.Classifier(),
-			Action: classifier.Action(r.Action),
+		cr := c.rule(r, 0)
+		if cr.Action == classifier.ActionSteer {
+			e := apps[r.App]
+			e.Rules = append(e.Rules, cr)
+			apps[r.App] = e
+			continue
 		}
-		switch cr.Action {
-		case classifier.ActionSteer:
-			s, ok := stream(r.App)
-			if !ok {
-				continue
-			}
-			cr.Stream = s
-		case classifier.ActionIngest:
-			cr.Stream = c.IngestID(r.Ingest)
-		}
-		rs.Rules = append(rs.Rules, cr)
+		rules = append(rules, cr)
+	}
+	return rules, apps
+}
+
+func (c *Config) listener(l Listener, stream uint32) classifier.Listener {
+	return classifier.Listener{ID: l.ID, Protocol: classifier.Protocol(l.Protocol), Addr: l.Address.Addr, Port: uint16(l.Port), Stream: stream}
+}
+
+func (c *Config) rule(r Rule, stream uint32) classifier.Rule {
+	cr := classifier.Rule{
+		ID: r.ID, Priority: r.Priority, VLAN: r.Match.VLAN, IPVersion: uint8(r.Match.IP),
+		Protocol: classifier.Protocol(r.Match.Protocol), Src: r.Match.Src.Prefix, Dst: r.Match.Dst.Prefix,
+		SrcPorts: r.Match.SrcPort.Classifier(), DstPorts: r.Match.DstPort.Classifier(),
+		Action: classifier.Action(r.Action),
+	}
+	switch cr.Action {
+	case classifier.ActionSteer:
+		cr.Stream = stream
+	case classifier.ActionIngest:
+		cr.Stream = c.IngestID(r.Ingest)
+	}
+	return cr
+}
+
+// ruleSet is the whole static classification with every application
+// given a stand-in stream, for validation by the classifier.
+func (c *Config) ruleSet() *classifier.RuleSet {
+	rs := &classifier.RuleSet{}
+	for _, l := range c.Listeners {
+		rs.Listeners = append(rs.Listeners, c.listener(l, 1))
+	}
+	for _, r := range c.Rules {
+		rs.Rules = append(rs.Rules, c.rule(r, 1))
 	}
 	return rs
 }

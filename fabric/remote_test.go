@@ -121,12 +121,13 @@ type remotes struct {
 	addrA  netip.Addr // A's address, of the family under test
 	addrB  netip.Addr
 	v6     bool
+	veth   *netns.Veth
 }
 
 func newRemotes(t *testing.T, v6 bool, cfgA, cfgB RemoteConfig) *remotes {
 	t.Helper()
 	a, b, v := netns.Pair(t, netns.VethOptions{})
-	x := &remotes{a: a, b: b, v6: v6, addrA: v.A.Addr4.Addr(), addrB: v.B.Addr4.Addr()}
+	x := &remotes{a: a, b: b, v6: v6, veth: v, addrA: v.A.Addr4.Addr(), addrB: v.B.Addr4.Addr()}
 	if v6 {
 		x.addrA, x.addrB = v.A.Addr6.Addr(), v.B.Addr6.Addr()
 	}

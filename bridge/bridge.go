@@ -1,0 +1,579 @@
+package bridge
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"maps"
+	"runtime"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
+
+	"github.com/fabricbridge/fabricbridge/bridge/xsk"
+	"github.com/fabricbridge/fabricbridge/classifier"
+	fbebpf "github.com/fabricbridge/fabricbridge/ebpf"
+	"github.com/fabricbridge/fabricbridge/fabric"
+)
+
+// Path is how frames get from the interface to the bridge and back.
+type Path int
+
+// Paths, fastest first. Auto fallback walks them in this order.
+const (
+	// PathAuto, in Config, means: start with the fastest path.
+	PathAuto Path = iota
+	// PathNativeZeroCopy: XDP in the driver, AF_XDP sockets in zero-copy mode.
+	PathNativeZeroCopy
+	// PathNativeCopy: XDP in the driver, AF_XDP sockets copying frames.
+	PathNativeCopy
+	// PathGeneric: XDP on the kernel's skb path, AF_XDP in copy mode.
+	PathGeneric
+	// PathAFPacket: no XDP; TPACKET_V3 rings and the Go reference
+	// classifier.
+	PathAFPacket
+)
+
+var pathNames = [...]string{"auto", "native-zerocopy", "native-copy", "generic", "afpacket"}
+
+func (p Path) String() string {
+	if p >= 0 && int(p) < len(pathNames) {
+		return pathNames[p]
+	}
+	return fmt.Sprintf("path(%d)", int(p))
+}
+
+// ParsePath is the inverse of Path.String.
+func ParsePath(s string) (Path, error) {
+	for i, n := range pathNames {
+		if n == s {
+			return Path(i), nil
+		}
+	}
+	return 0, fmt.Errorf("bridge: unknown path %q (want one of %v)", s, pathNames[:])
+}
+
+// Mode says whether Open may fall back to a slower path.
+type Mode int
+
+const (
+	// ModeAuto tries Config.Path, then every slower path in turn.
+	ModeAuto Mode = iota
+	// ModeStrict uses Config.Path (native zero copy if PathAuto) or fails.
+	ModeStrict
+)
+
+func (m Mode) String() string {
+	if m == ModeStrict {
+		return "strict"
+	}
+	return "auto"
+}
+
+// Config is what Open needs. Zero fields take defaults.
+type Config struct {
+	// Interface is the Ethernet interface's name, in the network namespace
+	// of the thread that calls Open.
+	Interface string
+	// Queues are the receive queues to serve; nil serves all of them.
+	Queues []int
+	Mode   Mode
+	Path   Path
+	// FrameSize (2048 or 4096) and FrameCount size each queue's UMEM; half
+	// the frames receive, half transmit. Defaults 2048 and 4096.
+	FrameSize, FrameCount int
+	// BusyPoll, if positive, turns on busy polling on the AF_XDP sockets.
+	BusyPoll time.Duration
+	// TxBudget is how many packets one stream may send per round (fairness);
+	// default 32, at most 64.
+	TxBudget int
+	// Spin is how long an idle RX loop polls before it sleeps; default 20 µs.
+	Spin   time.Duration
+	Logger *slog.Logger
+
+	// manual (tests): no loops run; tests drive rxOnce and round themselves.
+	manual bool
+}
+
+// Bridge is the data plane on one interface. Its methods are safe for
+// concurrent use.
+type Bridge struct {
+	cfg     Config
+	log     *slog.Logger
+	path    Path
+	ifindex int
+	mtu     int
+	mac     [6]byte
+	tried   []string // what auto fallback tried before path, and why it failed
+
+	nl     *netlink.Handle
+	ns     netns.NsHandle
+	res    *resolver
+	kernel *kernelPath
+	prog   *fbebpf.Program // nil on the AF_PACKET path
+	afp    *afpShared      // nil on the XDP paths
+
+	queues []*queue
+
+	mu         sync.Mutex // serialises control-plane changes
+	streams    atomic.Pointer[streamTable]
+	tables     atomic.Pointer[classifier.Tables]
+	kernelErrs atomic.Uint64
+	closed     bool
+	wg         sync.WaitGroup
+}
+
+// queue is one receive queue: its RX loop and its TX loop, each on a
+// locked OS thread.
+type queue struct {
+	id     int
+	b      *Bridge
+	rx     rxPort
+	tx     *txLoop
+	wakefd int // eventfd: wakes the RX loop (stop, park)
+	stop   atomic.Bool
+	park   atomic.Bool
+	parked chan struct{}
+	resume chan struct{}
+	ep     epoch
+
+	rxPackets, rxBytes, rxRingFull, rxNoStream, rxMalformed atomic.Uint64
+	txPackets, txBytes, txKernel                            atomic.Uint64
+	txRejects                                               [numReasons]atomic.Uint64
+}
+
+// rxPort is where an RX loop takes frames from.
+type rxPort interface {
+	// poll receives one batch and delivers the steered frames through d
+	// (begun by the caller, ended by poll before it recycles the frames).
+	// It returns how many frames it took.
+	poll(d *dispatcher) int
+	// wait sleeps until frames may be there or wakefd is signalled.
+	wait(wakefd int)
+	// kernelStats are the kernel's counters for the queue.
+	kernelStats() (fillEmpty, dropped uint64)
+	close() error
+}
+
+// Open starts the data plane on cfg.Interface: it loads and attaches the XDP
+// classifier and binds AF_XDP sockets on every queue (or, on the AF_PACKET
+// path, opens TPACKET_V3 rings), and starts one RX and one TX loop per queue.
+// Call it on a thread in the interface's network namespace; everything it
+// opens belongs there. In ModeAuto it falls back path by path, each try on
+// fresh UMEMs, and logs each failure; Path reports where it ended.
+func Open(cfg Config) (*Bridge, error) {
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
+	}
+	if cfg.FrameSize == 0 {
+		cfg.FrameSize = xsk.DefaultFrameSize
+	}
+	if cfg.FrameCount == 0 {
+		cfg.FrameCount = xsk.DefaultFrameCount
+	}
+	if cfg.TxBudget <= 0 {
+		cfg.TxBudget = 32
+	}
+	cfg.TxBudget = min(cfg.TxBudget, xsk.MaxBatch)
+	if cfg.Spin == 0 {
+		cfg.Spin = 20 * time.Microsecond
+	}
+	if cfg.FrameSize != 2048 && cfg.FrameSize != 4096 {
+		return nil, fmt.Errorf("bridge: frame size %d, want 2048 or 4096", cfg.FrameSize)
+	}
+	if cfg.FrameCount < 128 || cfg.FrameCount&(cfg.FrameCount-1) != 0 {
+		return nil, fmt.Errorf("bridge: frame count %d, want a power of two of at least 128", cfg.FrameCount)
+	}
+	if cfg.Path < PathAuto || cfg.Path > PathAFPacket {
+		return nil, fmt.Errorf("bridge: unknown path %d", cfg.Path)
+	}
+	b := &Bridge{cfg: cfg, log: cfg.Logger}
+	b.streams.Store(&streamTable{})
+	if err := b.openCommon(); err != nil {
+		b.closeCommon()
+		return nil, err
+	}
+	first := max(cfg.Path, PathNativeZeroCopy)
+	last := PathAFPacket
+	if cfg.Mode == ModeStrict {
+		last = first
+	}
+	var errs []error
+	for p := first; p <= last; p++ {
+		var err error
+		if p == PathAFPacket {
+			err = b.openAFPacket()
+		} else {
+			err = b.openXDP(p)
+		}
+		if err == nil {
+			b.path = p
+			break
+		}
+		b.tried = append(b.tried, fmt.Sprintf("%v: %v", p, err))
+		errs = append(errs, fmt.Errorf("%v: %w", p, err))
+		b.log.Warn("bridge: path unavailable", "interface", cfg.Interface, "path", p.String(), "err", err)
+	}
+	if b.path == PathAuto {
+		if b.prog != nil {
+			b.prog.Close()
+		}
+		b.closeCommon()
+		return nil, fmt.Errorf("bridge: no usable path on %s (mode %v): %w", cfg.Interface, cfg.Mode, errors.Join(errs...))
+	}
+	b.log.Info("bridge: running", "interface", cfg.Interface, "path", b.path.String(), "queues", len(b.queues))
+	for _, q := range b.queues {
+		if cfg.manual {
+			break
+		}
+		b.wg.Add(2)
+		go func() { defer b.wg.Done(); q.rxLoop() }()
+		go func() { defer b.wg.Done(); q.tx.run() }()
+	}
+	return b, nil
+}
+
+// openCommon resolves the interface and opens what every path needs.
+func (b *Bridge) openCommon() error {
+	ns, err := netns.Get()
+	if err != nil {
+		return fmt.Errorf("bridge: current network namespace: %w", err)
+	}
+	b.ns = ns
+	if b.nl, err = netlink.NewHandleAt(ns); err != nil {
+		return fmt.Errorf("bridge: netlink: %w", err)
+	}
+	link, err := b.nl.LinkByName(b.cfg.Interface)
+	if err != nil {
+		return fmt.Errorf("bridge: interface %q: %w", b.cfg.Interface, err)
+	}
+	a := link.Attrs()
+	if len(a.HardwareAddr) != 6 {
+		return fmt.Errorf("bridge: interface %q has no Ethernet address", b.cfg.Interface)
+	}
+	b.ifindex, b.mtu = a.Index, a.MTU
+	copy(b.mac[:], a.HardwareAddr)
+	if b.mtu+ethHeader > b.cfg.FrameSize-xdpHeadroom {
+		return fmt.Errorf("bridge: MTU %d of %s does not fit frames of %d bytes", b.mtu, b.cfg.Interface, b.cfg.FrameSize)
+	}
+	if b.cfg.Queues == nil {
+		n := max(a.NumRxQueues, 1)
+		for i := range n {
+			b.cfg.Queues = append(b.cfg.Queues, i)
+		}
+	}
+	if len(b.cfg.Queues) == 0 {
+		return errors.New("bridge: no queues")
+	}
+	if b.kernel, err = newKernelPath(); err != nil {
+		return err
+	}
+	if b.res, err = newResolver(b.nl, ns, b.ifindex, b.log); err != nil {
+		return err
+	}
+	return nil
+}
+
+func (b *Bridge) closeCommon() {
+	if b.res != nil {
+		b.res.close()
+	}
+	if b.kernel != nil {
+		b.kernel.close()
+	}
+	if b.nl != nil {
+		b.nl.Close()
+	}
+	if b.ns.IsOpen() {
+		b.ns.Close()
+	}
+}
+
+func (b *Bridge) newQueue(id int, rx rxPort, tx txPort) (*queue, error) {
+	fd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
+	if err != nil {
+		return nil, fmt.Errorf("bridge: eventfd: %w", err)
+	}
+	q := &queue{id: id, b: b, rx: rx, wakefd: fd, parked: make(chan struct{}), resume: make(chan struct{})}
+	if q.tx, err = newTxLoop(b, q, tx); err != nil {
+		unix.Close(fd)
+		return nil, err
+	}
+	return q, nil
+}
+
+func (q *queue) wake() {
+	var one = [8]byte{1}
+	unix.Write(q.wakefd, one[:])
+}
+
+// rxLoop receives on one queue until stopped.
+func (q *queue) rxLoop() {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	var d dispatcher
+	idleSince := time.Time{}
+	for !q.stop.Load() {
+		n := q.rxOnce(&d)
+		if n > 0 {
+			idleSince = time.Time{}
+			continue
+		}
+		if q.park.Load() {
+			q.parked <- struct{}{}
+			<-q.resume
+			continue
+		}
+		if idleSince.IsZero() {
+			idleSince = time.Now()
+		}
+		if time.Since(idleSince) < q.b.cfg.Spin {
+			continue
+		}
+		q.rx.wait(q.wakefd)
+		idleSince = time.Time{}
+	}
+}
+
+// rxOnce is one batch of the RX loop.
+func (q *queue) rxOnce(d *dispatcher) int {
+	q.ep.enter()
+	d.begin(q.b.streams.Load())
+	n := q.rx.poll(d)
+	q.ep.leave()
+	if n > 0 {
+		q.addRx(&d.c)
+	}
+	return n
+}
+
+func (q *queue) addRx(c *rxCounters) {
+	q.rxPackets.Add(c.packets)
+	q.rxBytes.Add(c.bytes)
+	if c.ringFull > 0 {
+		q.rxRingFull.Add(c.ringFull)
+	}
+	if c.noStream > 0 {
+		q.rxNoStream.Add(c.noStream)
+	}
+	if c.malformed > 0 {
+		q.rxMalformed.Add(c.malformed)
+	}
+	*c = rxCounters{}
+}
+
+func (q *queue) addTx(c *txCounters) {
+	if c.packets > 0 {
+		q.txPackets.Add(c.packets)
+		q.txBytes.Add(c.bytes)
+	}
+	if c.kernel > 0 {
+		q.txKernel.Add(c.kernel)
+	}
+	for r, n := range c.rejects {
+		if n > 0 {
+			q.txRejects[r].Add(n)
+		}
+	}
+	*c = txCounters{}
+}
+
+// pause parks every loop (for UMEM accounting); resume releases them.
+func (b *Bridge) pause() {
+	if b.cfg.manual {
+		return
+	}
+	for _, q := range b.queues {
+		done := make(chan struct{})
+		q.tx.command(txCmd{park: true, done: done})
+		<-done
+		q.park.Store(true)
+		q.wake()
+		<-q.parked
+		q.park.Store(false)
+	}
+}
+
+func (b *Bridge) resume() {
+	if b.cfg.manual {
+		return
+	}
+	for _, q := range b.queues {
+		q.resume <- struct{}{} // RX loop
+		q.resume <- struct{}{} // TX loop
+	}
+}
+
+// Path is the path in use.
+func (b *Bridge) Path() Path { return b.path }
+
+// Mode is the name of the path in use ("native-zerocopy", "native-copy",
+// "generic" or "afpacket").
+func (b *Bridge) Mode() string { return b.path.String() }
+
+// Tried lists the paths auto fallback tried before the one in use, and why
+// each failed.
+func (b *Bridge) Tried() []string { return slices.Clone(b.tried) }
+
+// Program is the XDP classifier, for the ingest engine's IngestXSKMap; nil
+// on the AF_PACKET path.
+func (b *Bridge) Program() *fbebpf.Program { return b.prog }
+
+// Umem is the UMEM of one queue on the XDP paths (nil otherwise), for
+// sockets that must share the queue with the bridge (the ingest engine):
+// the kernel allows one UMEM per queue.
+func (b *Bridge) Umem(queue int) *xsk.Umem {
+	for _, q := range b.queues {
+		if x, ok := q.rx.(*xdpRx); ok && q.id == queue {
+			return x.umem
+		}
+	}
+	return nil
+}
+
+// SetTables makes t the classification tables: the XDP program's maps
+// (updated without a window) or the AF_PACKET path's reference classifier.
+func (b *Bridge) SetTables(t *classifier.Tables) error {
+	if t == nil {
+		return errors.New("bridge: nil tables")
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return errors.New("bridge: closed")
+	}
+	if b.prog != nil {
+		if err := b.prog.Update(t); err != nil {
+			return err
+		}
+	}
+	if b.afp != nil {
+		if err := b.afp.setTables(t); err != nil {
+			return err
+		}
+	}
+	b.tables.Store(t)
+	return nil
+}
+
+// AddStream connects the bridge side of a fabric stream under id, the stream
+// id the classifier steers to, with what it may send.
+func (b *Bridge) AddStream(id uint32, s *fabric.Stream, own Ownership) error {
+	if s == nil || s.Side() != fabric.BridgeSide {
+		return errors.New("bridge: AddStream needs the bridge side of a stream")
+	}
+	o, err := compileOwnership(own)
+	if err != nil {
+		return err
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return errors.New("bridge: closed")
+	}
+	old := *b.streams.Load()
+	if _, ok := old[id]; ok {
+		return fmt.Errorf("bridge: stream %d exists", id)
+	}
+	e := &streamEntry{id: id, s: s, txQueue: int(id) % len(b.queues)}
+	e.own.Store(o)
+	done := make(chan struct{})
+	b.queues[e.txQueue].tx.command(txCmd{add: e, done: done})
+	<-done
+	next := maps.Clone(old)
+	next[id] = e
+	b.streams.Store(&next)
+	return nil
+}
+
+// SetOwnership atomically replaces what stream id may send: each packet is
+// checked against the old or the new ownership as a whole.
+func (b *Bridge) SetOwnership(id uint32, own Ownership) error {
+	o, err := compileOwnership(own)
+	if err != nil {
+		return err
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	e := (*b.streams.Load())[id]
+	if e == nil {
+		return fmt.Errorf("bridge: no stream %d", id)
+	}
+	e.own.Store(o)
+	return nil
+}
+
+// RemoveStream disconnects stream id. When it returns no loop touches the
+// stream any more, so the caller may close it.
+func (b *Bridge) RemoveStream(id uint32) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	old := *b.streams.Load()
+	e := old[id]
+	if e == nil {
+		return fmt.Errorf("bridge: no stream %d", id)
+	}
+	next := maps.Clone(old)
+	delete(next, id)
+	b.streams.Store(&next)
+	b.quiesce()
+	if !b.closed {
+		done := make(chan struct{})
+		b.queues[e.txQueue].tx.command(txCmd{remove: e, done: done})
+		<-done
+	}
+	return nil
+}
+
+// quiesce waits until every RX loop has let go of any stream table loaded
+// before the call.
+func (b *Bridge) quiesce() {
+	for _, q := range b.queues {
+		c := q.ep.count.Load()
+		for q.ep.active.Load() && q.ep.count.Load() == c {
+			runtime.Gosched()
+		}
+	}
+}
+
+// Close stops the loops, detaches the program and releases everything.
+// Streams stay open: they belong to the caller.
+func (b *Bridge) Close() error {
+	b.mu.Lock()
+	if b.closed {
+		b.mu.Unlock()
+		return nil
+	}
+	b.closed = true
+	b.mu.Unlock()
+	var errs []error
+	if b.prog != nil {
+		// Frames stop arriving before the sockets go.
+		errs = append(errs, b.prog.Detach())
+	}
+	for _, q := range b.queues {
+		q.stop.Store(true)
+		q.wake()
+		q.tx.command(txCmd{})
+	}
+	b.wg.Wait()
+	for _, q := range b.queues {
+		errs = append(errs, q.rx.close())
+		q.tx.close()
+		unix.Close(q.wakefd)
+	}
+	if b.prog != nil {
+		errs = append(errs, b.prog.Close())
+	}
+	if b.afp != nil {
+		errs = append(errs, b.afp.close())
+	}
+	b.closeCommon()
+	return errors.Join(errs...)
+}

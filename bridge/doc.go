@@ -1,0 +1,2 @@
+// Package bridge is fabricbridge's data plane in user space.
+package bridge

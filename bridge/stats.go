@@ -1,0 +1,106 @@
+package bridge
+
+import (
+	"slices"
+
+	"github.com/fabricbridge/fabricbridge/bridge/xsk"
+)
+
+// Stats is a snapshot of the bridge's counters.
+type Stats struct {
+	// Path is the path in use; Tried says which faster paths failed and why.
+	Path  string
+	Tried []string
+	// Queues and Streams are sorted by queue number and stream id.
+	Queues  []QueueStats
+	Streams []StreamStats
+	// KernelSendErrors counts packets the kernel refused on the hand-off
+	// path (unknown neighbour).
+	KernelSendErrors uint64
+}
+
+// RxDrops counts received frames that reached no stream, by reason.
+type RxDrops struct {
+	RingFull  uint64 // the stream's RX ring was full: the newest packets were dropped
+	NoStream  uint64 // no stream with the classified id, or it is gone
+	Malformed uint64 // metadata or IP length unusable
+}
+
+// QueueStats are one receive queue's counters.
+type QueueStats struct {
+	Queue              int
+	RxPackets, RxBytes uint64 // delivered into streams
+	RxDrops            RxDrops
+	TxPackets, TxBytes uint64 // sent to the wire
+	TxViaKernel        uint64 // handed to the kernel: neighbour not known yet
+	TxRejects          Rejects
+	// FillRingEmpty counts the times the kernel found the fill ring empty
+	// (AF_XDP); KernelRxDrops the frames the kernel dropped for want of
+	// room (AF_XDP: RX ring full or other; AF_PACKET: ring drops).
+	FillRingEmpty uint64
+	KernelRxDrops uint64
+}
+
+// StreamStats are one stream's counters.
+type StreamStats struct {
+	ID                 uint32
+	RxPackets, RxBytes uint64
+	RxRingFull         uint64
+	TxPackets, TxBytes uint64
+	TxViaKernel        uint64
+	TxRejects          Rejects
+	// Broken: the TX loop found the stream broken or closed and stopped
+	// draining it; the control plane should remove it.
+	Broken bool
+}
+
+// Stats reads every counter; cheap enough to call once a second.
+func (b *Bridge) Stats() Stats {
+	s := Stats{Path: b.path.String(), Tried: slices.Clone(b.tried), KernelSendErrors: b.kernelErrs.Load()}
+	for _, q := range b.queues {
+		qs := QueueStats{
+			Queue:     q.id,
+			RxPackets: q.rxPackets.Load(), RxBytes: q.rxBytes.Load(),
+			RxDrops:   RxDrops{RingFull: q.rxRingFull.Load(), NoStream: q.rxNoStream.Load(), Malformed: q.rxMalformed.Load()},
+			TxPackets: q.txPackets.Load(), TxBytes: q.txBytes.Load(), TxViaKernel: q.txKernel.Load(),
+		}
+		var rej [numReasons]uint64
+		for r := range rej {
+			rej[r] = q.txRejects[r].Load()
+		}
+		qs.TxRejects = rejectsFrom(&rej)
+		qs.FillRingEmpty, qs.KernelRxDrops = q.rx.kernelStats()
+		s.Queues = append(s.Queues, qs)
+	}
+	slices.SortFunc(s.Queues, func(a, b QueueStats) int { return a.Queue - b.Queue })
+	for _, e := range *b.streams.Load() {
+		ss := StreamStats{
+			ID:        e.id,
+			RxPackets: e.rxPackets.Load(), RxBytes: e.rxBytes.Load(), RxRingFull: e.rxRingFull.Load(),
+			TxPackets: e.txPackets.Load(), TxBytes: e.txBytes.Load(), TxViaKernel: e.txKernel.Load(),
+			Broken: e.dead.Load(),
+		}
+		var rej [numReasons]uint64
+		for r := range rej {
+			rej[r] = e.txRejects[r].Load()
+		}
+		ss.TxRejects = rejectsFrom(&rej)
+		s.Streams = append(s.Streams, ss)
+	}
+	slices.SortFunc(s.Streams, func(a, b StreamStats) int { return int(a.ID) - int(b.ID) })
+	return s
+}
+
+// accountUMEM parks every loop and accounts for every frame of every
+// queue's UMEM (XDP paths; nil on AF_PACKET). Tests use it.
+func (b *Bridge) accountUMEM() []xsk.Accounting {
+	b.pause()
+	defer b.resume()
+	var out []xsk.Accounting
+	for _, q := range b.queues {
+		if x, ok := q.tx.port.(*xdpTx); ok {
+			out = append(out, x.umem.Account(x.free))
+		}
+	}
+	return out
+}

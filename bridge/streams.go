@@ -1,0 +1,134 @@
+package bridge
+
+import (
+	"sync/atomic"
+
+	"github.com/fabricbridge/fabricbridge/classifier"
+	"github.com/fabricbridge/fabricbridge/fabric"
+)
+
+// streamEntry is the bridge's side of one stream. RX loops of every queue
+// deliver into it (fabric.Stream serialises its producers); exactly one TX
+// loop (txQueue) drains its TX ring.
+type streamEntry struct {
+	id      uint32
+	s       *fabric.Stream
+	own     atomic.Pointer[ownership]
+	txQueue int
+
+	rxPackets, rxBytes, rxRingFull atomic.Uint64
+	txPackets, txBytes, txKernel   atomic.Uint64
+	txRejects                      [numReasons]atomic.Uint64
+	dead                           atomic.Bool // TX found it broken or closed
+}
+
+// streamTable is an immutable id → stream map; changes copy it and swap the
+// pointer, so RX loops look streams up without a lock.
+type streamTable map[uint32]*streamEntry
+
+// epoch tells a writer when every RX loop has stopped using an old stream
+// table: a loop is active while it holds a table it loaded, and bumps count
+// when it lets go.
+type epoch struct {
+	active atomic.Bool
+	count  atomic.Uint64
+	_      [48]byte // keep loops' epochs on separate cache lines
+}
+
+func (e *epoch) enter() { e.active.Store(true) }
+func (e *epoch) leave() { e.count.Add(1); e.active.Store(false) }
+
+// dispatcher delivers received frames into streams, batching consecutive
+// packets of one stream into one SendMeta. One per RX loop.
+type dispatcher struct {
+	table *streamTable
+	cur   *streamEntry
+	pkts  [64][]byte
+	meta  [64]uint32
+	n     int
+	c     rxCounters
+}
+
+// rxCounters are an RX loop's counts of one batch, added to the queue's
+// atomics once per batch.
+type rxCounters struct {
+	packets, bytes                uint64
+	ringFull, noStream, malformed uint64
+}
+
+func (d *dispatcher) begin(t *streamTable) {
+	d.table = t
+	d.c = rxCounters{}
+}
+
+// frame delivers one frame that the classifier steered, per its metadata.
+// The bytes must stay valid until end.
+func (d *dispatcher) frame(frame []byte, m *classifier.Meta) {
+	if m.Verdict != classifier.VerdictSteer || int(m.L3Offset) >= len(frame) {
+		d.c.malformed++
+		return
+	}
+	pkt := frame[m.L3Offset:]
+	// Cut Ethernet padding: the stream gets exactly the IP packet.
+	var n int
+	switch pkt[0] >> 4 {
+	case 4:
+		if len(pkt) >= 20 {
+			n = int(be.Uint16(pkt[2:]))
+		}
+	case 6:
+		if len(pkt) >= 40 {
+			n = 40 + int(be.Uint16(pkt[4:]))
+		}
+	}
+	if n == 0 || n > len(pkt) {
+		d.c.malformed++
+		return
+	}
+	e := (*d.table)[m.StreamID]
+	if e == nil {
+		d.c.noStream++
+		return
+	}
+	if e != d.cur || d.n == len(d.pkts) {
+		d.flush()
+		d.cur = e
+	}
+	d.pkts[d.n] = pkt[:n]
+	d.meta[d.n] = m.RuleID
+	d.n++
+}
+
+func (d *dispatcher) flush() {
+	if d.n == 0 {
+		return
+	}
+	e, k := d.cur, d.n
+	d.n = 0
+	sent, err := e.s.SendMeta(d.pkts[:k], d.meta[:k])
+	var bytes uint64
+	for _, p := range d.pkts[:sent] {
+		bytes += uint64(len(p))
+	}
+	if err != nil {
+		d.c.noStream += uint64(k - sent)
+	} else if sent < k {
+		d.c.ringFull += uint64(k - sent)
+		e.rxRingFull.Add(uint64(k - sent))
+	}
+	if sent > 0 {
+		e.rxPackets.Add(uint64(sent))
+		e.rxBytes.Add(bytes)
+		d.c.packets += uint64(sent)
+		d.c.bytes += bytes
+	}
+	for i := range d.pkts[:k] {
+		d.pkts[i] = nil
+	}
+}
+
+// end delivers what is batched; afterwards the frames may be reused.
+func (d *dispatcher) end() {
+	d.flush()
+	d.cur = nil
+}

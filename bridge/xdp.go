@@ -1,0 +1,235 @@
+package bridge
+
+import (
+	"errors"
+	"fmt"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/fabricbridge/fabricbridge/bridge/xsk"
+	"github.com/fabricbridge/fabricbridge/classifier"
+	fbebpf "github.com/fabricbridge/fabricbridge/ebpf"
+)
+
+// xdpHeadroom is what the kernel leaves in front of a received frame in its
+// UMEM frame (XDP_PACKET_HEADROOM); the metadata lives there.
+const xdpHeadroom = unix.XDP_PACKET_HEADROOM
+
+// openXDP sets up path p: the classifier attached in native or generic mode,
+// and on every queue a fresh UMEM with one socket in zero-copy or copy mode,
+// registered in the program's XSKMAP.
+func (b *Bridge) openXDP(p Path) (err error) {
+	if b.prog == nil {
+		if b.prog, err = fbebpf.Load(); err != nil {
+			return err
+		}
+	}
+	mode := fbebpf.ModeNative
+	if p == PathGeneric {
+		mode = fbebpf.ModeGeneric
+	}
+	if cur, ok := b.prog.Mode(); ok && cur != mode {
+		if err := b.prog.Detach(); err != nil {
+			return err
+		}
+	}
+	if _, ok := b.prog.Mode(); !ok {
+		if _, err := b.prog.Attach(b.ifindex, mode); err != nil {
+			return err
+		}
+	}
+	bind := xsk.BindCopy
+	if p == PathNativeZeroCopy {
+		bind = xsk.BindZeroCopy
+	}
+	var qs []*queue
+	defer func() {
+		if err != nil {
+			for _, q := range qs {
+				q.rx.close()
+				q.tx.close()
+				unix.Close(q.wakefd)
+			}
+		}
+	}()
+	for _, id := range b.cfg.Queues {
+		rx, tx, err := b.openXSK(id, bind)
+		if err != nil {
+			return err
+		}
+		q, err := b.newQueue(id, rx, tx)
+		if err != nil {
+			rx.close()
+			return err
+		}
+		qs = append(qs, q)
+	}
+	for _, q := range qs {
+		if err := b.prog.XSKMap().Put(uint32(q.id), uint32(q.rx.(*xdpRx).sock.FD())); err != nil {
+			return fmt.Errorf("queue %d: XSKMAP: %w", q.id, err)
+		}
+	}
+	b.queues = qs
+	return nil
+}
+
+// openXSK makes one queue's UMEM and socket: half the frames go to the fill
+// ring, half to the TX loop's free list.
+func (b *Bridge) openXSK(id int, bind xsk.BindMode) (*xdpRx, *xdpTx, error) {
+	umem, err := xsk.NewUmem(xsk.UmemConfig{FrameSize: b.cfg.FrameSize, FrameCount: b.cfg.FrameCount})
+	if err != nil {
+		return nil, nil, err
+	}
+	half := b.cfg.FrameCount / 2
+	sock, err := umem.Open(xsk.SocketConfig{
+		Ifindex: b.ifindex, Queue: id, Bind: bind,
+		RxSize: half, TxSize: half, FillSize: half, CompletionSize: half,
+		BusyPoll: b.cfg.BusyPoll,
+	})
+	if err != nil {
+		umem.Close()
+		return nil, nil, fmt.Errorf("queue %d: %w", id, err)
+	}
+	rx := &xdpRx{umem: umem, sock: sock, busyPoll: b.cfg.BusyPoll > 0}
+	rx.pfd = [2]unix.PollFd{{Fd: int32(sock.FD()), Events: unix.POLLIN}, {Events: unix.POLLIN}}
+	fill := make([]uint64, half)
+	if umem.Alloc(fill) != half || sock.Fill.Fill(fill) != half {
+		umem.Close()
+		return nil, nil, errors.New("fill ring refused the initial frames")
+	}
+	tx := &xdpTx{umem: umem, sock: sock, free: make([]uint64, half), descs: make([]xsk.Desc, 0, half), copyMode: !sock.ZeroCopy()}
+	umem.Alloc(tx.free)
+	return rx, tx, nil
+}
+
+// xdpRx is the RX side of one AF_XDP queue.
+type xdpRx struct {
+	umem     *xsk.Umem
+	sock     *xsk.Socket
+	busyPoll bool
+	descs    [xsk.MaxBatch]xsk.Desc
+	addrs    [xsk.MaxBatch]uint64
+	pfd      [2]unix.PollFd
+	buf      [8]byte
+}
+
+func (x *xdpRx) poll(d *dispatcher) int {
+	n := x.sock.RX.Receive(x.descs[:])
+	if n == 0 {
+		if x.busyPoll || x.sock.Fill.NeedWakeup() {
+			x.sock.WakeRX()
+		}
+		return 0
+	}
+	for i := range n {
+		desc := &x.descs[i]
+		x.addrs[i] = desc.Addr
+		mb := x.umem.Meta(desc.Addr, classifier.MetaSize)
+		if mb == nil {
+			d.c.malformed++
+			continue
+		}
+		m := classifier.UnmarshalMeta(mb)
+		d.frame(x.umem.Bytes(desc.Addr, int(desc.Len)), &m)
+	}
+	d.end() // the packets are copied into their streams: recycle the frames
+	x.sock.Fill.Fill(x.addrs[:n])
+	if x.sock.Fill.NeedWakeup() {
+		x.sock.WakeRX()
+	}
+	return n
+}
+
+func (x *xdpRx) wait(wakefd int) {
+	x.pfd[1].Fd = int32(wakefd)
+	x.pfd[0].Revents, x.pfd[1].Revents = 0, 0
+	if _, err := unix.Poll(x.pfd[:], -1); err != nil {
+		return
+	}
+	if x.pfd[1].Revents != 0 {
+		unix.Read(wakefd, x.buf[:])
+	}
+}
+
+func (x *xdpRx) kernelStats() (fillEmpty, dropped uint64) {
+	st, err := x.sock.Statistics()
+	if err != nil {
+		return 0, 0
+	}
+	return st.RxFillRingEmpty, st.RxDropped + st.RxRingFull
+}
+
+func (x *xdpRx) close() error { return x.umem.Close() }
+
+// xdpTx is the TX side of one AF_XDP queue: a private stack of free frames,
+// refilled from the completion ring.
+type xdpTx struct {
+	umem     *xsk.Umem
+	sock     *xsk.Socket
+	free     []uint64
+	lent     [xsk.MaxBatch]uint64
+	sent     [xsk.MaxBatch]bool
+	nlent    int
+	descs    []xsk.Desc
+	reaped   [xsk.MaxBatch]uint64
+	copyMode bool
+}
+
+func (x *xdpTx) lend(bufs [][]byte) int {
+	if len(x.free) < len(bufs) {
+		x.reclaim()
+	}
+	k := min(len(bufs), len(x.free))
+	top := len(x.free) - 1
+	for i := range k {
+		a := x.free[top-i]
+		x.lent[i] = a
+		x.sent[i] = false
+		bufs[i] = x.umem.Frame(a)
+	}
+	x.free = x.free[:len(x.free)-k]
+	x.nlent = k
+	return k
+}
+
+func (x *xdpTx) send(i, n int) {
+	x.descs = append(x.descs, xsk.Desc{Addr: x.lent[i], Len: uint32(n)})
+	x.sent[i] = true
+}
+
+func (x *xdpTx) settle() {
+	for i := range x.nlent {
+		if !x.sent[i] {
+			x.free = append(x.free, x.lent[i])
+		}
+	}
+	x.nlent = 0
+}
+
+func (x *xdpTx) flush() {
+	if len(x.descs) > 0 {
+		// The TX ring has a slot for every TX frame, so everything fits.
+		x.sock.TX.Send(x.descs)
+		x.descs = x.descs[:0]
+	}
+	if x.copyMode || x.sock.TX.NeedWakeup() {
+		// In copy mode the kernel transmits inside sendto, a budget at a
+		// time; kick until the ring is drained or it stops making progress.
+		for try := 0; try < 64 && x.sock.TX.Pending() > 0; try++ {
+			x.sock.Kick()
+		}
+	}
+	x.reclaim()
+}
+
+func (x *xdpTx) reclaim() {
+	for {
+		n := x.sock.Completion.Reap(x.reaped[:])
+		if n == 0 {
+			return
+		}
+		for _, a := range x.reaped[:n] {
+			x.free = append(x.free, x.umem.Base(a))
+		}
+	}
+}

@@ -5,6 +5,7 @@
 //	                                   drive traffic through it and print what it counted
 //	fabricbridge run --config FILE     the daemon (SIGHUP reloads, SIGTERM stops)
 //	fabricbridge check --config FILE   validate a configuration file
+//	fabricbridge stats                 a live table of the daemon's counters
 package main
 
 import (
@@ -30,6 +31,8 @@ commands:
            shuts down cleanly (default FILE /etc/fabricbridge/fabricbridge.yaml)
   check    --config FILE: validate a configuration file; every problem is
            reported with its file, line and field
+  stats    [--config FILE | --metrics HOST:PORT] [--interval D] [--once]:
+           a live table of the daemon's counters and rates, refreshing like top
   help     print this text
 `
 
@@ -46,6 +49,8 @@ func main() {
 		err = demoCommand(ctx, args)
 	case "run":
 		err = runCommand(ctx, args)
+	case "stats":
+		err = statsCommand(ctx, args, os.Stdout)
 	case "check":
 		err = checkCommand(args, os.Stdout, os.Stderr)
 	case "help", "-h", "--help":

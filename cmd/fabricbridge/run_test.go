@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"sync"
 	"syscall"
@@ -191,6 +192,15 @@ func TestRunSignals(t *testing.T) {
 	waitMetric(t, bridge, metricsAddr, d, func(s []metrics.Sample) bool { return len(s) > 0 })
 	sendUDP(t, outside, dst, 10)
 	waitMetric(t, bridge, metricsAddr, d, func(s []metrics.Sample) bool { return ruleCount(s, "3") == 10 })
+
+	// `fabricbridge stats --once` against the running daemon shows the rule.
+	st := startDaemon(t, bridge, "stats", "--once", "--interval", "100ms", "--metrics", metricsAddr)
+	if err := st.wait(t); err != nil {
+		t.Fatalf("stats: %v\n%s", err, st.out.String())
+	}
+	if !regexp.MustCompile(`(?m)^ +3 blocked +10 +0 `).MatchString(st.out.String()) || !strings.Contains(st.out.String(), "interface "+v.A.Name+"  mode ") {
+		t.Errorf("stats output:\n%s", st.out.String())
+	}
 
 	// SIGHUP with a broken file changes nothing; with a good one, the rule
 	// goes.

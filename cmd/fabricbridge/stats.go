@@ -1,0 +1,303 @@
+package main
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"slices"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/fabricbridge/fabricbridge/appliance/config"
+	"github.com/fabricbridge/fabricbridge/appliance/metrics"
+)
+
+// statsCommand shows the daemon's counters as a table that refreshes, like
+// top: rates are the difference between two scrapes of /metrics.
+func statsCommand(ctx context.Context, args []string, stdout io.Writer) error {
+	fs := flag.NewFlagSet("stats", flag.ContinueOnError)
+	path := fs.String("config", "", "read the metrics address from this configuration (default "+DefaultConfig+" if it exists)")
+	addr := fs.String("metrics", "", "the daemon's metrics address host:port (overrides --config)")
+	every := fs.Duration("interval", time.Second, "refresh interval")
+	once := fs.Bool("once", false, "print one table (rates over one interval) and exit")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 || *every <= 0 {
+		return errors.New("stats: usage: fabricbridge stats [--config FILE | --metrics HOST:PORT] [--interval D] [--once]")
+	}
+	target, err := metricsTarget(*addr, *path)
+	if err != nil {
+		return fmt.Errorf("stats: %w", err)
+	}
+	client := &http.Client{Timeout: 3 * time.Second}
+	prev, err := scrape(ctx, client, target)
+	if err != nil {
+		return fmt.Errorf("stats: %w", err)
+	}
+	clear := !*once && isTerminal(stdout)
+	for {
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-time.After(*every):
+		}
+		cur, err := scrape(ctx, client, target)
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return fmt.Errorf("stats: %w", err)
+		}
+		if clear {
+			io.WriteString(stdout, "\x1b[H\x1b[2J")
+		}
+		render(stdout, target, prev, cur)
+		if *once {
+			return nil
+		}
+		prev = cur
+	}
+}
+
+// metricsTarget is the URL of /metrics: from --metrics, else from the
+// configuration's metrics.address.
+func metricsTarget(addr, path string) (string, error) {
+	if addr == "" {
+		if path == "" {
+			path = DefaultConfig
+			if _, err := os.Stat(path); err != nil {
+				addr = config.DefaultMetrics
+			}
+		}
+		if addr == "" {
+			c, err := config.Load(path)
+			if err != nil {
+				return "", err
+			}
+			if c.Metrics.Address == "" {
+				return "", fmt.Errorf("%s: metrics.address is empty: the daemon serves no metrics", path)
+			}
+			addr = string(c.Metrics.Address)
+		}
+	}
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return "", fmt.Errorf("metrics address %q: %v", addr, err)
+	}
+	switch host {
+	case "", "0.0.0.0":
+		host = "127.0.0.1"
+	case "::":
+		host = "::1"
+	}
+	return "http://" + net.JoinHostPort(host, port) + "/metrics", nil
+}
+
+type snapshot struct {
+	at      time.Time
+	samples []metrics.Sample
+	byKey   map[string]float64
+}
+
+func scrape(ctx context.Context, c *http.Client, url string) (snapshot, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return snapshot{}, err
+	}
+	resp, err := c.Do(req)
+	if err != nil {
+		return snapshot{}, fmt.Errorf("is the daemon running? %w", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return snapshot{}, fmt.Errorf("%s: %s", url, resp.Status)
+	}
+	s, err := metrics.Parse(resp.Body)
+	if err != nil {
+		return snapshot{}, err
+	}
+	return newSnapshot(time.Now(), s), nil
+}
+
+func newSnapshot(at time.Time, s []metrics.Sample) snapshot {
+	snap := snapshot{at: at, samples: s, byKey: map[string]float64{}}
+	for _, x := range s {
+		snap.byKey[key(x.Name, x.Labels)] = x.Value
+	}
+	return snap
+}
+
+func key(name string, labels []metrics.Label) string {
+	var b strings.Builder
+	b.WriteString(name)
+	for _, l := range labels {
+		b.WriteString("\x00" + l.Name + "=" + l.Value)
+	}
+	return b.String()
+}
+
+// get returns a sample's value by name and label pairs in exposition order.
+func (s snapshot) get(name string, labels ...string) float64 {
+	return s.byKey[key(name, metrics.L(labels...))]
+}
+
+// rate is the per-second change of a counter between two snapshots.
+func rate(prev, cur snapshot, name string, labels []metrics.Label) float64 {
+	dt := cur.at.Sub(prev.at).Seconds()
+	k := key(name, labels)
+	if dt <= 0 {
+		return 0
+	}
+	d := cur.byKey[k] - prev.byKey[k]
+	if d < 0 { // a restarted daemon
+		return 0
+	}
+	return d / dt
+}
+
+// sum adds the samples of one name whose labels include the given pairs.
+func (s snapshot) sum(name string, labels ...string) float64 {
+	var t float64
+	for _, x := range metrics.Find(s.samples, name, metrics.L(labels...)...) {
+		t += x.Value
+	}
+	return t
+}
+
+func human(v float64) string {
+	switch {
+	case v >= 1e9:
+		return strconv.FormatFloat(v/1e9, 'f', 2, 64) + "G"
+	case v >= 1e6:
+		return strconv.FormatFloat(v/1e6, 'f', 2, 64) + "M"
+	case v >= 1e4:
+		return strconv.FormatFloat(v/1e3, 'f', 1, 64) + "k"
+	}
+	return strconv.FormatFloat(v, 'f', 0, 64)
+}
+
+func bits(bytesPerSec float64) string { return human(bytesPerSec*8) + "b/s" }
+
+// render writes one screen.
+func render(w io.Writer, target string, prev, cur snapshot) {
+	up := time.Duration(0)
+	if st := cur.get("fabricbridge_start_time_seconds"); st > 0 {
+		up = cur.at.Sub(time.Unix(0, int64(st*1e9))).Round(time.Second)
+	}
+	fmt.Fprintf(w, "fabricbridge  %s  up %v  applications %s  reloads %s ok, %s failed  %s\n",
+		strings.TrimSuffix(strings.TrimPrefix(target, "http://"), "/metrics"), up,
+		human(cur.get("fabricbridge_applications_connected")),
+		human(cur.get("fabricbridge_reloads_total", "result", "ok")), human(cur.get("fabricbridge_reloads_total", "result", "error")),
+		cur.at.Format("15:04:05"))
+
+	for _, x := range metrics.Find(cur.samples, "fabricbridge_attach_mode") {
+		note := ""
+		if m := x.Label("mode"); m == "generic" || m == "afpacket" {
+			note = "  (slow path: the driver could not do better)"
+		}
+		fmt.Fprintf(w, "interface %s  mode %s%s\n", x.Label("interface"), x.Label("mode"), note)
+	}
+
+	table(w, "VERDICT", []string{"PACKETS", "PKT/S", "BYTES", "RATE"}, rowsOf(prev, cur, "fabricbridge_xdp_verdict_packets_total", "fabricbridge_xdp_verdict_bytes_total",
+		func(x metrics.Sample) string { return x.Label("interface") + " " + x.Label("verdict") }, nil))
+	table(w, "RULE", []string{"PACKETS", "PKT/S", "BYTES", "RATE"}, rowsOf(prev, cur, "fabricbridge_rule_packets_total", "fabricbridge_rule_bytes_total",
+		func(x metrics.Sample) string { return x.Label("id") + " " + x.Label("name") },
+		func(a, b metrics.Sample) int { return cmp.Compare(atoi(a.Label("id")), atoi(b.Label("id"))) }))
+	streams := rowsOf(prev, cur, "fabricbridge_stream_rx_packets_total", "fabricbridge_stream_rx_bytes_total",
+		func(x metrics.Sample) string { return x.Label("stream") + " " + x.Label("app") },
+		func(a, b metrics.Sample) int { return cmp.Compare(atoi(a.Label("stream")), atoi(b.Label("stream"))) })
+	for i := range streams {
+		l := streams[i].labels
+		st := "?"
+		for _, h := range metrics.Find(cur.samples, "fabricbridge_stream_health", metrics.Label{Name: "stream", Value: labelOf(l, "stream")}) {
+			if h.Value == 1 {
+				st = h.Label("state")
+			}
+		}
+		tx := rate(prev, cur, "fabricbridge_stream_tx_packets_total", l)
+		txb := rate(prev, cur, "fabricbridge_stream_tx_bytes_total", l)
+		drops := cur.sum("fabricbridge_stream_rx_drops_total", "stream", labelOf(l, "stream"))
+		rej := cur.sum("fabricbridge_stream_tx_rejects_total", "stream", labelOf(l, "stream"))
+		streams[i].cells = []string{st, human(streams[i].pps), bits(streams[i].bps), human(tx), bits(txb), human(drops), human(rej)}
+	}
+	table(w, "STREAM", []string{"HEALTH", "RX PKT/S", "RX RATE", "TX PKT/S", "TX RATE", "DROPS", "REJECTS"}, streams)
+	queues := rowsOf(prev, cur, "fabricbridge_queue_rx_packets_total", "fabricbridge_queue_rx_bytes_total",
+		func(x metrics.Sample) string { return x.Label("interface") + " q" + x.Label("queue") }, nil)
+	for i := range queues {
+		l := queues[i].labels
+		in, q := labelOf(l, "interface"), labelOf(l, "queue")
+		tx := rate(prev, cur, "fabricbridge_queue_tx_packets_total", l)
+		queues[i].cells = []string{human(queues[i].pps), bits(queues[i].bps), human(tx),
+			human(cur.sum("fabricbridge_queue_rx_drops_total", "interface", in, "queue", q)),
+			human(cur.get("fabricbridge_queue_fill_ring_empty_total", "interface", in, "queue", q))}
+	}
+	table(w, "QUEUE", []string{"RX PKT/S", "RX RATE", "TX PKT/S", "DROPS", "FILL EMPTY"}, queues)
+}
+
+type row struct {
+	name     string
+	labels   []metrics.Label
+	pps, bps float64
+	cells    []string
+}
+
+// rowsOf makes one row per sample of a packet counter, with the rates of it
+// and its byte counter; the default cells are packets, pkt/s, bytes, rate.
+func rowsOf(prev, cur snapshot, pkts, bytes string, name func(metrics.Sample) string, order func(a, b metrics.Sample) int) []row {
+	samples := metrics.Find(cur.samples, pkts)
+	if order != nil {
+		slices.SortStableFunc(samples, order)
+	}
+	var rows []row
+	for _, x := range samples {
+		r := row{name: name(x), labels: x.Labels, pps: rate(prev, cur, pkts, x.Labels), bps: rate(prev, cur, bytes, x.Labels)}
+		r.cells = []string{human(x.Value), human(r.pps), human(cur.byKey[key(bytes, x.Labels)]), bits(r.bps)}
+		rows = append(rows, r)
+	}
+	return rows
+}
+
+func table(w io.Writer, title string, cols []string, rows []row) {
+	if len(rows) == 0 {
+		return
+	}
+	fmt.Fprintln(w)
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', tabwriter.AlignRight)
+	fmt.Fprintf(tw, "%s\t%s\t\n", title, strings.Join(cols, "\t"))
+	for _, r := range rows {
+		fmt.Fprintf(tw, "%s\t%s\t\n", r.name, strings.Join(r.cells, "\t"))
+	}
+	tw.Flush()
+}
+
+func labelOf(ls []metrics.Label, name string) string {
+	for _, l := range ls {
+		if l.Name == name {
+			return l.Value
+		}
+	}
+	return ""
+}
+
+func atoi(s string) int {
+	n, _ := strconv.Atoi(s)
+	return n
+}
+
+func isTerminal(w io.Writer) bool {
+	f, ok := w.(*os.File)
+	if !ok {
+		return false
+	}
+	fi, err := f.Stat()
+	return err == nil && fi.Mode()&os.ModeCharDevice != 0
+}

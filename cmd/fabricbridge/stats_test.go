@@ -1,0 +1,100 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"regexp"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/fabricbridge/fabricbridge/appliance/metrics"
+)
+
+func exposition(t *testing.T, text string) []metrics.Sample {
+	t.Helper()
+	s, err := metrics.Parse(strings.NewReader(text))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+const statsBefore = `fabricbridge_start_time_seconds 1000
+fabricbridge_applications_connected 1
+fabricbridge_reloads_total{result="ok"} 2
+fabricbridge_reloads_total{result="error"} 1
+fabricbridge_attach_mode{interface="eth1",mode="generic"} 1
+fabricbridge_rule_packets_total{interface="eth1",id="12",name="late"} 0
+fabricbridge_rule_bytes_total{interface="eth1",id="12",name="late"} 0
+fabricbridge_rule_packets_total{interface="eth1",id="3",name="blocked"} 100
+fabricbridge_rule_bytes_total{interface="eth1",id="3",name="blocked"} 6400
+fabricbridge_stream_rx_packets_total{interface="eth1",stream="1",app="web"} 10
+fabricbridge_stream_rx_bytes_total{interface="eth1",stream="1",app="web"} 1000
+fabricbridge_stream_tx_packets_total{interface="eth1",stream="1",app="web"} 5
+fabricbridge_stream_tx_bytes_total{interface="eth1",stream="1",app="web"} 500
+fabricbridge_stream_health{interface="eth1",stream="1",app="web",state="normal"} 1
+fabricbridge_stream_health{interface="eth1",stream="1",app="web",state="sick"} 0
+`
+
+func TestRenderRates(t *testing.T) {
+	t0 := time.Unix(2000, 0)
+	prev := newSnapshot(t0, exposition(t, statsBefore))
+	after := strings.NewReplacer(
+		`id="3",name="blocked"} 100`, `id="3",name="blocked"} 300`,
+		`id="3",name="blocked"} 6400`, `id="3",name="blocked"} 19200`,
+		`app="web"} 10`+"\n", `app="web"} 2010`+"\n",
+		`app="web"} 1000`+"\n", `app="web"} 1001000`+"\n",
+	).Replace(statsBefore) + `fabricbridge_stream_rx_drops_total{interface="eth1",stream="1",app="web",reason="ring_full"} 7
+`
+	cur := newSnapshot(t0.Add(2*time.Second), exposition(t, after))
+	var b bytes.Buffer
+	render(&b, "http://127.0.0.1:9469/metrics", prev, cur)
+	out := b.String()
+	for _, want := range []string{
+		"fabricbridge  127.0.0.1:9469  up 16m42s  applications 1  reloads 2 ok, 1 failed",
+		"interface eth1  mode generic  (slow path",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("lacks %q:\n%s", want, out)
+		}
+	}
+	// Rows, whitespace-insensitive: rule 3 counted 200 packets and 12800
+	// bytes in 2 s; rules sorted by id (3 before 12).
+	for _, re := range []string{
+		`(?m)^ +RULE +PACKETS +PKT/S +BYTES +RATE\s*$`,
+		`(?m)^ +3 blocked +300 +100 +19\.2k +51\.2kb/s\s*$`,
+		`(?s)3 blocked.*12 late`,
+		`(?m)^ +1 web +normal +1000 +4\.00Mb/s +0 +0b/s +7 +0\s*$`,
+	} {
+		if !regexp.MustCompile(re).MatchString(out) {
+			t.Errorf("no line matching %s:\n%s", re, out)
+		}
+	}
+	if strings.Contains(out, "QUEUE") {
+		t.Errorf("empty section shown:\n%s", out)
+	}
+}
+
+func TestStatsOnce(t *testing.T) {
+	var n atomic.Int64
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		fmt.Fprintf(w, "fabricbridge_rule_packets_total{interface=\"eth1\",id=\"3\",name=\"blocked\"} %d\n", 100*n.Add(1))
+	}))
+	defer srv.Close()
+	var out bytes.Buffer
+	err := statsCommand(context.Background(), []string{"--metrics", strings.TrimPrefix(srv.URL, "http://"), "--once", "--interval", "100ms"}, &out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !regexp.MustCompile(`(?m)^ +3 blocked +200 +\d+`).MatchString(out.String()) || strings.Contains(out.String(), "\x1b[") {
+		t.Errorf("output:\n%q", out.String())
+	}
+	if err := statsCommand(context.Background(), []string{"--metrics", "127.0.0.1:1", "--once"}, &out); err == nil || !strings.Contains(err.Error(), "is the daemon running?") {
+		t.Errorf("no daemon: %v", err)
+	}
+}

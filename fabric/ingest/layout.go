@@ -1,0 +1,318 @@
+package ingest
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"time"
+)
+
+// Layout constants: the contract with every consumer, including C and CUDA
+// programs (fb_ingest.h spells the same numbers). Changing any of them
+// means bumping Version, so that mismatched sides refuse each other.
+const (
+	// Magic is the first word of an ingest region: the bytes "FBIN".
+	Magic uint32 = 0x4e494246
+	// Version is the layout version this package writes and accepts.
+	Version uint32 = 1
+
+	headerLen      = 4096 // the header page
+	descSize       = 64   // one buffer descriptor: one cache line
+	sourceSize     = 32   // one source-table entry
+	RecordHeader   = 24   // bytes in front of every record's payload
+	RecordAlign    = 8    // records start on multiples of this
+	pageSize       = 4096
+	hugePageSize   = 2 << 20
+	maxBuffers     = 1 << 16
+	minBufferSize  = pageSize
+	maxBufferSize  = 1 << 30
+	maxSourcesCap  = 1 << 16
+	maxRegionBytes = 1 << 40
+)
+
+// Header offsets.
+const (
+	hMagic        = 0
+	hVersion      = 4
+	hHeaderLen    = 8
+	hFlags        = 12
+	hRegionLen    = 16
+	hBufferCount  = 24
+	hBufferSize   = 28
+	hDescOff      = 32
+	hSourcesOff   = 40
+	hMaxSources   = 48
+	hRecordAlign  = 52
+	hBuffersOff   = 56
+	hWindowNs     = 64
+	hBufferID     = 72
+	hPublished    = 128 // producer line
+	hSourceCount  = 136
+	hProdState    = 140
+	hRecords      = 144
+	hDropped      = 152
+	hConsArmed    = 160
+	hConsState    = 256 // consumer line
+	hConsNextSeq  = 264
+	hConsReleased = 272
+)
+
+// Header flags.
+const (
+	FlagHugetlb        = 1 << 0 // the region is backed by hugetlb pages
+	FlagLocked         = 1 << 1 // the region is locked in memory (mlock)
+	FlagAlignedWindows = 1 << 2 // windows are aligned to multiples of the window on the RX clock
+)
+
+// Descriptor offsets (descriptor k at desc_off + k*64).
+const (
+	dState     = 0
+	dRecords   = 4
+	dSeq       = 8
+	dBytes     = 16
+	dFlags     = 20
+	dFirstNs   = 24
+	dLastNs    = 32
+	dWindowNs  = 40
+	dPublishNs = 48
+)
+
+// Descriptor states. Only these two words are written by both sides: the
+// producer stores ready, the consumer stores free.
+const (
+	stateFree  = 0
+	stateReady = 1
+)
+
+// Buffer flags: why a buffer was published.
+const (
+	BufWindow    = 1 << 0 // its time window closed
+	BufFull      = 1 << 1 // the next record did not fit
+	BufFlushed   = 1 << 2 // the producer flushed it (closing)
+	BufContinued = 1 << 3 // aligned windows: the window goes on in the next buffer
+)
+
+// Source-table offsets (entry j at sources_off + j*32).
+const (
+	sAddr    = 0
+	sSrcPort = 16
+	sDstPort = 18
+	sFlags   = 20
+	sFirstNs = 24
+)
+
+// Record header offsets (a record at any multiple of 8 inside a buffer).
+const (
+	rSize       = 0
+	rPayloadLen = 4
+	rSource     = 6
+	rRxNs       = 8
+	rSeq        = 16
+	rReserved   = 20
+)
+
+// Producer and consumer states in the header.
+const (
+	sideNone   = 0
+	sideOpen   = 1
+	sideClosed = 2
+)
+
+// Errors.
+var (
+	ErrBadMagic   = errors.New("ingest: not an ingest region (bad magic)")
+	ErrVersion    = errors.New("ingest: layout version mismatch")
+	ErrBadLayout  = errors.New("ingest: malformed region layout")
+	ErrBadConfig  = errors.New("ingest: invalid configuration")
+	ErrCorruption = errors.New("ingest: producer corrupted shared state")
+	ErrTimeout    = errors.New("ingest: timeout")
+	ErrClosed     = errors.New("ingest: closed")
+	ErrBusy       = errors.New("ingest: another consumer is attached")
+	ErrReleased   = errors.New("ingest: buffer already released")
+)
+
+// Config sizes a ring. Zero fields take defaults.
+type Config struct {
+	// Name is how consumers find the ring: a plain name ([A-Za-z0-9._-],
+	// a socket in Dir()) or a path containing a slash (the socket itself).
+	Name string
+	// Buffers is N, the number of buffers, 2..65536; default 64.
+	Buffers int
+	// BufferSize is B in bytes, a multiple of 4096 in 4096..1 GiB;
+	// default 1 MiB. A datagram needs RecordHeader bytes more than its
+	// payload, rounded up to RecordAlign.
+	BufferSize int
+	// Window is how long a buffer may collect records before it is
+	// published: from its first record's RX time, or, with AlignWindows,
+	// to the end of the aligned window that record falls in. Default
+	// 100 µs; at least 1 µs.
+	Window time.Duration
+	// AlignWindows makes windows [k·Window, (k+1)·Window) on the RX clock,
+	// the same for every ring: NaNet-10's merger, so a buffer holds
+	// exactly one window of all sources (split over several buffers,
+	// flagged BufContinued, if it does not fit one).
+	AlignWindows bool
+	// MaxSources bounds the source table, 1..65536; default 256.
+	// Datagrams from further sources are dropped and counted.
+	MaxSources int
+	// BufferID is the ingest buffer (the rule's Stream id) this ring
+	// serves; informational, for consumers and metrics.
+	BufferID uint32
+	// NoHugepages skips the attempt to use hugetlb pages.
+	NoHugepages bool
+}
+
+func (c Config) withDefaults() Config {
+	if c.Buffers == 0 {
+		c.Buffers = 64
+	}
+	if c.BufferSize == 0 {
+		c.BufferSize = 1 << 20
+	}
+	if c.Window == 0 {
+		c.Window = 100 * time.Microsecond
+	}
+	if c.MaxSources == 0 {
+		c.MaxSources = 256
+	}
+	return c
+}
+
+func (c Config) validate() error {
+	var errs []error
+	if _, err := socketPath(c.Name); err != nil {
+		errs = append(errs, err)
+	}
+	if c.Buffers < 2 || c.Buffers > maxBuffers {
+		errs = append(errs, fmt.Errorf("buffers %d outside 2..%d", c.Buffers, maxBuffers))
+	}
+	if c.BufferSize < minBufferSize || c.BufferSize > maxBufferSize || c.BufferSize%pageSize != 0 {
+		errs = append(errs, fmt.Errorf("buffer size %d: a multiple of %d in %d..%d", c.BufferSize, pageSize, minBufferSize, maxBufferSize))
+	}
+	if c.Window < time.Microsecond {
+		errs = append(errs, fmt.Errorf("window %v under 1µs", c.Window))
+	}
+	if c.MaxSources < 1 || c.MaxSources > maxSourcesCap {
+		errs = append(errs, fmt.Errorf("max sources %d outside 1..%d", c.MaxSources, maxSourcesCap))
+	}
+	if err := errors.Join(errs...); err != nil {
+		return fmt.Errorf("%w: %w", ErrBadConfig, err)
+	}
+	return nil
+}
+
+// layout is where everything is in a region.
+type layout struct {
+	buffers, bufferSize, maxSources int
+	descOff, sourcesOff, buffersOff uint64
+	size                            uint64
+	windowNs                        uint64
+	flags                           uint32
+	bufferID                        uint32
+}
+
+func roundUp(n, to uint64) uint64 { return (n + to - 1) / to * to }
+
+func computeLayout(c Config, huge bool) layout {
+	l := layout{buffers: c.Buffers, bufferSize: c.BufferSize, maxSources: c.MaxSources,
+		windowNs: uint64(c.Window.Nanoseconds()), bufferID: c.BufferID}
+	l.descOff = headerLen
+	l.sourcesOff = roundUp(l.descOff+uint64(c.Buffers)*descSize, pageSize)
+	l.buffersOff = roundUp(l.sourcesOff+uint64(c.MaxSources)*sourceSize, pageSize)
+	l.size = l.buffersOff + uint64(c.Buffers)*uint64(c.BufferSize)
+	if huge {
+		l.size = roundUp(l.size, hugePageSize)
+		l.flags |= FlagHugetlb
+	}
+	if c.AlignWindows {
+		l.flags |= FlagAlignedWindows
+	}
+	return l
+}
+
+// writeHeader fills a zeroed region's header; the magic goes last so a
+// reader never sees a half-written header with a valid magic.
+func writeHeader(mem []byte, l layout) {
+	le := binary.LittleEndian
+	le.PutUint32(mem[hVersion:], Version)
+	le.PutUint32(mem[hHeaderLen:], headerLen)
+	le.PutUint32(mem[hFlags:], l.flags)
+	le.PutUint64(mem[hRegionLen:], l.size)
+	le.PutUint32(mem[hBufferCount:], uint32(l.buffers))
+	le.PutUint32(mem[hBufferSize:], uint32(l.bufferSize))
+	le.PutUint64(mem[hDescOff:], l.descOff)
+	le.PutUint64(mem[hSourcesOff:], l.sourcesOff)
+	le.PutUint32(mem[hMaxSources:], uint32(l.maxSources))
+	le.PutUint32(mem[hRecordAlign:], RecordAlign)
+	le.PutUint64(mem[hBuffersOff:], l.buffersOff)
+	le.PutUint64(mem[hWindowNs:], l.windowNs)
+	le.PutUint32(mem[hBufferID:], l.bufferID)
+	storeU32(mem, hMagic, Magic)
+}
+
+// readHeader validates a mapped region of size bytes and returns its
+// layout. Every offset and count is checked against the mapping, so that
+// nothing later can index outside it.
+func readHeader(mem []byte) (layout, error) {
+	var l layout
+	size := uint64(len(mem))
+	if size < headerLen {
+		return l, fmt.Errorf("%w: %d bytes, under the %d-byte header", ErrBadLayout, size, headerLen)
+	}
+	le := binary.LittleEndian
+	if m := loadU32(mem, hMagic); m != Magic {
+		return l, fmt.Errorf("%w: %#08x", ErrBadMagic, m)
+	}
+	if v := le.Uint32(mem[hVersion:]); v != Version {
+		return l, fmt.Errorf("%w: region has version %d, this build reads %d", ErrVersion, v, Version)
+	}
+	bad := func(format string, args ...any) (layout, error) {
+		return layout{}, fmt.Errorf("%w: "+format, append([]any{ErrBadLayout}, args...)...)
+	}
+	if h := le.Uint32(mem[hHeaderLen:]); h != headerLen {
+		return bad("header length %d", h)
+	}
+	if r := le.Uint64(mem[hRegionLen:]); r != size {
+		return bad("region length %d, mapping %d", r, size)
+	}
+	if a := le.Uint32(mem[hRecordAlign:]); a != RecordAlign {
+		return bad("record alignment %d", a)
+	}
+	l.flags = le.Uint32(mem[hFlags:])
+	l.buffers = int(le.Uint32(mem[hBufferCount:]))
+	l.bufferSize = int(le.Uint32(mem[hBufferSize:]))
+	l.maxSources = int(le.Uint32(mem[hMaxSources:]))
+	l.descOff = le.Uint64(mem[hDescOff:])
+	l.sourcesOff = le.Uint64(mem[hSourcesOff:])
+	l.buffersOff = le.Uint64(mem[hBuffersOff:])
+	l.windowNs = le.Uint64(mem[hWindowNs:])
+	l.bufferID = le.Uint32(mem[hBufferID:])
+	l.size = size
+	switch {
+	case l.buffers < 2 || l.buffers > maxBuffers:
+		return bad("%d buffers", l.buffers)
+	case l.bufferSize < minBufferSize || l.bufferSize > maxBufferSize || l.bufferSize%RecordAlign != 0:
+		return bad("buffer size %d", l.bufferSize)
+	case l.maxSources < 1 || l.maxSources > maxSourcesCap:
+		return bad("%d sources", l.maxSources)
+	case l.descOff < headerLen || l.descOff%descSize != 0 || l.descOff+uint64(l.buffers)*descSize > size:
+		return bad("descriptors at %d", l.descOff)
+	case l.sourcesOff < headerLen || l.sourcesOff%8 != 0 || l.sourcesOff+uint64(l.maxSources)*sourceSize > size:
+		return bad("source table at %d", l.sourcesOff)
+	case l.buffersOff < headerLen || l.buffersOff%pageSize != 0 || l.buffersOff+uint64(l.buffers)*uint64(l.bufferSize) > size:
+		return bad("buffers at %d", l.buffersOff)
+	case overlaps(l.descOff, uint64(l.buffers)*descSize, l.sourcesOff, uint64(l.maxSources)*sourceSize),
+		overlaps(l.descOff, uint64(l.buffers)*descSize, l.buffersOff, uint64(l.buffers)*uint64(l.bufferSize)),
+		overlaps(l.sourcesOff, uint64(l.maxSources)*sourceSize, l.buffersOff, uint64(l.buffers)*uint64(l.bufferSize)):
+		return bad("descriptors, sources and buffers overlap")
+	case l.windowNs == 0:
+		return bad("zero window")
+	}
+	return l, nil
+}
+
+func overlaps(a, alen, b, blen uint64) bool { return a < b+blen && b < a+alen }
+
+func (l *layout) desc(k int) uint64   { return l.descOff + uint64(k)*descSize }
+func (l *layout) source(j int) uint64 { return l.sourcesOff + uint64(j)*sourceSize }
+func (l *layout) buffer(k int) uint64 { return l.buffersOff + uint64(k)*uint64(l.bufferSize) }

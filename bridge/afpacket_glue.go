@@ -3,13 +3,126 @@ package bridge
 import (
 	"errors"
 
+	"github.com/fabricbridge/fabricbridge/bridge/afpacket"
 	"github.com/fabricbridge/fabricbridge/classifier"
 )
 
-// afpShared is the AF_PACKET path's state shared by its queues.
-type afpShared struct{}
+// afpShared is the AF_PACKET path's classifier, which SetTables feeds.
+type afpShared struct {
+	cls *classifier.Classifier
+}
 
-func (a *afpShared) setTables(t *classifier.Tables) error { return nil }
-func (a *afpShared) close() error                         { return nil }
+func (a *afpShared) setTables(t *classifier.Tables) error {
+	a.cls.SetTables(t)
+	return nil
+}
 
-func (b *Bridge) openAFPacket() error { return errors.New("not yet") }
+func (a *afpShared) close() error { return nil }
+
+// openAFPacket sets up the fallback: one TPACKET_V3 RX ring classified by
+// the Go reference classifier, one TX ring, served as queue 0 whatever
+// Config.Queues says. The kernel keeps receiving every frame (AF_PACKET is a
+// tap); only steered ones also go to their stream.
+func (b *Bridge) openAFPacket() error {
+	if b.prog != nil {
+		b.prog.Close()
+		b.prog = nil
+	}
+	empty, err := classifier.Compile(&classifier.RuleSet{})
+	if err != nil {
+		return err
+	}
+	if t := b.tables.Load(); t != nil {
+		empty = t
+	}
+	rx, err := afpacket.NewRx(afpacket.RxConfig{Ifindex: b.ifindex})
+	if err != nil {
+		return err
+	}
+	tx, err := afpacket.NewTx(afpacket.TxConfig{Ifindex: b.ifindex, FrameSize: 2048, FrameCount: b.cfg.FrameCount / 2})
+	if err != nil {
+		rx.Close()
+		return err
+	}
+	if tx.MaxFrame() < b.mtu+ethHeader {
+		rx.Close()
+		tx.Close()
+		return errors.New("MTU too large for the AF_PACKET TX ring")
+	}
+	ar := &afpRx{rx: rx, cls: classifier.New(empty, 0)}
+	ar.onFrame = ar.frame
+	q, err := b.newQueue(0, ar, &afpTx{tx: tx})
+	if err != nil {
+		rx.Close()
+		tx.Close()
+		return err
+	}
+	b.queues = []*queue{q}
+	b.afp = &afpShared{cls: ar.cls}
+	return nil
+}
+
+// afpRx classifies each frame of the RX ring with the reference classifier
+// and delivers the steered ones.
+type afpRx struct {
+	rx      *afpacket.Rx
+	cls     *classifier.Classifier
+	d       *dispatcher
+	onFrame func([]byte, bool) // frame, bound once: no allocation per poll
+}
+
+func (a *afpRx) frame(f []byte, rebuilt bool) {
+	m := a.cls.Classify(f)
+	if m.Verdict != classifier.VerdictSteer {
+		return // the kernel has it already
+	}
+	a.d.frame(f, &m)
+	if rebuilt {
+		a.d.end() // the scratch buffer is reused by the next rebuilt frame
+	}
+}
+
+func (a *afpRx) poll(d *dispatcher) int {
+	a.d = d
+	n := a.rx.Poll(a.onFrame)
+	d.end()
+	a.d = nil
+	return n
+}
+
+func (a *afpRx) wait(wakefd int) { a.rx.Wait(wakefd) }
+
+func (a *afpRx) kernelStats() (fillEmpty, dropped uint64) { return 0, a.rx.Drops() }
+
+func (a *afpRx) close() error { return a.rx.Close() }
+
+// afpTx lends TX ring slots. The kernel sends slots in ring order and stops
+// at the first unmarked one, so a packet that is sent after a rejected one
+// moves down into the rejected one's slot.
+type afpTx struct {
+	tx    *afpacket.Tx
+	k     int
+	nsent int
+}
+
+func (a *afpTx) lend(bufs [][]byte) int {
+	a.k = a.tx.Free(len(bufs))
+	a.nsent = 0
+	for i := range a.k {
+		bufs[i] = a.tx.Buf(i)[:a.tx.MaxFrame()]
+	}
+	return a.k
+}
+
+func (a *afpTx) send(i, n int) {
+	// The cursor sits at the first lent slot plus what was sent.
+	if rel := i - a.nsent; rel != 0 {
+		copy(a.tx.Buf(0), a.tx.Buf(rel)[:n])
+	}
+	a.tx.Queue(n)
+	a.nsent++
+}
+
+func (a *afpTx) settle()  { a.k = 0 }
+func (a *afpTx) flush()   { a.tx.Flush() }
+func (a *afpTx) reclaim() {}

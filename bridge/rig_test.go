@@ -57,7 +57,7 @@ var paths = []struct {
 	cfg  Config
 }{
 	{"xdp", Config{}},
-	// {"afpacket", Config{Path: PathAFPacket, Mode: ModeStrict}},
+	{"afpacket", Config{Path: PathAFPacket, Mode: ModeStrict}},
 }
 
 func forEachPath(t *testing.T, f func(t *testing.T, cfg Config)) {

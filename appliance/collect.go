@@ -30,7 +30,9 @@ func (d *Daemon) collect(w *metrics.Writer) {
 	w.Add(famStatic, float64(len(cfg.Rules)), metrics.L("kind", "rule")...)
 	apps := d.Apps()
 	w.Add(famApps, float64(len(apps)))
+	byStream := map[uint32]string{}
 	for _, a := range apps {
+		byStream[a.Stream] = a.Name
 		s := strconv.FormatUint(uint64(a.Stream), 10)
 		w.Add(famAppClaims, float64(a.Listeners), metrics.L("app", a.Name, "stream", s, "kind", "listener")...)
 		w.Add(famAppClaims, float64(a.Flows), metrics.L("app", a.Name, "stream", s, "kind", "flow")...)
@@ -41,5 +43,5 @@ func (d *Daemon) collect(w *metrics.Writer) {
 			return n
 		}
 		return fmt.Sprintf("dynamic %d", id)
-	})
+	}, byStream)
 }

@@ -108,7 +108,7 @@ func Start(cfg *config.Config, opts Options) (_ *Daemon, err error) {
 	}
 	d.log.Info("reserved ports for applications' outgoing connections", "range", cfg.ReservedPorts.String(), "added", d.reserved.String())
 
-	if d.plane, err = openXDP(cfg, d.log); err != nil {
+	if d.plane, err = openBridge(cfg, d.log); err != nil {
 		return nil, err
 	}
 	d.cfg.Store(cfg)

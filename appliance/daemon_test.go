@@ -235,7 +235,7 @@ func TestDaemonLifecycle(t *testing.T) {
 	if reserved != "" {
 		t.Errorf("reserved ports left: %q", reserved)
 	}
-	for _, want := range []string{"level=INFO msg=\"XDP classifier attached\"", "msg=reloaded", "msg=\"fabricbridge stopped\""} {
+	for _, want := range []string{"level=INFO msg=\"data path attached\"", "msg=reloaded", "msg=\"fabricbridge stopped\""} {
 		if !strings.Contains(log.String(), want) {
 			t.Errorf("log lacks %q:\n%s", want, log.String())
 		}

@@ -39,6 +39,9 @@ func (c *Config) checkInterfaces(d *decoder) {
 	if len(c.Interfaces) == 0 {
 		d.errorAt("interfaces", "at least one interface is required")
 	}
+	if len(c.Interfaces) > 1 {
+		d.errorAt("interfaces[1]", "one interface per daemon: a stream is served by the bridge of one interface; run a daemon per interface, each with its own control.socket")
+	}
 	names := map[string]string{}
 	for i, in := range c.Interfaces {
 		p := fmt.Sprintf("interfaces[%d]", i)

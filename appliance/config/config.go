@@ -50,8 +50,9 @@ type Interface struct {
 	FrameSize Size `yaml:"frame_size"`
 	// Frames is the number of UMEM frames per queue, a power of two.
 	Frames int `yaml:"frames"`
-	// BusyPoll turns on SO_PREFER_BUSY_POLL on the AF_XDP sockets.
-	BusyPoll bool `yaml:"busy_poll"`
+	// BusyPoll, if set, turns on busy polling (SO_PREFER_BUSY_POLL) on the
+	// AF_XDP sockets for this long per poll, such as 50us.
+	BusyPoll Duration `yaml:"busy_poll"`
 }
 
 // Streams sizes the stream an application gets when it does not ask for

@@ -33,7 +33,10 @@ func TestErrorsArePrecise(t *testing.T) {
 		{"bad address", "interfaces: [{name: eth1}]\naddresses: [198.18.0.1, 198.18.0.300]\n", []string{`t.yaml:2:25: addresses[1]: "198.18.0.300" is not an IP address`}},
 		{"duplicate address", "interfaces: [{name: eth1}]\naddresses: [198.18.0.1, 198.18.0.1]\n", []string{"t.yaml:2:25: addresses[1]: 198.18.0.1 is listed twice"}},
 		{"interface name", "interfaces:\n  - name: averyveryverylongname\naddresses: [198.18.0.1]\n", []string{`t.yaml:2:5: interfaces[0].name: "averyveryverylongname" is longer than an interface name can be (15 bytes)`}},
-		{"interface twice", "interfaces:\n  - name: eth1\n  - name: eth1\naddresses: [198.18.0.1]\n", []string{`t.yaml:3:5: interfaces[1].name: "eth1" is already configured at interfaces[0]`}},
+		{"interface twice", "interfaces:\n  - name: eth1\n  - name: eth1\naddresses: [198.18.0.1]\n", []string{
+			"t.yaml:3:5: interfaces[1]: one interface per daemon: a stream is served by the bridge of one interface; run a daemon per interface, each with its own control.socket",
+			`t.yaml:3:5: interfaces[1].name: "eth1" is already configured at interfaces[0]`,
+		}},
 		{"attach", "interfaces:\n  - name: eth1\n    attach: fast\naddresses: [198.18.0.1]\n", []string{`t.yaml:3:13: interfaces[0].attach: "fast" is not one of auto, strict`}},
 		{"frame size", "interfaces:\n  - name: eth1\n    frame_size: 3000\naddresses: [198.18.0.1]\n", []string{"t.yaml:3:5: interfaces[0].frame_size: must be 2048 or 4096, not 3000"}},
 		{"frames", "interfaces:\n  - {name: eth1, frames: 1000}\naddresses: [198.18.0.1]\n", []string{"t.yaml:2:18: interfaces[0].frames: must be a power of two from 64 to 1048576, not 1000"}},
@@ -203,6 +206,7 @@ interfaces:
     queues: [0, 3]
     attach: STRICT
     frame_size: 4K
+    busy_poll: 50us
 addresses: [198.18.0.1, "2001:db8::1", "::ffff:198.18.0.9"]
 ingest:
   - {name: a, buffer_size: 2MiB, window: 1ms}
@@ -231,7 +235,7 @@ metrics: {address: ""}
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.Interfaces[0].Attach != AttachStrict || c.Interfaces[0].FrameSize != 4096 || len(c.Interfaces[0].Queues) != 2 {
+	if c.Interfaces[0].Attach != AttachStrict || c.Interfaces[0].FrameSize != 4096 || len(c.Interfaces[0].Queues) != 2 || time.Duration(c.Interfaces[0].BusyPoll) != 50*time.Microsecond {
 		t.Errorf("interface: %+v", c.Interfaces[0])
 	}
 	if c.Addresses[2].Addr != netip.MustParseAddr("198.18.0.9") {

@@ -1,0 +1,253 @@
+package appliance
+
+import (
+	"fmt"
+	"log/slog"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/fabricbridge/fabricbridge/appliance/config"
+	"github.com/fabricbridge/fabricbridge/appliance/metrics"
+	"github.com/fabricbridge/fabricbridge/bridge"
+	"github.com/fabricbridge/fabricbridge/classifier"
+	"github.com/fabricbridge/fabricbridge/control"
+	"github.com/fabricbridge/fabricbridge/fabric"
+)
+
+// bridgePlane adapts the bridge on the configured interface to what the
+// control server and the daemon need.
+type bridgePlane struct {
+	ifname string
+	b      *bridge.Bridge
+	log    *slog.Logger
+
+	mu      sync.Mutex
+	closed  bool
+	streams map[uint32]*fabric.Stream // for health; nil entries are remote
+	stop    chan struct{}
+	ticker  sync.WaitGroup
+}
+
+// healthInterval is how often stream health intervals end: a stream is
+// sick when it dropped packets in the last one.
+const healthInterval = time.Second
+
+// openBridge clears a stale XDP program from the interface and opens the
+// bridge on it. It must run on a thread in the interface's namespace.
+func openBridge(cfg *config.Config, log *slog.Logger) (*bridgePlane, error) {
+	in := cfg.Interfaces[0]
+	if removed, err := clearStaleXDP(in.Name); err != nil {
+		return nil, err
+	} else if removed {
+		log.Warn("removed a stale fabricbridge XDP program left attached by a crashed process", "interface", in.Name)
+	}
+	bc := bridge.Config{
+		Interface:  in.Name,
+		Queues:     in.Queues,
+		FrameSize:  int(in.FrameSize),
+		FrameCount: in.Frames,
+		BusyPoll:   time.Duration(in.BusyPoll),
+		Logger:     log,
+	}
+	if in.Attach == config.AttachStrict {
+		bc.Mode = bridge.ModeStrict
+	}
+	b, err := bridge.Open(bc)
+	if err != nil {
+		return nil, fmt.Errorf("interface %s (attach: %s): %w", in.Name, in.Attach, err)
+	}
+	p := &bridgePlane{ifname: in.Name, b: b, log: log, streams: map[uint32]*fabric.Stream{}, stop: make(chan struct{})}
+	if b.Path() == bridge.PathGeneric || b.Path() == bridge.PathAFPacket {
+		log.Warn("data path attached on a slow path: the driver has no native XDP; expect much lower rates", "interface", in.Name, "mode", b.Mode(), "tried", b.Tried())
+	} else {
+		log.Info("data path attached", "interface", in.Name, "mode", b.Mode(), "tried", b.Tried())
+	}
+	p.ticker.Add(1)
+	go p.tick()
+	return p, nil
+}
+
+func (p *bridgePlane) tick() {
+	defer p.ticker.Done()
+	t := time.NewTicker(healthInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-p.stop:
+			return
+		case <-t.C:
+			p.mu.Lock()
+			for _, s := range p.streams {
+				if s != nil {
+					s.Tick()
+				}
+			}
+			p.mu.Unlock()
+		}
+	}
+}
+
+func ownership(own control.Ownership) bridge.Ownership {
+	o := bridge.Ownership{Addrs: own.Addrs}
+	for _, c := range own.Ports {
+		o.Ports = append(o.Ports, bridge.PortClaim{Proto: c.Proto, Port: c.Port})
+	}
+	return o
+}
+
+// gone turns errors of a closed plane into the error that tells
+// applications the bridge is gone.
+func (p *bridgePlane) gone() error {
+	if p.closed {
+		return fmt.Errorf("%w: the daemon is shutting down", control.ErrBridgeGone)
+	}
+	return nil
+}
+
+func (p *bridgePlane) AddStream(id uint32, s *fabric.Stream, own control.Ownership) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := p.gone(); err != nil {
+		return err
+	}
+	if err := p.b.AddStream(id, s, ownership(own)); err != nil {
+		return err
+	}
+	p.streams[id] = s
+	return nil
+}
+
+// AddRemoteStream refuses: the bridge serves shared-memory streams only so
+// far (see the report of issue 7).
+func (p *bridgePlane) AddRemoteStream(id uint32, s *fabric.RemoteStream, own control.Ownership) error {
+	return fmt.Errorf("the bridge does not serve remote (GENEVE) streams yet")
+}
+
+func (p *bridgePlane) SetOwnership(id uint32, own control.Ownership) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := p.gone(); err != nil {
+		return err
+	}
+	return p.b.SetOwnership(id, ownership(own))
+}
+
+func (p *bridgePlane) RemoveStream(id uint32) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	delete(p.streams, id)
+	if err := p.gone(); err != nil {
+		return nil // the bridge is closed: nothing touches the stream any more
+	}
+	return p.b.RemoveStream(id)
+}
+
+func (p *bridgePlane) SetTables(t *classifier.Tables) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := p.gone(); err != nil {
+		return err
+	}
+	return p.b.SetTables(t)
+}
+
+// Close detaches the bridge: XDP program, sockets, loops.
+func (p *bridgePlane) Close() error {
+	p.mu.Lock()
+	if p.closed {
+		p.mu.Unlock()
+		return nil
+	}
+	p.closed = true
+	p.mu.Unlock()
+	close(p.stop)
+	p.ticker.Wait()
+	return p.b.Close()
+}
+
+var (
+	famQueueRx         = metrics.Family{Name: "fabricbridge_queue_rx_packets_total", Type: metrics.Counter, Help: "Frames a receive queue delivered into streams."}
+	famQueueRxBytes    = metrics.Family{Name: "fabricbridge_queue_rx_bytes_total", Type: metrics.Counter, Help: "Bytes a receive queue delivered into streams."}
+	famQueueRxDrops    = metrics.Family{Name: "fabricbridge_queue_rx_drops_total", Type: metrics.Counter, Help: "Received frames that reached no stream, by reason (ring_full, no_stream, malformed)."}
+	famQueueTx         = metrics.Family{Name: "fabricbridge_queue_tx_packets_total", Type: metrics.Counter, Help: "Packets a queue sent to the wire."}
+	famQueueTxBytes    = metrics.Family{Name: "fabricbridge_queue_tx_bytes_total", Type: metrics.Counter, Help: "Bytes a queue sent to the wire."}
+	famQueueTxKernel   = metrics.Family{Name: "fabricbridge_queue_tx_via_kernel_total", Type: metrics.Counter, Help: "Packets handed to the kernel because the neighbour was not known yet."}
+	famQueueTxRejects  = metrics.Family{Name: "fabricbridge_queue_tx_rejects_total", Type: metrics.Counter, Help: "Packets refused on transmit, by reason."}
+	famQueueFillEmpty  = metrics.Family{Name: "fabricbridge_queue_fill_ring_empty_total", Type: metrics.Counter, Help: "Times the kernel found the AF_XDP fill ring empty."}
+	famQueueKernelDrop = metrics.Family{Name: "fabricbridge_queue_kernel_rx_drops_total", Type: metrics.Counter, Help: "Frames the kernel dropped for want of room in the receive ring."}
+	famStreamRx        = metrics.Family{Name: "fabricbridge_stream_rx_packets_total", Type: metrics.Counter, Help: "Packets delivered into each application stream."}
+	famStreamRxBytes   = metrics.Family{Name: "fabricbridge_stream_rx_bytes_total", Type: metrics.Counter, Help: "Bytes delivered into each application stream."}
+	famStreamRxDrops   = metrics.Family{Name: "fabricbridge_stream_rx_drops_total", Type: metrics.Counter, Help: "Packets for a stream that were dropped, by reason (ring_full: the application did not keep up)."}
+	famStreamTx        = metrics.Family{Name: "fabricbridge_stream_tx_packets_total", Type: metrics.Counter, Help: "Packets each stream sent to the wire."}
+	famStreamTxBytes   = metrics.Family{Name: "fabricbridge_stream_tx_bytes_total", Type: metrics.Counter, Help: "Bytes each stream sent to the wire."}
+	famStreamTxRejects = metrics.Family{Name: "fabricbridge_stream_tx_rejects_total", Type: metrics.Counter, Help: "Packets a stream sent that failed verification, by reason."}
+	famStreamHealth    = metrics.Family{Name: "fabricbridge_stream_health", Type: metrics.Gauge, Help: "1 for each stream's health state (normal, sick: dropped in the last second, broken: the application is gone)."}
+	famKernelSendErr   = metrics.Family{Name: "fabricbridge_kernel_send_errors_total", Type: metrics.Counter, Help: "Packets the kernel refused on the hand-off path for unknown neighbours."}
+)
+
+func rejects(w *metrics.Writer, f metrics.Family, r bridge.Rejects, labels ...metrics.Label) {
+	for _, x := range []struct {
+		reason string
+		n      uint64
+	}{{"version", r.Version}, {"header_length", r.HeaderLength}, {"total_length", r.TotalLength}, {"mtu", r.MTU},
+		{"source_addr", r.SourceAddr}, {"protocol", r.Protocol}, {"source_port", r.SourcePort}} {
+		w.AddUint(f, x.n, append(labels, metrics.Label{Name: "reason", Value: x.reason})...)
+	}
+}
+
+func (p *bridgePlane) Collect(w *metrics.Writer, names func(uint32) string, apps map[uint32]string) {
+	st := p.b.Stats()
+	in := metrics.Label{Name: "interface", Value: p.ifname}
+	if prog := p.b.Program(); prog != nil {
+		collectProgram(w, p.ifname, st.Path, prog, names)
+	} else {
+		w.Add(famAttach, 1, in, metrics.Label{Name: "mode", Value: st.Path})
+	}
+	w.AddUint(famKernelSendErr, st.KernelSendErrors, in)
+	for _, q := range st.Queues {
+		l := []metrics.Label{in, {Name: "queue", Value: strconv.Itoa(q.Queue)}}
+		w.AddUint(famQueueRx, q.RxPackets, l...)
+		w.AddUint(famQueueRxBytes, q.RxBytes, l...)
+		for _, d := range []struct {
+			reason string
+			n      uint64
+		}{{"ring_full", q.RxDrops.RingFull}, {"no_stream", q.RxDrops.NoStream}, {"malformed", q.RxDrops.Malformed}} {
+			w.AddUint(famQueueRxDrops, d.n, append(l, metrics.Label{Name: "reason", Value: d.reason})...)
+		}
+		w.AddUint(famQueueTx, q.TxPackets, l...)
+		w.AddUint(famQueueTxBytes, q.TxBytes, l...)
+		w.AddUint(famQueueTxKernel, q.TxViaKernel, l...)
+		rejects(w, famQueueTxRejects, q.TxRejects, l...)
+		w.AddUint(famQueueFillEmpty, q.FillRingEmpty, l...)
+		w.AddUint(famQueueKernelDrop, q.KernelRxDrops, l...)
+	}
+	p.mu.Lock()
+	health := map[uint32]fabric.Health{}
+	for id, s := range p.streams {
+		if s != nil {
+			health[id] = s.Health()
+		}
+	}
+	p.mu.Unlock()
+	for _, s := range st.Streams {
+		l := []metrics.Label{in, {Name: "stream", Value: strconv.FormatUint(uint64(s.ID), 10)}, {Name: "app", Value: apps[s.ID]}}
+		w.AddUint(famStreamRx, s.RxPackets, l...)
+		w.AddUint(famStreamRxBytes, s.RxBytes, l...)
+		w.AddUint(famStreamRxDrops, s.RxRingFull, append(l, metrics.Label{Name: "reason", Value: "ring_full"})...)
+		w.AddUint(famStreamTx, s.TxPackets, l...)
+		w.AddUint(famStreamTxBytes, s.TxBytes, l...)
+		rejects(w, famStreamTxRejects, s.TxRejects, l...)
+		h, ok := health[s.ID]
+		if s.Broken || !ok {
+			h = fabric.Broken
+		}
+		for _, state := range []fabric.Health{fabric.Normal, fabric.Sick, fabric.Broken} {
+			v := 0.0
+			if state == h {
+				v = 1
+			}
+			w.Add(famStreamHealth, v, append(l, metrics.Label{Name: "state", Value: state.String()})...)
+		}
+	}
+}

@@ -240,6 +240,8 @@ func TestRemoteGeneveBetweenNamespaces(t *testing.T) {
 				if err := <-errc; err != nil {
 					t.Fatal(err)
 				}
+				// The loop counts a packet just after queueing it.
+				waitCounters(t, x.ra, func(c RemoteCounters) bool { return c.Received == total })
 				ca, cb := x.ra.Counters(), x.rb.Counters()
 				if ca.Received != total || ca.Overflow != 0 || ca.WrongVNI+ca.WrongSource+ca.Malformed+ca.Dead != 0 {
 					t.Fatalf("receiver counters %+v", ca)
@@ -301,6 +303,16 @@ func TestRemoteGeneveBetweenNamespaces(t *testing.T) {
 					t.Fatalf("%d refused packets reached the stream", n)
 				}
 			})
+		}
+	}
+}
+
+// waitCounters waits up to 5 s for the endpoint's counters to satisfy ok.
+func waitCounters(t *testing.T, r *Remote, ok func(RemoteCounters) bool) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); !ok(r.Counters()); time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("counters %+v", r.Counters())
 		}
 	}
 }
@@ -390,9 +402,7 @@ func TestRemoteZeroAlloc(t *testing.T) {
 			if allocs != 0 {
 				t.Fatalf("%v allocations per batch", allocs)
 			}
-			if c := x.ra.Counters(); c.Received != 51*16 {
-				t.Fatalf("received %d, want %d", c.Received, 51*16)
-			}
+			waitCounters(t, x.ra, func(c RemoteCounters) bool { return c.Received == 51*16 })
 		})
 	}
 }
@@ -456,7 +466,7 @@ func TestRemotePeerTimeout(t *testing.T) {
 		t.Fatal(err)
 	}
 	out := mkBufs(4, 2048)
-	if n, err := silent.RecvTimeout(out, time.Second); n != 1 || err != nil {
+	if n, err := silent.RecvTimeout(out, 5*time.Second); n != 1 || err != nil {
 		t.Fatalf("first packet: %d %v", n, err)
 	}
 	_, err = silent.RecvTimeout(out, 2*time.Second)
@@ -508,7 +518,7 @@ func TestRemotePortUnreachable(t *testing.T) {
 				t.Fatal(err)
 			}
 			out := mkBufs(4, 2048)
-			if n, err := s.RecvTimeout(out, time.Second); n != 1 || err != nil {
+			if n, err := s.RecvTimeout(out, 5*time.Second); n != 1 || err != nil {
 				t.Fatalf("first packet: %d %v", n, err)
 			}
 			unix.Close(fd) // the "process" dies

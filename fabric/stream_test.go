@@ -483,13 +483,16 @@ func TestEventQueueCloseWhileWaiting(t *testing.T) {
 	if k, _ := q.Wait(toks, 0); k != 0 { // arms the empty stream
 		t.Fatalf("empty stream reported %d", k)
 	}
+	closed := make(chan struct{})
 	go func() {
 		time.Sleep(10 * time.Millisecond)
 		b.Close()
+		close(closed)
 	}()
 	if k, err := q.Wait(toks, 5*time.Second); k != 0 || err != nil {
 		t.Fatalf("Wait returned %d, %v for a closed stream", k, err)
 	}
+	<-closed // Close itself may still be finishing after Wait saw it
 	if q.Len() != 0 {
 		t.Fatalf("closed stream still queued")
 	}

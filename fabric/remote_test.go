@@ -124,7 +124,7 @@ type remotes struct {
 	veth   *netns.Veth
 }
 
-func newRemotes(t *testing.T, v6 bool, cfgA, cfgB RemoteConfig) *remotes {
+func newRemotes(t testing.TB, v6 bool, cfgA, cfgB RemoteConfig) *remotes {
 	t.Helper()
 	a, b, v := netns.Pair(t, netns.VethOptions{})
 	x := &remotes{a: a, b: b, v6: v6, veth: v, addrA: v.A.Addr4.Addr(), addrB: v.B.Addr4.Addr()}
@@ -149,7 +149,7 @@ func newRemotes(t *testing.T, v6 bool, cfgA, cfgB RemoteConfig) *remotes {
 }
 
 // pair registers stream vni on both endpoints, each pointing at the other.
-func (x *remotes) pair(t *testing.T, vni uint32) (sa, sb *RemoteStream) {
+func (x *remotes) pair(t testing.TB, vni uint32) (sa, sb *RemoteStream) {
 	t.Helper()
 	sa, err := x.ra.Register(vni, x.rb.LocalAddr())
 	if err != nil {

@@ -138,4 +138,3 @@ func BenchmarkRemote(b *testing.B) {
 		}
 	}
 }
-

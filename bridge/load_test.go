@@ -1,0 +1,299 @@
+package bridge
+
+import (
+	"net/netip"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/fabricbridge/fabricbridge/classifier"
+	"github.com/fabricbridge/fabricbridge/fabric"
+	"github.com/fabricbridge/fabricbridge/internal/ippkt"
+	"github.com/fabricbridge/fabricbridge/internal/netns"
+	"github.com/fabricbridge/fabricbridge/internal/xdpgen"
+)
+
+// drain reads an application's stream until stop is closed, counting.
+func drain(app *fabric.Stream, n *atomic.Uint64, stop chan struct{}) chan struct{} {
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		bufs := make([][]byte, 64)
+		for {
+			for i := range bufs {
+				bufs[i] = make([]byte, 2048)[:2048]
+			}
+			k, err := app.RecvTimeout(bufs, 20*time.Millisecond)
+			n.Add(uint64(k))
+			select {
+			case <-stop:
+				if k == 0 {
+					return
+				}
+			default:
+			}
+			if err != nil && err != fabric.ErrTimeout {
+				return
+			}
+		}
+	}()
+	return done
+}
+
+// settle waits until the bridge's RX counters stop moving.
+func (r *rig) settle() Stats {
+	var last uint64
+	for i := 0; i < 200; i++ {
+		time.Sleep(20 * time.Millisecond)
+		s := r.b.Stats()
+		var sum uint64
+		for _, q := range s.Queues {
+			sum += q.RxPackets + q.RxDrops.RingFull + q.RxDrops.NoStream + q.RxDrops.Malformed
+		}
+		if sum == last && i > 2 {
+			return s
+		}
+		last = sum
+	}
+	r.t.Fatal("the bridge never went quiet")
+	return Stats{}
+}
+
+// TestSlowStreamLosesOnlyItsOwn: a stream whose application stops reading
+// fills up and drops its newest packets, counted, while the other stream
+// loses nothing; then a million frames from the generator, and afterwards
+// every UMEM frame is in exactly one place.
+func TestSlowStreamLosesOnlyItsOwn(t *testing.T) {
+	forEachPath(t, func(t *testing.T, cfg Config) {
+		r := newRig(t, cfg)
+		r.standardTables()
+		app1 := r.stream(1, r.ownership1(), fabric.Config{})
+		r.stream(2, Ownership{}, fabric.Config{RxSlots: 256}) // never read
+		var got1 atomic.Uint64
+		stop := make(chan struct{})
+		done := drain(app1, &got1, stop)
+		defer func() { close(stop); <-done }()
+
+		c := udpSocket(t, r.out, netip.AddrPortFrom(r.remote4, 0))
+		const each = 1000
+		for i := 0; i < each; i += 50 {
+			sendTo(t, c, netip.AddrPortFrom(r.local4, udpPort1), payloads(50, "busy"))
+			sendTo(t, c, netip.AddrPortFrom(r.local4, udpPort2), payloads(50, "idle"))
+			// Paced, so that no drop happens anywhere but at stream 2.
+			for deadline := time.Now().Add(2 * time.Second); got1.Load() < uint64(i+50) && time.Now().Before(deadline); {
+				time.Sleep(time.Millisecond)
+			}
+		}
+		s := r.settle()
+		if got1.Load() != each {
+			t.Fatalf("the reading stream got %d of %d", got1.Load(), each)
+		}
+		s1, s2 := s.Streams[0], s.Streams[1]
+		if s1.RxRingFull != 0 || s1.RxPackets != each {
+			t.Fatalf("stream 1 %+v", s1)
+		}
+		if s2.RxPackets != 256 || s2.RxRingFull != each-256 {
+			t.Fatalf("stream 2 (not reading, 256 slots) %+v, want 256 delivered and %d dropped", s2, each-256)
+		}
+
+		for i, a := range r.b.accountUMEM() {
+			if err := a.Err(); err != nil {
+				t.Fatalf("queue %d after paced traffic: %v", i, err)
+			}
+		}
+		// A million frames, half to each stream, as fast as the generator
+		// goes.
+		const million = 1_000_000
+		frames := [][]byte{
+			ippkt.Ether(r.v.A.MAC, r.v.B.MAC, ippkt.UDP(netip.AddrPortFrom(r.remote4, 40000), netip.AddrPortFrom(r.local4, udpPort1), make([]byte, 18))),
+			ippkt.Ether(r.v.A.MAC, r.v.B.MAC, ippkt.UDP(netip.AddrPortFrom(r.remote4, 40000), netip.AddrPortFrom(r.local4, udpPort2), make([]byte, 18))),
+		}
+		sent := generate(t, r.out, r.v.B.Index, frames, million)
+		s = r.settle()
+		var delivered, lost uint64
+		for _, q := range s.Queues {
+			delivered += q.RxPackets
+			lost += q.RxDrops.RingFull + q.RxDrops.NoStream + q.RxDrops.Malformed + q.KernelRxDrops
+		}
+		t.Logf("%s: generator sent %d, streams got %d, dropped %d (stream 2 full: %d)", r.b.Mode(), sent, delivered, lost, s.Streams[1].RxRingFull)
+		if s.Streams[1].RxPackets != 256 {
+			t.Fatalf("the full stream took more packets: %+v", s.Streams[1])
+		}
+		if delivered < each+million/20 {
+			t.Fatalf("only %d of %d frames delivered", delivered-each, sent)
+		}
+		// A few paced packets after the storm, so that whatever the kernel
+		// kept back is used and handed over again.
+		for range 20 {
+			sendTo(t, c, netip.AddrPortFrom(r.local4, udpPort1), payloads(20, "after"))
+			time.Sleep(2 * time.Millisecond)
+		}
+		r.settle()
+		for i, a := range r.b.accountUMEM() {
+			// Observed on Linux 6.18, veth, copy mode: after the fill ring
+			// ran empty under overload the kernel keeps exactly one frame
+			// that no ring shows, and keeps it across further traffic. One is
+			// tolerated (and reported); a leak would grow with the drops.
+			if len(a.Problems) > 0 || a.InKernel > 1 {
+				t.Fatalf("queue %d: %v", i, a.Err())
+			}
+			if a.Free+a.Held+a.Fill+a.RX+a.TX+a.Completion+a.InKernel != a.Frames {
+				t.Fatalf("queue %d: %+v", i, a)
+			}
+			t.Logf("queue %d UMEM after a million frames: %+v", i, a)
+		}
+	})
+}
+
+// generate sends n frames from the outside end with the AF_XDP generator.
+func generate(t *testing.T, ns *netns.NS, ifindex int, frames [][]byte, n int) int {
+	t.Helper()
+	var g *xdpgen.Gen
+	if err := ns.Do(func() (err error) { g, err = xdpgen.New(ifindex, frames); return err }); err != nil {
+		t.Fatal(err)
+	}
+	defer g.Close()
+	return g.Send(n, 30*time.Second)
+}
+
+// TestPathFallback: on veth, auto mode finds zero copy refused and settles
+// on native copy, saying so; strict mode refuses to fall back; generic mode
+// can be forced and carries traffic.
+func TestPathFallback(t *testing.T) {
+	r := newRig(t, Config{})
+	if r.b.Path() != PathNativeCopy || r.b.Stats().Path != "native-copy" {
+		t.Fatalf("auto on veth ended at %v", r.b.Path())
+	}
+	if tried := r.b.Tried(); len(tried) != 1 || !strings.HasPrefix(tried[0], "native-zerocopy:") {
+		t.Fatalf("tried %q, want native zero copy refused", tried)
+	}
+	if err := r.br.Do(func() error {
+		b, err := Open(Config{Interface: r.v.A.Name, Mode: ModeStrict, Path: PathNativeZeroCopy, FrameCount: 256})
+		if err == nil {
+			b.Close()
+		}
+		return err
+	}); err == nil || !strings.Contains(err.Error(), "native-zerocopy") {
+		t.Fatalf("strict zero copy on veth: %v", err)
+	}
+	r.b.Close()
+
+	g := newRig(t, Config{Mode: ModeStrict, Path: PathGeneric})
+	if g.b.Mode() != "generic" {
+		t.Fatalf("forced generic runs %v", g.b.Mode())
+	}
+	if m, ok := g.b.Program().Mode(); !ok || m.String() != "generic" {
+		t.Fatalf("program attached %v %v", m, ok)
+	}
+	g.standardTables()
+	app := g.stream(1, g.ownership1(), fabric.Config{})
+	c := udpSocket(t, g.out, netip.AddrPortFrom(g.remote4, 0))
+	sendTo(t, c, netip.AddrPortFrom(g.local4, udpPort1), payloads(10, "generic"))
+	if got := recvN(t, app, 10, 3*time.Second); len(got) != 10 {
+		t.Fatalf("generic path delivered %d of 10", len(got))
+	}
+	if _, err := ParsePath("bogus"); err == nil {
+		t.Fatal("ParsePath accepted bogus")
+	}
+	if p, err := ParsePath("afpacket"); err != nil || p != PathAFPacket {
+		t.Fatalf("ParsePath(afpacket) = %v, %v", p, err)
+	}
+}
+
+// TestNoAllocations drives the RX and TX loops by hand (no loop goroutines)
+// under testing.AllocsPerRun, on real traffic, on both paths.
+func TestNoAllocations(t *testing.T) {
+	forEachPath(t, func(t *testing.T, cfg Config) {
+		cfg.manual = true
+		r := newRig(t, cfg)
+		r.standardTables()
+		app := r.stream(1, r.ownership1(), fabric.Config{})
+		q := r.b.queues[0]
+
+		// RX: frames waiting in the RX ring (AF_XDP) or in retired blocks
+		// (AF_PACKET: bursts 5 ms apart, one block each).
+		c := udpSocket(t, r.out, netip.AddrPortFrom(r.remote4, 0))
+		for range 8 {
+			sendTo(t, c, netip.AddrPortFrom(r.local4, udpPort1), payloads(48, "alloc"))
+			time.Sleep(5 * time.Millisecond)
+		}
+		time.Sleep(20 * time.Millisecond)
+		var d dispatcher
+		var frames int
+		allocs := testing.AllocsPerRun(5, func() {
+			for try := 0; try < 1000; try++ {
+				if n := q.rxOnce(&d); n > 0 {
+					frames += n
+					return
+				}
+			}
+		})
+		if allocs != 0 || frames < 6 { // every run handled at least one batch
+			t.Fatalf("RX: %v allocations per batch over %d frames", allocs, frames)
+		}
+
+		// TX: packets queued in the stream, neighbour known.
+		if _, err := r.out.Ping(r.local4, 1, 3*time.Second); err != nil {
+			t.Fatal(err)
+		}
+		r.waitNeighbour(r.remote4)
+		var pkts [][]byte
+		for _, p := range payloads(400, "tx") {
+			pkts = append(pkts, ippkt.UDP(netip.AddrPortFrom(r.local4, udpPort1), netip.AddrPortFrom(r.remote4, remotePort), p))
+		}
+		if _, err := app.Send(pkts); err != nil {
+			t.Fatal(err)
+		}
+		tl := q.tx
+		allocs = testing.AllocsPerRun(5, func() {
+			n, _ := tl.eq.Wait(tl.toks[:], 0)
+			tl.round(tl.toks[:n])
+		})
+		sent := r.b.Stats().Streams[0].TxPackets
+		if allocs != 0 || sent < 5*uint64(r.b.cfg.TxBudget) {
+			t.Fatalf("TX: %v allocations per round, %d packets sent", allocs, sent)
+		}
+	})
+}
+
+// TestTxFairness: a stream with hundreds of packets queued gets one budget
+// per round; a stream with a few gets all of them out in the same round.
+func TestTxFairness(t *testing.T) {
+	forEachPath(t, func(t *testing.T, cfg Config) {
+		cfg.manual = true
+		r := newRig(t, cfg)
+		r.standardTables()
+		busy := r.stream(1, r.ownership1(), fabric.Config{})
+		quiet := r.stream(2, Ownership{Addrs: []netip.Addr{r.local4}, Ports: []PortClaim{{classifier.ProtoUDP, udpPort2}}}, fabric.Config{})
+		if _, err := r.out.Ping(r.local4, 1, 3*time.Second); err != nil {
+			t.Fatal(err)
+		}
+		r.waitNeighbour(r.remote4)
+		to := netip.AddrPortFrom(r.remote4, remotePort)
+		var many, few [][]byte
+		for _, p := range payloads(500, "busy") {
+			many = append(many, ippkt.UDP(netip.AddrPortFrom(r.local4, udpPort1), to, p))
+		}
+		for _, p := range payloads(10, "quiet") {
+			few = append(few, ippkt.UDP(netip.AddrPortFrom(r.local4, udpPort2), to, p))
+		}
+		busy.Send(many)
+		quiet.Send(few)
+		tl := r.b.queues[0].tx
+		for round := 0; round < 5; round++ {
+			n, _ := tl.eq.Wait(tl.toks[:], 0)
+			tl.round(tl.toks[:n])
+			if r.b.Stats().Streams[1].TxPackets == 10 {
+				break
+			}
+		}
+		s := r.b.Stats().Streams
+		if s[1].TxPackets != 10 {
+			t.Fatalf("the quiet stream sent %d of 10 while the busy one sent %d", s[1].TxPackets, s[0].TxPackets)
+		}
+		if s[0].TxPackets > 2*uint64(r.b.cfg.TxBudget) {
+			t.Fatalf("the busy stream sent %d packets before the quiet one's 10 were out (budget %d)", s[0].TxPackets, r.b.cfg.TxBudget)
+		}
+	})
+}

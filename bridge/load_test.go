@@ -147,7 +147,7 @@ func TestSlowStreamLosesOnlyItsOwn(t *testing.T) {
 }
 
 // generate sends n frames from the outside end with the AF_XDP generator.
-func generate(t *testing.T, ns *netns.NS, ifindex int, frames [][]byte, n int) int {
+func generate(t testing.TB, ns *netns.NS, ifindex int, frames [][]byte, n int) int {
 	t.Helper()
 	var g *xdpgen.Gen
 	if err := ns.Do(func() (err error) { g, err = xdpgen.New(ifindex, frames); return err }); err != nil {

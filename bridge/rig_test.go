@@ -23,7 +23,7 @@ import (
 // rig is the test topology: the bridge on end A of a veth in namespace br,
 // the outside kernel on end B in namespace out.
 type rig struct {
-	t       *testing.T
+	t       testing.TB
 	br, out *netns.NS
 	v       *netns.Veth
 	b       *Bridge
@@ -43,7 +43,7 @@ const (
 	remotePort = 7001
 )
 
-type logWriter struct{ t *testing.T }
+type logWriter struct{ t testing.TB }
 
 func (w logWriter) Write(p []byte) (int, error) {
 	w.t.Log(strings.TrimSpace(string(p)))
@@ -66,7 +66,7 @@ func forEachPath(t *testing.T, f func(t *testing.T, cfg Config)) {
 	}
 }
 
-func newRig(t *testing.T, cfg Config) *rig {
+func newRig(t testing.TB, cfg Config) *rig {
 	testenv.RequirePrivileged(t)
 	br, out, v := netns.Pair(t, netns.VethOptions{})
 	r := &rig{t: t, br: br, out: out, v: v,
@@ -141,7 +141,7 @@ func (r *rig) stream(id uint32, own Ownership, cfg fabric.Config) *fabric.Stream
 // udpSocket opens an unconnected kernel UDP socket in ns. Unconnected, so
 // that ICMP errors (the kernel seeing steered packets on the AF_PACKET path)
 // do not turn later sends into errors.
-func udpSocket(t *testing.T, ns *netns.NS, at netip.AddrPort) *net.UDPConn {
+func udpSocket(t testing.TB, ns *netns.NS, at netip.AddrPort) *net.UDPConn {
 	t.Helper()
 	var c *net.UDPConn
 	if err := ns.Do(func() (err error) {
@@ -154,7 +154,7 @@ func udpSocket(t *testing.T, ns *netns.NS, at netip.AddrPort) *net.UDPConn {
 	return c
 }
 
-func sendTo(t *testing.T, c *net.UDPConn, to netip.AddrPort, payloads [][]byte) {
+func sendTo(t testing.TB, c *net.UDPConn, to netip.AddrPort, payloads [][]byte) {
 	t.Helper()
 	for _, p := range payloads {
 		if _, err := c.WriteToUDPAddrPort(p, to); err != nil {
@@ -257,7 +257,7 @@ func (c *capture) until(wait time.Duration, stop func([]byte) bool) (frames [][]
 }
 
 // disableTxChecksumOffload is `ethtool -K name tx off`.
-func disableTxChecksumOffload(t *testing.T, ns *netns.NS, name string) {
+func disableTxChecksumOffload(t testing.TB, ns *netns.NS, name string) {
 	t.Helper()
 	if err := ns.Do(func() error {
 		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)

@@ -1,2 +1,71 @@
-// Package bridge is fabricbridge's data plane in user space.
+// Package bridge is fabricbridge's data plane in user space: it moves
+// frames the XDP classifier steered into the fabric streams of the
+// applications that own them, and packets those applications write back out
+// to the wire, after checking that they may send them.
+//
+// # Paths
+//
+// Open tries, in ModeAuto, from Config.Path (fastest first) down:
+// native XDP with zero-copy AF_XDP sockets, native XDP with copying sockets,
+// generic (skb) XDP, and finally AF_PACKET (TPACKET_V3 rings, classified by
+// the Go reference classifier). Each AF_XDP try starts on fresh UMEMs. Every
+// failure is logged and kept (Tried, Stats.Tried) and the path in use is
+// reported (Path, Mode, Stats.Path): users must know when they run slow.
+// ModeStrict refuses to fall back. An application cannot tell which path is
+// in use: it sees the same IP packets either way.
+//
+// # Threads
+//
+// Each receive queue has an RX loop and a TX loop, each on its own locked OS
+// thread. They are separate because they sleep on different things: the RX
+// loop in poll on the AF_XDP (or packet) socket, the TX loop in the
+// fabric.EventQueue of its streams, which offers no descriptor to poll
+// together with a socket. They share no ring: RX owns the RX and fill rings,
+// TX the TX and completion rings of the queue's socket.
+//
+// # RX
+//
+// The stream id comes from the XDP metadata in front of the frame
+// (classifier.UnmarshalMeta), not from a second parse. Ethernet, VLAN tags
+// and padding are cut off, consecutive packets of one stream are copied into
+// its RX ring with one SendMeta (with the classifier's rule id as the slot's
+// metadata word), and the frames go back to the fill ring at once. A full
+// stream ring drops the newest packets and counts them against that stream
+// only. On the AF_PACKET path the kernel gets every frame anyway (it is a
+// tap), and steered frames are copied to their stream as well.
+//
+// # TX
+//
+// Streams are assigned to TX loops by id. Each round takes at most
+// Config.TxBudget packets from every ready stream, straight into free frames
+// of the TX ring (one copy), so a busy application cannot starve the rest.
+// Every packet is verified before it leaves: IP version, header lengths, IP
+// length equal to the packet's, within the MTU, source address among the
+// stream's, protocol TCP or UDP with the source port owned by the stream
+// (Ownership, replaced atomically by SetOwnership). Rejects are counted by
+// reason, per stream and per queue. The Ethernet header comes from the
+// kernel's route and neighbour tables, read over netlink and refreshed by
+// netlink notifications; each TX loop keeps a private cache that a change
+// invalidates. A packet whose neighbour is not known yet is handed to the
+// kernel through a raw IP socket (counted as TxViaKernel): the kernel
+// resolves the neighbour, sends the packet, and the new neighbour entry
+// reaches the bridge as a notification.
+//
+// # Sharing a queue
+//
+// The kernel allows one UMEM per queue. A second consumer on a queue the
+// bridge serves (the ingest engine) opens its AF_XDP socket on Umem(queue);
+// it then shares that queue's fill ring (see package xsk). Program returns
+// the XDP program for its IngestXSKMap.
+//
+// # Known gaps
+//
+//   - On the AF_PACKET path nothing hides steered frames from the kernel, so
+//     the kernel answers steered TCP with resets and steered UDP with ICMP
+//     port unreachable. Hiding them needs a netfilter (netdev ingress) or tc
+//     rule set mirroring the tables; not done.
+//   - On the AF_PACKET path GRO (on real NICs) merges TCP segments before the
+//     tap sees them; such super-packets exceed a stream slot and are dropped.
+//   - Frames leave untagged; the MTU is read once at Open.
+//   - The per-stream capture hook is not built.
 package bridge

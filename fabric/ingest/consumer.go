@@ -229,6 +229,9 @@ func (it *RecordIter) Err() error { return it.err }
 
 // Poll returns the next buffer if one is ready; ok is false if not.
 func (c *Consumer) Poll() (b Buffer, ok bool, err error) {
+	if c.closed {
+		return b, false, ErrClosed
+	}
 	if c.err != nil {
 		return b, false, c.err
 	}
@@ -260,6 +263,9 @@ func (c *Consumer) ready() bool {
 // producer has closed and every published buffer is taken it returns
 // ErrClosed; ErrTimeout when the time is up.
 func (c *Consumer) Next(timeout time.Duration) (Buffer, error) {
+	if c.closed {
+		return Buffer{}, ErrClosed
+	}
 	if c.err != nil {
 		return Buffer{}, c.err
 	}
@@ -395,6 +401,9 @@ func (c *Consumer) Release(b *Buffer) error {
 
 // Source returns entry i of the source table.
 func (c *Consumer) Source(i uint16) (Source, bool) {
+	if c.closed {
+		return Source{}, false
+	}
 	n := min(loadU32(c.mem, hSourceCount), uint32(c.l.maxSources))
 	if uint32(i) >= n {
 		return Source{}, false
@@ -409,6 +418,9 @@ func (c *Consumer) Source(i uint16) (Source, bool) {
 
 // Sources is the number of entries in the source table.
 func (c *Consumer) Sources() int {
+	if c.closed {
+		return 0
+	}
 	return int(min(loadU32(c.mem, hSourceCount), uint32(c.l.maxSources)))
 }
 
@@ -421,14 +433,14 @@ type Info struct {
 	RegionBytes                     int
 }
 
-// Info reads the ring's configuration.
+// Info reads the ring's configuration (as mapped at Open).
 func (c *Consumer) Info() Info {
 	return Info{
 		Buffers: c.l.buffers, BufferSize: c.l.bufferSize, MaxSources: c.l.maxSources,
 		Window:         time.Duration(c.l.windowNs),
 		AlignedWindows: c.l.flags&FlagAlignedWindows != 0,
 		Hugetlb:        c.l.flags&FlagHugetlb != 0, Locked: c.l.flags&FlagLocked != 0,
-		BufferID: c.l.bufferID, RegionBytes: len(c.mem),
+		BufferID: c.l.bufferID, RegionBytes: int(c.l.size),
 	}
 }
 
@@ -459,6 +471,9 @@ func (c *Consumer) Stats() ConsumerStats {
 // last published them in the header (informational: the producer's Stats
 // are authoritative).
 func (c *Consumer) ProducerCounters() (records, dropped uint64) {
+	if c.closed {
+		return 0, 0
+	}
 	return loadU64(c.mem, hRecords), loadU64(c.mem, hDropped)
 }
 

@@ -60,6 +60,8 @@ type Ring struct {
 	lastSrc     Source
 	lastIdx     int // index of lastSrc, -1 before the first record
 	st          counters
+	synced      counters // st as last copied to shared
+	syncedSrc   int
 
 	shared sharedStats
 	srv    *server
@@ -313,6 +315,10 @@ func (r *Ring) Flush() {
 }
 
 func (r *Ring) sync() {
+	if r.st == r.synced && r.syncedSrc == len(r.sources) {
+		return
+	}
+	r.synced, r.syncedSrc = r.st, len(r.sources)
 	r.shared.mu.Lock()
 	r.shared.c = r.st
 	r.shared.n = len(r.sources)

@@ -1,0 +1,431 @@
+// Package ingest is fabricbridge's UDP offload engine, NaNet's UDP offload
+// in software. The XDP program (package ebpf) has already checked each
+// trigger datagram, stripped its headers and written a
+// classifier.IngestMeta in front of the payload, and redirected it to an
+// AF_XDP socket dedicated to ingest (the program's IngestXSKMap). The
+// engine reads those sockets — one loop per receive queue — takes source,
+// ports, RX timestamp and buffer id from the metadata without parsing a
+// header, and appends the payload to the persistent buffer ring
+// (fabric/ingest) of that buffer id. One copy per datagram, from the UMEM
+// frame into the ring, and no allocation.
+//
+// Sockets come from bridge/xsk. On a queue that the bridge already serves,
+// the kernel allows one UMEM: pass the bridge's (Config.Umem) and the
+// engine's socket shares it and its fill ring.
+package ingest
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/fabricbridge/fabricbridge/bridge/xsk"
+	"github.com/fabricbridge/fabricbridge/classifier"
+	fbebpf "github.com/fabricbridge/fabricbridge/ebpf"
+	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+)
+
+// Config says where the engine receives. Zero fields take defaults.
+type Config struct {
+	// Program is the attached XDP classifier (bridge.Bridge.Program, or
+	// one the caller loaded and attached); the engine's sockets go into
+	// its IngestXSKMap.
+	Program *fbebpf.Program
+	// Ifindex is the interface, in the namespace of the thread calling
+	// Start.
+	Ifindex int
+	// Queues are the receive queues to serve; default queue 0.
+	Queues []int
+	// Umem, if set, returns the UMEM another socket on the queue already
+	// uses (bridge.Bridge.Umem): the engine's socket then shares it and
+	// its fill ring. If nil the engine makes its own UMEM per queue.
+	Umem func(queue int) *xsk.Umem
+	// FrameCount sizes the engine's own UMEMs (default 4096 frames of
+	// 2048 bytes, all of them for receiving); Bind chooses their mode.
+	FrameCount int
+	Bind       xsk.BindMode
+	// BusyPoll, if positive, turns on busy polling on the sockets.
+	BusyPoll time.Duration
+	// Spin is how long an idle loop polls before it sleeps in the kernel;
+	// default 20 µs. While a ring has an open buffer the loop polls until
+	// its window closes, so windows close on time.
+	Spin time.Duration
+
+	// manual (tests): no loops run; tests call poll and tick themselves.
+	manual bool
+}
+
+// Engine moves ingest frames from AF_XDP sockets into rings.
+type Engine struct {
+	cfg    Config
+	queues []*queue
+	rings  atomic.Pointer[map[uint32]*attached]
+	mu     sync.Mutex // serialises Attach, Detach, Close
+	wakefd int
+	stop   atomic.Bool
+	wg     sync.WaitGroup
+	closed bool
+}
+
+// attached is a ring in the engine. Loops hold mu while they append to or
+// tick the ring, so it has one producer at a time, and Detach can wait
+// for the last one.
+type attached struct {
+	mu   sync.Mutex
+	ring *fingest.Ring
+	gone bool
+}
+
+// queue is one receive queue's socket and loop state.
+type queue struct {
+	e     *Engine
+	id    int
+	umem  *xsk.Umem
+	own   bool // the engine made umem
+	sock  *xsk.Socket
+	descs [xsk.MaxBatch]xsk.Desc
+	addrs [xsk.MaxBatch]uint64
+	pfd   [2]unix.PollFd
+	c     counters
+}
+
+type counters struct {
+	received, appended, dropped, noRing, malformed atomic.Uint64
+}
+
+// Stats are the engine's counters summed over queues.
+type Stats struct {
+	Received  uint64 // frames read from the ingest sockets
+	Appended  uint64 // payloads stored in a ring
+	Dropped   uint64 // refused by their ring (no free buffer, too big, too many sources: see the ring's Stats)
+	NoRing    uint64 // no ring attached for their buffer id
+	Malformed uint64 // metadata missing, not ingest metadata, or inconsistent with the frame
+	// KernelDrops and FillRingEmpty are the kernel's counters for the
+	// engine's sockets: frames lost because the RX ring was full (the
+	// engine fell behind), and times it found no frame to receive into.
+	KernelDrops, FillRingEmpty uint64
+}
+
+// Start opens an ingest socket on every queue, registers it in the
+// program's IngestXSKMap and starts one loop per queue. Call it on a thread
+// in the interface's network namespace.
+func Start(cfg Config) (*Engine, error) {
+	if cfg.Program == nil {
+		return nil, errors.New("ingest: no XDP program")
+	}
+	if len(cfg.Queues) == 0 {
+		cfg.Queues = []int{0}
+	}
+	if cfg.FrameCount == 0 {
+		cfg.FrameCount = 4096
+	}
+	if cfg.Spin == 0 {
+		cfg.Spin = 20 * time.Microsecond
+	}
+	wakefd, err := unix.Eventfd(0, unix.EFD_NONBLOCK|unix.EFD_CLOEXEC)
+	if err != nil {
+		return nil, fmt.Errorf("ingest: eventfd: %w", err)
+	}
+	e := &Engine{cfg: cfg, wakefd: wakefd}
+	empty := map[uint32]*attached{}
+	e.rings.Store(&empty)
+	for _, id := range cfg.Queues {
+		q, err := e.openQueue(id)
+		if err != nil {
+			e.closeQueues()
+			unix.Close(wakefd)
+			return nil, fmt.Errorf("ingest: queue %d: %w", id, err)
+		}
+		e.queues = append(e.queues, q)
+	}
+	xm := cfg.Program.IngestXSKMap()
+	for _, q := range e.queues {
+		if err := xm.Put(uint32(q.id), uint32(q.sock.FD())); err != nil {
+			e.unregister()
+			e.closeQueues()
+			unix.Close(wakefd)
+			return nil, fmt.Errorf("ingest: queue %d: IngestXSKMap: %w", q.id, err)
+		}
+	}
+	if !cfg.manual {
+		for _, q := range e.queues {
+			e.wg.Add(1)
+			go q.loop()
+		}
+	}
+	return e, nil
+}
+
+func (e *Engine) openQueue(id int) (*queue, error) {
+	q := &queue{e: e, id: id}
+	if e.cfg.Umem != nil {
+		if q.umem = e.cfg.Umem(id); q.umem == nil {
+			return nil, errors.New("no UMEM for the queue")
+		}
+		// The fill ring is the bridge's: frames return to it after use.
+		sock, err := q.umem.Open(xsk.SocketConfig{Ifindex: e.cfg.Ifindex, Queue: id, TxSize: -1, BusyPoll: e.cfg.BusyPoll})
+		if err != nil {
+			return nil, err
+		}
+		q.sock = sock
+	} else {
+		umem, err := xsk.NewUmem(xsk.UmemConfig{FrameCount: e.cfg.FrameCount})
+		if err != nil {
+			return nil, err
+		}
+		n := e.cfg.FrameCount
+		sock, err := umem.Open(xsk.SocketConfig{
+			Ifindex: e.cfg.Ifindex, Queue: id, Bind: e.cfg.Bind,
+			RxSize: n, TxSize: -1, FillSize: n, CompletionSize: xsk.MaxBatch,
+			BusyPoll: e.cfg.BusyPoll,
+		})
+		if err != nil {
+			umem.Close()
+			return nil, err
+		}
+		frames := make([]uint64, n)
+		if umem.Alloc(frames) != n || sock.Fill.Fill(frames) != n {
+			umem.Close()
+			return nil, errors.New("the fill ring refused the initial frames")
+		}
+		q.umem, q.own, q.sock = umem, true, sock
+	}
+	q.pfd = [2]unix.PollFd{{Fd: int32(q.sock.FD()), Events: unix.POLLIN}, {Fd: int32(e.wakefd), Events: unix.POLLIN}}
+	return q, nil
+}
+
+// Attach makes the engine the producer of r for datagrams of ingest buffer
+// id (the rule's Stream). From now on only the engine may touch r, until
+// Detach returns.
+func (e *Engine) Attach(id uint32, r *fingest.Ring) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		return errors.New("ingest: engine closed")
+	}
+	old := *e.rings.Load()
+	if _, ok := old[id]; ok {
+		return fmt.Errorf("ingest: buffer id %d already has a ring", id)
+	}
+	next := make(map[uint32]*attached, len(old)+1)
+	for k, v := range old {
+		next[k] = v
+	}
+	next[id] = &attached{ring: r}
+	e.rings.Store(&next)
+	return nil
+}
+
+// Detach removes the ring of buffer id; when it returns no loop touches the
+// ring any more, and the caller may flush and close it.
+func (e *Engine) Detach(id uint32) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	old := *e.rings.Load()
+	a, ok := old[id]
+	if !ok {
+		return fmt.Errorf("ingest: no ring for buffer id %d", id)
+	}
+	next := make(map[uint32]*attached, len(old))
+	for k, v := range old {
+		if k != id {
+			next[k] = v
+		}
+	}
+	e.rings.Store(&next)
+	a.mu.Lock()
+	a.gone = true
+	a.mu.Unlock()
+	return nil
+}
+
+func (q *queue) loop() {
+	defer q.e.wg.Done()
+	idleSince := time.Time{}
+	for !q.e.stop.Load() {
+		if q.poll() > 0 {
+			idleSince = time.Time{}
+			continue
+		}
+		// Idle. Windows must close on time: while any buffer is open, keep
+		// polling; otherwise spin a little, then sleep.
+		if q.e.tick() {
+			continue
+		}
+		if idleSince.IsZero() {
+			idleSince = time.Now()
+			continue
+		}
+		if time.Since(idleSince) < q.e.cfg.Spin {
+			continue
+		}
+		q.sleep()
+		idleSince = time.Time{}
+	}
+}
+
+// poll moves one batch from the socket into rings and returns its size.
+func (q *queue) poll() int {
+	rx := q.sock.RX
+	n := rx.Receive(q.descs[:])
+	if n == 0 {
+		if q.e.cfg.BusyPoll > 0 || q.sock.Fill.NeedWakeup() {
+			q.sock.WakeRX()
+		}
+		return 0
+	}
+	rings := *q.e.rings.Load()
+	var (
+		cur                       *attached
+		curID                     uint32
+		appended, dropped, noRing uint64
+		malformed                 uint64
+	)
+	for i := range n {
+		d := &q.descs[i]
+		q.addrs[i] = d.Addr
+		mb := q.umem.Meta(d.Addr, classifier.IngestMetaSize)
+		if mb == nil || classifier.Verdict(mb[classifier.IngestMetaSize-2]) != classifier.VerdictIngest {
+			malformed++
+			continue
+		}
+		m := classifier.UnmarshalIngestMeta(mb)
+		end := int(m.PayloadOffset) + int(m.PayloadLen)
+		if end > int(d.Len) {
+			malformed++
+			continue
+		}
+		if cur == nil || m.BufferID != curID {
+			if cur != nil {
+				cur.mu.Unlock()
+			}
+			a := rings[m.BufferID]
+			if a == nil {
+				cur = nil
+				noRing++
+				continue
+			}
+			a.mu.Lock()
+			if a.gone {
+				a.mu.Unlock()
+				cur = nil
+				noRing++
+				continue
+			}
+			cur, curID = a, m.BufferID
+		}
+		frame := q.umem.Bytes(d.Addr, int(d.Len))
+		src := fingest.Source{Addr: m.Src, SrcPort: m.SrcPort, DstPort: m.DstPort}
+		if cur.ring.Append(src, m.RxTimestampNs, frame[m.PayloadOffset:end]) {
+			appended++
+		} else {
+			dropped++
+		}
+	}
+	if cur != nil {
+		cur.mu.Unlock()
+	}
+	// Payloads are copied into the rings: the frames go back at once.
+	q.sock.Fill.Fill(q.addrs[:n])
+	if q.sock.Fill.NeedWakeup() {
+		q.sock.WakeRX()
+	}
+	q.c.received.Add(uint64(n))
+	q.c.appended.Add(appended)
+	if dropped != 0 {
+		q.c.dropped.Add(dropped)
+	}
+	if noRing != 0 {
+		q.c.noRing.Add(noRing)
+	}
+	if malformed != 0 {
+		q.c.malformed.Add(malformed)
+	}
+	return n
+}
+
+// tick closes the windows that are due on every ring and reports whether
+// a buffer is still open somewhere.
+func (e *Engine) tick() (open bool) {
+	now := fingest.Now()
+	for _, a := range *e.rings.Load() {
+		a.mu.Lock()
+		if !a.gone {
+			a.ring.Tick(now)
+			_, o := a.ring.Deadline()
+			open = open || o
+		}
+		a.mu.Unlock()
+	}
+	return open
+}
+
+// sleep waits, with no buffer open, until a frame arrives or Close. The
+// wake-up eventfd is written only by Close and never drained, so every
+// loop sees it.
+func (q *queue) sleep() {
+	q.pfd[0].Revents, q.pfd[1].Revents = 0, 0
+	_, _ = unix.Poll(q.pfd[:], 100)
+}
+
+// Stats sums the counters of every queue.
+func (e *Engine) Stats() Stats {
+	var s Stats
+	for _, q := range e.queues {
+		s.Received += q.c.received.Load()
+		s.Appended += q.c.appended.Load()
+		s.Dropped += q.c.dropped.Load()
+		s.NoRing += q.c.noRing.Load()
+		s.Malformed += q.c.malformed.Load()
+		if st, err := q.sock.Statistics(); err == nil {
+			s.KernelDrops += st.RxDropped + st.RxRingFull
+			s.FillRingEmpty += st.RxFillRingEmpty
+		}
+	}
+	return s
+}
+
+// Close stops the loops, removes the sockets from the IngestXSKMap and
+// closes them (and the engine's own UMEMs). Attached rings stay open: they
+// belong to the caller, who may close them once Close returns.
+func (e *Engine) Close() error {
+	e.mu.Lock()
+	if e.closed {
+		e.mu.Unlock()
+		return nil
+	}
+	e.closed = true
+	e.mu.Unlock()
+	e.stop.Store(true)
+	var one = [8]byte{1}
+	unix.Write(e.wakefd, one[:])
+	e.wg.Wait()
+	e.unregister()
+	err := e.closeQueues()
+	unix.Close(e.wakefd)
+	return err
+}
+
+func (e *Engine) unregister() {
+	xm := e.cfg.Program.IngestXSKMap()
+	for _, q := range e.queues {
+		_ = xm.Delete(uint32(q.id))
+	}
+}
+
+func (e *Engine) closeQueues() error {
+	var errs []error
+	for _, q := range e.queues {
+		if q.own {
+			errs = append(errs, q.umem.Close())
+		} else {
+			errs = append(errs, q.sock.Close())
+		}
+	}
+	e.queues = nil
+	return errors.Join(errs...)
+}

@@ -110,8 +110,10 @@ func (p *Producer) refresh() {
 		p.err = fmt.Errorf("%w: read index %d outside [%d,%d]", ErrCorruption, c, p.cons, p.prod)
 		return
 	}
-	p.cons = c
-	atomic.StoreUint32(p.v.prodLazy, c) // informational mirror, never read back
+	if c != p.cons {
+		p.cons = c
+		atomic.StoreUint32(p.v.prodLazy, c) // informational mirror, never read back
+	}
 }
 
 // Free returns how many slots can be written without waiting. It refreshes
@@ -195,8 +197,10 @@ func (c *Consumer) refresh() {
 		c.err = fmt.Errorf("%w: write index %d, read index %d, previous write index %d, depth %d", ErrCorruption, w, c.cons, c.prod, c.v.count)
 		return
 	}
-	c.prod = w
-	atomic.StoreUint32(c.v.consLazy, w) // informational mirror, never read back
+	if w != c.prod {
+		c.prod = w
+		atomic.StoreUint32(c.v.consLazy, w) // informational mirror, never read back
+	}
 }
 
 // Ready reports whether a packet is waiting. It is cheap enough to spin on.

@@ -24,9 +24,16 @@ type bridgePlane struct {
 
 	mu      sync.Mutex
 	closed  bool
-	streams map[uint32]*fabric.Stream // for health; nil entries are remote
+	streams map[uint32]*planeStream
 	stop    chan struct{}
 	ticker  sync.WaitGroup
+}
+
+// planeStream is one application stream the bridge serves.
+type planeStream struct {
+	s   *fabric.Stream // the bridge side of the application's stream
+	own bridge.Ownership
+	tap *tap // non-nil while captured
 }
 
 // healthInterval is how often stream health intervals end: a stream is
@@ -57,7 +64,7 @@ func openBridge(cfg *config.Config, log *slog.Logger) (*bridgePlane, error) {
 	if err != nil {
 		return nil, fmt.Errorf("interface %s (attach: %s): %w", in.Name, in.Attach, err)
 	}
-	p := &bridgePlane{ifname: in.Name, b: b, log: log, streams: map[uint32]*fabric.Stream{}, stop: make(chan struct{})}
+	p := &bridgePlane{ifname: in.Name, b: b, log: log, streams: map[uint32]*planeStream{}, stop: make(chan struct{})}
 	if b.Path() == bridge.PathGeneric || b.Path() == bridge.PathAFPacket {
 		log.Warn("data path attached on a slow path: the driver has no native XDP; expect much lower rates", "interface", in.Name, "mode", b.Mode(), "tried", b.Tried())
 	} else {
@@ -78,10 +85,8 @@ func (p *bridgePlane) tick() {
 			return
 		case <-t.C:
 			p.mu.Lock()
-			for _, s := range p.streams {
-				if s != nil {
-					s.Tick()
-				}
+			for _, e := range p.streams {
+				e.s.Tick()
 			}
 			p.mu.Unlock()
 		}
@@ -111,10 +116,11 @@ func (p *bridgePlane) AddStream(id uint32, s *fabric.Stream, own control.Ownersh
 	if err := p.gone(); err != nil {
 		return err
 	}
-	if err := p.b.AddStream(id, s, ownership(own)); err != nil {
+	o := ownership(own)
+	if err := p.b.AddStream(id, s, o); err != nil {
 		return err
 	}
-	p.streams[id] = s
+	p.streams[id] = &planeStream{s: s, own: o}
 	return nil
 }
 
@@ -130,17 +136,30 @@ func (p *bridgePlane) SetOwnership(id uint32, own control.Ownership) error {
 	if err := p.gone(); err != nil {
 		return err
 	}
-	return p.b.SetOwnership(id, ownership(own))
+	o := ownership(own)
+	if err := p.b.SetOwnership(id, o); err != nil {
+		return err
+	}
+	if e := p.streams[id]; e != nil {
+		e.own = o
+	}
+	return nil
 }
 
 func (p *bridgePlane) RemoveStream(id uint32) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	e := p.streams[id]
 	delete(p.streams, id)
 	if err := p.gone(); err != nil {
 		return nil // the bridge is closed: nothing touches the stream any more
 	}
-	return p.b.RemoveStream(id)
+	err := p.b.RemoveStream(id)
+	if e != nil && e.tap != nil {
+		e.tap.end() // after the bridge let go of the tap's end
+		e.tap = nil
+	}
+	return err
 }
 
 func (p *bridgePlane) SetTables(t *classifier.Tables) error {
@@ -163,7 +182,16 @@ func (p *bridgePlane) Close() error {
 	p.mu.Unlock()
 	close(p.stop)
 	p.ticker.Wait()
-	return p.b.Close()
+	err := p.b.Close()
+	p.mu.Lock()
+	for _, e := range p.streams {
+		if e.tap != nil {
+			e.tap.end()
+			e.tap = nil
+		}
+	}
+	p.mu.Unlock()
+	return err
 }
 
 var (
@@ -224,10 +252,8 @@ func (p *bridgePlane) Collect(w *metrics.Writer, names func(uint32) string, apps
 	}
 	p.mu.Lock()
 	health := map[uint32]fabric.Health{}
-	for id, s := range p.streams {
-		if s != nil {
-			health[id] = s.Health()
-		}
+	for id, e := range p.streams {
+		health[id] = e.s.Health()
 	}
 	p.mu.Unlock()
 	for _, s := range st.Streams {

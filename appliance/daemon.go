@@ -43,6 +43,7 @@ type Daemon struct {
 	cfg     atomic.Pointer[config.Config]
 	serving sync.WaitGroup
 	metrics *http.Server
+	admin   *http.Server
 	metAddr net.Addr
 	started time.Time
 
@@ -135,6 +136,9 @@ func Start(cfg *config.Config, opts Options) (_ *Daemon, err error) {
 		d.log.Info("remote control plane", "address", d.tcpLn.Addr().String(), "auth", cfg.Control.TCP.Auth.String(), "geneve", d.remote.LocalAddr().String())
 	}
 
+	if err := d.startAdmin(cfg); err != nil {
+		return nil, err
+	}
 	if cfg.Metrics.Address != "" {
 		ln, err := net.Listen("tcp", string(cfg.Metrics.Address))
 		if err != nil {
@@ -261,6 +265,9 @@ func (d *Daemon) Close() error {
 
 func (d *Daemon) shutdown() error {
 	var errs []error
+	if d.admin != nil {
+		d.admin.Close() // captures in progress end here
+	}
 	if d.server != nil {
 		// Ends every session: each application loses what it held, as if
 		// it had disconnected, and its stream is closed.

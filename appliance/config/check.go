@@ -304,6 +304,11 @@ func (c *Config) checkControl(d *decoder) {
 	} else if !filepath.IsAbs(c.Control.Socket) {
 		d.errorAt("control.socket", "%q must be an absolute path", c.Control.Socket)
 	}
+	if !filepath.IsAbs(c.Control.AdminSocket) && (d.written("control.admin_socket") || filepath.IsAbs(c.Control.Socket)) {
+		d.errorAt("control.admin_socket", "%q must be an absolute path", c.Control.AdminSocket)
+	} else if c.Control.AdminSocket == c.Control.Socket {
+		d.errorAt("control.admin_socket", "must differ from control.socket")
+	}
 	t := c.Control.TCP
 	if t.Address == "" {
 		for _, f := range []struct {

@@ -3,6 +3,7 @@ package config
 import (
 	"fmt"
 	"os"
+	"path/filepath"
 	"reflect"
 	"time"
 )
@@ -153,6 +154,10 @@ type Control struct {
 	// decides which local users may.
 	Socket     string   `yaml:"socket"`
 	SocketMode FileMode `yaml:"socket_mode"`
+	// AdminSocket serves the operator's tools (fabricbridge capture,
+	// stats): HTTP over a Unix socket of mode 0600, so only root may look
+	// at traffic. Default admin.sock beside Socket.
+	AdminSocket string `yaml:"admin_socket"`
 	// RefuseUnlisted refuses applications that the applications list
 	// does not name.
 	RefuseUnlisted bool       `yaml:"refuse_unlisted"`
@@ -259,6 +264,9 @@ func Parse(file string, data []byte) (*Config, error) {
 	}
 	if len(d.errs) == 0 {
 		c.where = d.where
+		if c.Control.AdminSocket == "" && c.Control.Socket != "" {
+			c.Control.AdminSocket = filepath.Join(filepath.Dir(c.Control.Socket), "admin.sock")
+		}
 		c.check(d)
 	}
 	if len(d.errs) > 0 {

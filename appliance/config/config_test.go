@@ -103,6 +103,7 @@ func TestErrorsArePrecise(t *testing.T) {
 		{"quota slots", base + "applications:\n  - name: a\n    quota: {max_slots: 3}\n", []string{"t.yaml:5:13: applications[0].quota.max_slots: must be a power of two from 2 to 1048576, not 3"}},
 		{"default quota ports", base + "default_quota: {ports: 0}\n", []string{"t.yaml:3:17: default_quota.ports: must be at least 1, not 0"}},
 		{"socket relative", base + "control: {socket: fb.sock}\n", []string{`t.yaml:3:11: control.socket: "fb.sock" must be an absolute path`}},
+		{"admin socket same", base + "control: {socket: /run/x.sock, admin_socket: /run/x.sock}\n", []string{"t.yaml:3:32: control.admin_socket: must differ from control.socket"}},
 		{"socket mode", base + "control: {socket_mode: 999}\n", []string{`t.yaml:3:24: control.socket_mode: "999" is not an octal permission mode such as 0660`}},
 		{"tcp without auth", base + "control:\n  tcp:\n    address: 198.18.0.1:7070\n", []string{
 			"t.yaml:4:3: control.tcp.auth: required with control.tcp.address: secret or tls",
@@ -180,7 +181,7 @@ func TestDefaults(t *testing.T) {
 	if g.Buffers != 64 || g.BufferSize != 1<<20 || time.Duration(g.Window) != 100*time.Microsecond || !g.Hugepages {
 		t.Errorf("ingest defaults: %+v", g)
 	}
-	if c.Control.Socket != DefaultSocket || c.Control.SocketMode != 0o660 || c.Control.TCP.Address != "" {
+	if c.Control.Socket != DefaultSocket || c.Control.AdminSocket != "/run/fabricbridge/admin.sock" || c.Control.SocketMode != 0o660 || c.Control.TCP.Address != "" {
 		t.Errorf("control defaults: %+v", c.Control)
 	}
 	if c.Metrics.Address != DefaultMetrics || slog.Level(c.Log.Level) != slog.LevelInfo || c.Log.Format != LogText {

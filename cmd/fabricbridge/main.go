@@ -6,6 +6,7 @@
 //	fabricbridge run --config FILE     the daemon (SIGHUP reloads, SIGTERM stops)
 //	fabricbridge check --config FILE   validate a configuration file
 //	fabricbridge stats                 a live table of the daemon's counters
+//	fabricbridge capture --stream NAME -w FILE.pcap [filter]
 package main
 
 import (
@@ -33,6 +34,9 @@ commands:
            reported with its file, line and field
   stats    [--config FILE | --metrics HOST:PORT] [--interval D] [--once]:
            a live table of the daemon's counters and rates, refreshing like top
+  capture  --stream NAME -w FILE.pcap [-c N] [filter]: both directions of
+           one application's stream into a pcap file (tcpdump, Wireshark);
+           filter: tcp|udp|icmp, [src|dst] host ADDR, [src|dst] port N, and
   help     print this text
 `
 
@@ -49,6 +53,8 @@ func main() {
 		err = demoCommand(ctx, args)
 	case "run":
 		err = runCommand(ctx, args)
+	case "capture":
+		err = captureCommand(ctx, args, os.Stderr)
 	case "stats":
 		err = statsCommand(ctx, args, os.Stdout)
 	case "check":

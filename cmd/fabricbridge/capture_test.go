@@ -1,0 +1,161 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/fabricbridge/fabricbridge/appliance"
+	"github.com/fabricbridge/fabricbridge/appliance/config"
+	"github.com/fabricbridge/fabricbridge/control"
+	"github.com/fabricbridge/fabricbridge/internal/ippkt"
+	"github.com/fabricbridge/fabricbridge/internal/netns"
+	"github.com/fabricbridge/fabricbridge/internal/testenv"
+)
+
+func TestPcapCounter(t *testing.T) {
+	var file []byte
+	file = append(file, make([]byte, 24)...)
+	for _, n := range []int{3, 0, 70} {
+		var h [16]byte
+		binary.LittleEndian.PutUint32(h[8:], uint32(n))
+		file = append(file, h[:]...)
+		file = append(file, bytes.Repeat([]byte{0xee}, n)...)
+	}
+	for _, chunk := range []int{1, 7, 16, 1000} {
+		var out bytes.Buffer
+		c := &pcapCounter{w: &out}
+		for b := file; len(b) > 0; {
+			k := min(chunk, len(b))
+			c.Write(b[:k])
+			b = b[k:]
+		}
+		if c.records != 3 || !bytes.Equal(out.Bytes(), file) {
+			t.Errorf("chunks of %d: %d records", chunk, c.records)
+		}
+	}
+}
+
+// TestCaptureStream captures a live application stream through the
+// daemon's admin socket: both directions, the filter, the count; the
+// stream works before, during and after.
+func TestCaptureStream(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	bridgeNS, outside, v := netns.Pair(t, netns.VethOptions{})
+	dir := t.TempDir()
+	path := filepath.Join(dir, "fb.yaml")
+	os.WriteFile(path, []byte(fmt.Sprintf("interfaces: [{name: %s}]\naddresses: [%s]\ncontrol: {socket: %s}\nmetrics: {address: \"\"}\n",
+		v.A.Name, v.A.Addr4.Addr(), filepath.Join(dir, "control.sock"))), 0o644)
+	cfg, err := config.Load(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var d *appliance.Daemon
+	if err := bridgeNS.Do(func() (err error) { d, err = appliance.Start(cfg, appliance.Options{Log: io.Discard}); return err }); err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	c, err := control.DialLocal(ctx, cfg.Control.Socket, "echo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	_, stream, err := c.RegisterLocal(ctx, 0, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	local := netip.AddrPortFrom(v.A.Addr4.Addr(), 5000)
+	if _, err := c.Listen(ctx, "udp", local.Addr(), local.Port()); err != nil {
+		t.Fatal(err)
+	}
+	// The application echoes every datagram.
+	go func() {
+		bufs := [][]byte{make([]byte, stream.MaxPayload())}
+		for {
+			n, err := stream.Recv(bufs)
+			if err != nil {
+				return
+			}
+			if n == 1 {
+				p, err := ippkt.Parse(bufs[0])
+				if err == nil {
+					stream.Send([][]byte{ippkt.UDP(p.Dst, p.Src, p.Payload)})
+				}
+			}
+			bufs[0] = bufs[0][:cap(bufs[0])]
+		}
+	}()
+	defer stream.Close()
+
+	var sock *net.UDPConn
+	if err := outside.Do(func() (err error) { sock, err = net.ListenUDP("udp", &net.UDPAddr{}); return err }); err != nil {
+		t.Fatal(err)
+	}
+	defer sock.Close()
+	ping := func(msg string) {
+		t.Helper()
+		sock.WriteToUDP([]byte(msg), net.UDPAddrFromAddrPort(local))
+		sock.SetReadDeadline(time.Now().Add(5 * time.Second))
+		buf := make([]byte, 100)
+		n, _, err := sock.ReadFromUDP(buf)
+		if err != nil || string(buf[:n]) != msg {
+			t.Fatalf("echo of %q: %q, %v", msg, buf[:n], err)
+		}
+	}
+	ping("before")
+
+	pcap := filepath.Join(dir, "echo.pcap")
+	var stderr bytes.Buffer
+	done := make(chan error, 1)
+	go func() {
+		done <- captureCommand(ctx, []string{"--admin", cfg.Control.AdminSocket, "--stream", "echo", "-w", pcap, "-c", "4", "udp", "and", "port", "5000"}, &stderr)
+	}()
+	// Wait until the tap is in place: the capture's file header arrives.
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if fi, err := os.Stat(pcap); err == nil && fi.Size() >= 24 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("capture did not start: %s", stderr.String())
+		}
+	}
+	ping("one")
+	ping("two")
+	if err := <-done; err != nil {
+		t.Fatalf("%v\n%s", err, stderr.String())
+	}
+	if !strings.Contains(stderr.String(), "4 packets captured, 0 dropped") {
+		t.Errorf("summary: %s", stderr.String())
+	}
+	data, _ := os.ReadFile(pcap)
+	var got []string
+	for b := data[24:]; len(b) >= 16; {
+		n := int(binary.LittleEndian.Uint32(b[8:]))
+		p, err := ippkt.Parse(b[16 : 16+n])
+		if err != nil {
+			t.Fatal(err)
+		}
+		dirn := "in"
+		if p.Src == local {
+			dirn = "out"
+		}
+		got = append(got, dirn+" "+string(p.Payload))
+		b = b[16+n:]
+	}
+	if want := "in one|out one|in two|out two"; strings.Join(got, "|") != want {
+		t.Errorf("captured %q, want %q", strings.Join(got, "|"), want)
+	}
+	ping("after") // the stream is the bridge's again
+}

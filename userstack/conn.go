@@ -1,0 +1,309 @@
+package userstack
+
+import (
+	"context"
+	"errors"
+	"net"
+	"net/netip"
+	"sync"
+	"time"
+
+	"gvisor.dev/gvisor/pkg/tcpip"
+	"gvisor.dev/gvisor/pkg/tcpip/adapters/gonet"
+	"gvisor.dev/gvisor/pkg/tcpip/transport/tcp"
+	"gvisor.dev/gvisor/pkg/tcpip/transport/udp"
+	"gvisor.dev/gvisor/pkg/waiter"
+
+	"github.com/fabricbridge/fabricbridge/control"
+)
+
+// listenBacklog matches Linux's default somaxconn.
+const listenBacklog = 4096
+
+// bindRetries is how often Dial asks the bridge for another port when the
+// one it got is still taken in the stack (a connection of ours on it is in
+// TIME-WAIT with the same peer).
+const bindRetries = 3
+
+// lingerMax bounds how long a closed TCP connection keeps its flow while
+// its closing handshake completes; after that the tuple goes back even if
+// the peer never answered.
+const lingerMax = 30 * time.Second
+
+// Listen announces on the local address: "tcp", "tcp4" or "tcp6", and
+// "host:port" where host is empty (every address of the stack) or one of
+// the stack's addresses, and port 0 asks the bridge for a free one.
+func (s *Stack) Listen(network, address string) (net.Listener, error) {
+	k, err := parseNetwork(network)
+	if err == nil && k.proto != "tcp" {
+		err = net.UnknownNetworkError(network)
+	}
+	if err != nil {
+		return nil, opError("listen", netKind{proto: network}, nil, err)
+	}
+	a, port, err := parseAddr(address)
+	if err != nil {
+		return nil, opError("listen", k, nil, err)
+	}
+	if err := s.checkOpen(); err != nil {
+		return nil, opError("listen", k, nil, err)
+	}
+	claimAddr, np, err := s.localFor(k, a)
+	if err != nil {
+		return nil, opError("listen", k, nil, err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), controlTimeout)
+	defer cancel()
+	cl, err := s.claims.Listen(ctx, "tcp", claimAddr, port)
+	if err != nil {
+		return nil, opError("listen", k, tcpAddr(claimAddr, port), err)
+	}
+	l := s.newLease(cl.ID)
+	addr := tcpAddr(claimAddr, cl.Port)
+	var wq waiter.Queue
+	ep, terr := s.ns.NewEndpoint(tcp.ProtocolNumber, np, &wq)
+	if terr == nil {
+		if terr = ep.Bind(fullAddr(claimAddr, cl.Port)); terr == nil {
+			terr = ep.Listen(listenBacklog)
+		}
+		if terr != nil {
+			ep.Close()
+		}
+	}
+	if terr != nil {
+		l.drop()
+		return nil, opError("listen", k, addr, tcpipErr{terr})
+	}
+	return &tcpListener{ep: ep, wq: &wq, lease: l, addr: addr, done: make(chan struct{})}, nil
+}
+
+// tcpListener is a listening endpoint; it and each connection it accepted
+// hold the bridge's claim on the port.
+type tcpListener struct {
+	ep    tcpip.Endpoint
+	wq    *waiter.Queue
+	lease *lease
+	addr  *net.TCPAddr
+	once  sync.Once
+	done  chan struct{}
+}
+
+// Accept implements net.Listener.
+func (l *tcpListener) Accept() (net.Conn, error) {
+	entry, ready := waiter.NewChannelEntry(waiter.ReadableEvents)
+	l.wq.EventRegister(&entry)
+	defer l.wq.EventUnregister(&entry)
+	for {
+		select {
+		case <-l.done:
+			return nil, opError("accept", netKind{proto: "tcp"}, l.addr, net.ErrClosed)
+		default:
+		}
+		n, wq, err := l.ep.Accept(nil)
+		if _, wait := err.(*tcpip.ErrWouldBlock); wait {
+			select {
+			case <-ready:
+			case <-l.done:
+			}
+			continue
+		}
+		if err != nil {
+			return nil, opError("accept", netKind{proto: "tcp"}, l.addr, tcpipErr{err})
+		}
+		l.lease.hold()
+		return &tcpConn{TCPConn: gonet.NewTCPConn(wq, n), ep: n, lease: l.lease}, nil
+	}
+}
+
+// Close implements net.Listener. Accepted connections go on.
+func (l *tcpListener) Close() error {
+	l.once.Do(func() {
+		close(l.done)
+		l.ep.Close()
+		l.lease.drop()
+	})
+	return nil
+}
+
+// Addr implements net.Listener.
+func (l *tcpListener) Addr() net.Addr { return l.addr }
+
+// tcpConn is a connection whose tuple the bridge steers here; the claim
+// goes back once the connection has finished closing.
+type tcpConn struct {
+	*gonet.TCPConn
+	ep    tcpip.Endpoint
+	lease *lease
+	once  sync.Once
+}
+
+// Close implements net.Conn.
+func (c *tcpConn) Close() error {
+	err := c.TCPConn.Close()
+	c.once.Do(func() { go lingerThenDrop(c.ep, c.lease) })
+	return err
+}
+
+// lingerThenDrop keeps the claim while the closing handshake runs, so the
+// peer's FIN and ACK still reach the stack instead of the kernel (which
+// would answer them with a reset).
+func lingerThenDrop(ep tcpip.Endpoint, l *lease) {
+	deadline := time.Now().Add(lingerMax)
+	wait := time.Millisecond
+	for !l.s.closed.Load() && time.Now().Before(deadline) {
+		switch tcp.EndpointState(ep.State()) {
+		case tcp.StateTimeWait, tcp.StateClose, tcp.StateError, tcp.StateInitial, tcp.StateBound:
+			l.drop()
+			return
+		}
+		time.Sleep(wait)
+		wait = min(2*wait, 100*time.Millisecond)
+	}
+	l.drop()
+}
+
+// Dial connects to address ("ip:port"; names are not resolved) over "tcp",
+// "tcp4", "tcp6", "udp", "udp4" or "udp6". The bridge gives the source port
+// and steers the conversation's packets here before the first one leaves.
+func (s *Stack) Dial(ctx context.Context, network, address string) (net.Conn, error) {
+	k, err := parseNetwork(network)
+	if err != nil {
+		return nil, opError("dial", netKind{proto: network}, nil, err)
+	}
+	a, port, err := parseAddr(address)
+	if err != nil {
+		return nil, opError("dial", k, nil, err)
+	}
+	raddr := netip.AddrPortFrom(a, port)
+	var na net.Addr = net.TCPAddrFromAddrPort(raddr)
+	if k.proto == "udp" {
+		na = net.UDPAddrFromAddrPort(raddr)
+	}
+	switch {
+	case !a.IsValid() || a.IsUnspecified() || port == 0:
+		return nil, opError("dial", k, na, errors.New("need a remote address and port"))
+	case (k.family == 4 && !a.Is4()) || (k.family == 6 && a.Is4()):
+		return nil, opError("dial", k, na, errors.New("address of the wrong family"))
+	}
+	if err := s.checkOpen(); err != nil {
+		return nil, opError("dial", k, na, err)
+	}
+	for attempt := 0; ; attempt++ {
+		cl, err := s.claims.Connect(ctx, k.proto, netip.Addr{}, raddr)
+		if err != nil {
+			return nil, opError("dial", k, na, err)
+		}
+		l := s.newLease(cl.ID)
+		c, terr := s.connect(ctx, k, cl, raddr, l)
+		if terr == nil {
+			return c, nil
+		}
+		l.drop()
+		var te tcpipErr
+		if errors.As(terr, &te) && attempt < bindRetries {
+			if _, inUse := te.e.(*tcpip.ErrPortInUse); inUse {
+				continue
+			}
+		}
+		if errors.Is(terr, context.Canceled) || errors.Is(terr, context.DeadlineExceeded) {
+			return nil, opError("dial", k, na, ctx.Err())
+		}
+		return nil, opError("dial", k, na, terr)
+	}
+}
+
+// connect binds an endpoint to the claimed source and connects it. Errors
+// are tcpipErr, or the context's.
+func (s *Stack) connect(ctx context.Context, k netKind, cl control.Claim, raddr netip.AddrPort, l *lease) (net.Conn, error) {
+	var wq waiter.Queue
+	proto := tcp.ProtocolNumber
+	if k.proto == "udp" {
+		proto = udp.ProtocolNumber
+	}
+	ep, terr := s.ns.NewEndpoint(proto, protoOf(raddr.Addr()), &wq)
+	if terr != nil {
+		return nil, tcpipErr{terr}
+	}
+	entry, ready := waiter.NewChannelEntry(waiter.WritableEvents)
+	wq.EventRegister(&entry)
+	defer wq.EventUnregister(&entry)
+	if terr := ep.Bind(fullAddr(cl.Addr, cl.Port)); terr != nil {
+		ep.Close()
+		return nil, tcpipErr{terr}
+	}
+	terr = ep.Connect(fullAddr(raddr.Addr(), raddr.Port()))
+	if _, started := terr.(*tcpip.ErrConnectStarted); started {
+		select {
+		case <-ready:
+			terr = ep.LastError()
+		case <-ctx.Done():
+			ep.Close()
+			return nil, ctx.Err()
+		}
+	}
+	if terr != nil {
+		ep.Close()
+		return nil, tcpipErr{terr}
+	}
+	if k.proto == "udp" {
+		return &udpConn{UDPConn: gonet.NewUDPConn(&wq, ep), lease: l}, nil
+	}
+	return &tcpConn{TCPConn: gonet.NewTCPConn(&wq, ep), ep: ep, lease: l}, nil
+}
+
+// ListenPacket announces a UDP endpoint: "udp", "udp4" or "udp6", and
+// "host:port" as for Listen (port 0: a free port from the bridge).
+func (s *Stack) ListenPacket(network, address string) (net.PacketConn, error) {
+	k, err := parseNetwork(network)
+	if err == nil && k.proto != "udp" {
+		err = net.UnknownNetworkError(network)
+	}
+	if err != nil {
+		return nil, opError("listen", netKind{proto: network}, nil, err)
+	}
+	a, port, err := parseAddr(address)
+	if err != nil {
+		return nil, opError("listen", k, nil, err)
+	}
+	if err := s.checkOpen(); err != nil {
+		return nil, opError("listen", k, nil, err)
+	}
+	claimAddr, np, err := s.localFor(k, a)
+	if err != nil {
+		return nil, opError("listen", k, nil, err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), controlTimeout)
+	defer cancel()
+	cl, err := s.claims.Listen(ctx, "udp", claimAddr, port)
+	if err != nil {
+		return nil, opError("listen", k, udpAddr(claimAddr, port), err)
+	}
+	l := s.newLease(cl.ID)
+	var wq waiter.Queue
+	ep, terr := s.ns.NewEndpoint(udp.ProtocolNumber, np, &wq)
+	if terr == nil {
+		if terr = ep.Bind(fullAddr(claimAddr, cl.Port)); terr != nil {
+			ep.Close()
+		}
+	}
+	if terr != nil {
+		l.drop()
+		return nil, opError("listen", k, udpAddr(claimAddr, cl.Port), tcpipErr{terr})
+	}
+	return &udpConn{UDPConn: gonet.NewUDPConn(&wq, ep), lease: l}, nil
+}
+
+// udpConn is a UDP endpoint (connected or not); closing it gives its
+// claim back at once.
+type udpConn struct {
+	*gonet.UDPConn
+	lease *lease
+	once  sync.Once
+}
+
+// Close implements net.Conn and net.PacketConn.
+func (c *udpConn) Close() error {
+	err := c.UDPConn.Close()
+	c.once.Do(c.lease.drop)
+	return err
+}

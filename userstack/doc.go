@@ -1,0 +1,51 @@
+// Package userstack runs an application's own TCP/IP stack (gVisor's
+// netstack) over its fabric stream and offers it through the standard
+// library's interfaces: Listen returns a net.Listener, Dial a net.Conn,
+// ListenPacket a net.PacketConn, so http.Serve, TLS and everything else
+// written against package net work unchanged.
+//
+//	s, err := userstack.Open(ctx, userstack.Options{App: "web", Control: "/run/fabricbridge/control.sock"})
+//	l, err := s.Listen("tcp", ":80")
+//	http.Serve(l, handler)
+//
+// # Claims
+//
+// The bridge steers to a stream only the tuples its application claimed,
+// and lets out only packets from them (package control). Listen and
+// ListenPacket claim the local address and port before the stack binds;
+// Dial gets its source port from the bridge's reserved range, and the
+// bridge has installed the exact flow before the stack sends the SYN, so
+// the answer cannot go astray. Closing a listener, packet conn or UDP conn
+// gives its claim back at once; a TCP connection keeps its flow until its
+// closing handshake is done (at most 30 s), and a listener's port stays
+// claimed while connections it accepted are open, as with kernel sockets.
+// The control connection is the lease: Close, or the process dying,
+// releases everything.
+//
+// # Data path
+//
+// LinkEndpoint is the stack's link: layer 3, no Ethernet (the bridge adds
+// it from the kernel's neighbour table), batches of up to 64 packets per
+// ring operation, TCP segmentation offload done in the endpoint, TCP
+// receive coalescing (GRO) before the stack, and no allocation per packet
+// on either side. The MTU is the smallest of the bridge's wire MTU, the
+// stream's slot payload and Options.MTU.
+//
+// # Checksums
+//
+// Verified exactly once, here, in the application's stack: the bridge and
+// the XDP classifier never look at L4 checksums (the bridge is shared by all
+// applications and copies each packet once; checking here spreads the cost
+// over the applications' own cores and covers the stream copy too). On
+// transmit the stack computes them and the bridge sends them as they are.
+// A packet with a bad checksum is dropped and counted by gVisor
+// (TCP.ChecksumErrors, UDP.ChecksumErrors), never delivered.
+//
+// # Defaults
+//
+// SACK on, CUBIC, no Nagle delay, 1 MB send and receive buffers growing to
+// 8 MB by receive-buffer moderation, reuse of TIME-WAIT ports when safe.
+// ICMP is the kernel's: the stack processes ICMP errors the bridge
+// delivers (port unreachable ends a connected UDP socket's wait, packet
+// too big lowers the path MTU) but generates none.
+package userstack

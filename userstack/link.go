@@ -1,0 +1,496 @@
+package userstack
+
+import (
+	"errors"
+	"sync"
+	"sync/atomic"
+
+	"gvisor.dev/gvisor/pkg/buffer"
+	"gvisor.dev/gvisor/pkg/tcpip"
+	"gvisor.dev/gvisor/pkg/tcpip/header"
+	"gvisor.dev/gvisor/pkg/tcpip/stack"
+	"gvisor.dev/gvisor/pkg/tcpip/stack/gro"
+)
+
+// Link is what a stack runs over: the application end of a fabric stream.
+// *fabric.Stream and *fabric.RemoteStream both satisfy it.
+//
+// Send queues whole IP packets and may block until there is room (the TX
+// ring's backpressure); it is only ever called by one goroutine at a time.
+// Recv blocks until at least one packet is there and fills bufs the way
+// fabric.Consumer.Consume does: each buffer is used up to its capacity and
+// resliced to the packet's length. Closing the link is its owner's business;
+// once closed, Recv must return an error, which ends the receive loop.
+type Link interface {
+	Send(pkts [][]byte) (int, error)
+	Recv(bufs [][]byte) (int, error)
+}
+
+// LinkConfig shapes a LinkEndpoint.
+type LinkConfig struct {
+	// MTU is the largest IP packet the stack may send. It must fit the
+	// link's slots and the wire behind the bridge; Open takes the smaller
+	// of the two. Default 1500.
+	MTU int
+	// MaxPacket is the largest packet the link delivers (the stream's
+	// MaxPayload); receive buffers are this big. Default MTU.
+	MaxPacket int
+	// Batch is the number of packets moved per Send or Recv, at most 64 by
+	// the design's rule. Default 64.
+	Batch int
+	// NoGRO turns off receive coalescing of TCP segments (see LinkEndpoint).
+	NoGRO bool
+}
+
+// gsoMaxSize bounds a segmentation-offload packet handed down by TCP. It
+// keeps an IPv4 total length (headers included) inside 16 bits.
+const gsoMaxSize = 65000
+
+// LinkEndpoint is gVisor's view of a fabric stream: a layer-3 link (no
+// Ethernet header; the bridge adds it) that moves packets in batches.
+//
+// Receive: one goroutine takes up to Batch packets per Recv straight into
+// pooled gVisor views (the only copy on this side is the ring's), wraps each
+// in a pooled PacketBuffer and hands the batch up, coalescing consecutive
+// IPv4 TCP segments of a flow first (GRO) so that the TCP layer sees few
+// large segments instead of many small ones. (IPv6 is not coalesced:
+// gVisor's IPv6 GRO allocates per packet.)
+//
+// Transmit: the endpoint offers segmentation offload, so TCP hands down
+// segments of up to 64 KB; WritePackets cuts them to the MSS, finishes the
+// checksums and sends the resulting packets in batches of up to Batch with
+// one Send each. Every packet is flattened into one of Batch preallocated
+// buffers, so nothing is allocated per packet.
+//
+// Checksums are verified exactly once, here: the bridge copies packets and
+// never looks at L4 checksums. The receive loop checks each packet right
+// after the ring copy, while it is in cache: the IPv4 header checksum and
+// the TCP, UDP, ICMP or ICMPv6 checksum. A packet that fails is dropped
+// and counted (RxBadChecksum); one that passes goes up marked as checked
+// (the endpoint declares receive checksum offload), which is also what
+// lets GRO hand the stack coalesced segments whose headers no longer
+// carry valid checksums. What the loop cannot judge alone — IP fragments
+// (the L4 checksum covers the reassembled datagram), IPv6 extension
+// headers, other protocols, inconsistent lengths — goes up with the offload
+// switched off for that packet, so the stack checks it instead. On
+// transmit gVisor computes checksums, except TCP's, which the endpoint
+// completes while segmenting.
+type LinkEndpoint struct {
+	link      Link
+	mtu       atomic.Uint32
+	maxPacket int
+	batch     int
+	groOn     bool
+
+	// stackChecks is set while the receive loop delivers a packet whose
+	// checksums the stack must verify itself.
+	stackChecks atomic.Bool
+
+	mu         sync.RWMutex
+	dispatcher stack.NetworkDispatcher
+	started    bool
+	onClose    func()
+	done       chan struct{}
+	rxErr      error
+
+	tx txState
+
+	stats linkCounters
+}
+
+type txState struct {
+	sync.Mutex
+	bufs  [][]byte // Batch buffers of maxPacket bytes, the flattening targets
+	batch [][]byte // the packets of the batch being built (slices of bufs)
+	gso   []byte   // one whole offload packet, flattened before it is cut
+}
+
+type linkCounters struct {
+	rxPackets, rxBytes, rxBatches, rxNotIP atomic.Uint64
+	rxBadChecksum                          atomic.Uint64
+	txPackets, txBytes, txBatches          atomic.Uint64
+	txSegmented, txDropped                 atomic.Uint64
+}
+
+// LinkStats are a LinkEndpoint's counters.
+type LinkStats struct {
+	RxPackets, RxBytes, RxBatches uint64
+	RxNotIP                       uint64 // received packets that were neither IPv4 nor IPv6, dropped
+	RxBadChecksum                 uint64 // received packets with a wrong checksum, dropped
+	TxPackets, TxBytes, TxBatches uint64
+	TxSegmented                   uint64 // offload packets cut into MSS-sized segments
+	TxDropped                     uint64 // packets refused: malformed offload packet or link error
+}
+
+// NewLinkEndpoint returns an endpoint over l. Its receive loop starts when
+// a stack attaches it.
+func NewLinkEndpoint(l Link, cfg LinkConfig) (*LinkEndpoint, error) {
+	if cfg.MTU == 0 {
+		cfg.MTU = 1500
+	}
+	if cfg.MaxPacket == 0 {
+		cfg.MaxPacket = cfg.MTU
+	}
+	if cfg.Batch == 0 {
+		cfg.Batch = 64
+	}
+	switch {
+	case l == nil:
+		return nil, errors.New("userstack: nil link")
+	case cfg.MTU < header.IPv6MinimumMTU:
+		return nil, errors.New("userstack: MTU below 1280 cannot carry IPv6")
+	case cfg.MaxPacket < cfg.MTU:
+		return nil, errors.New("userstack: link's largest packet is smaller than the MTU")
+	case cfg.Batch < 1 || cfg.Batch > 64:
+		return nil, errors.New("userstack: batch must be 1..64")
+	}
+	e := &LinkEndpoint{
+		link:      l,
+		maxPacket: cfg.MaxPacket,
+		batch:     cfg.Batch,
+		groOn:     !cfg.NoGRO,
+		done:      make(chan struct{}),
+	}
+	e.mtu.Store(uint32(cfg.MTU))
+	e.tx.bufs = make([][]byte, cfg.Batch)
+	for i := range e.tx.bufs {
+		e.tx.bufs[i] = make([]byte, cfg.MaxPacket)
+	}
+	e.tx.batch = make([][]byte, 0, cfg.Batch)
+	e.tx.gso = make([]byte, gsoMaxSize+header.IPv6MinimumSize)
+	return e, nil
+}
+
+// Stats returns a snapshot of the counters.
+func (e *LinkEndpoint) Stats() LinkStats {
+	c := &e.stats
+	return LinkStats{
+		RxPackets: c.rxPackets.Load(), RxBytes: c.rxBytes.Load(), RxBatches: c.rxBatches.Load(),
+		RxNotIP: c.rxNotIP.Load(), RxBadChecksum: c.rxBadChecksum.Load(),
+		TxPackets: c.txPackets.Load(), TxBytes: c.txBytes.Load(), TxBatches: c.txBatches.Load(),
+		TxSegmented: c.txSegmented.Load(), TxDropped: c.txDropped.Load(),
+	}
+}
+
+// Done is closed when the receive loop has ended (the link was closed or
+// broke); Err then says why.
+func (e *LinkEndpoint) Done() <-chan struct{} { return e.done }
+
+// Err is the error that ended the receive loop, or nil while it runs.
+func (e *LinkEndpoint) Err() error {
+	select {
+	case <-e.done:
+		return e.rxErr
+	default:
+		return nil
+	}
+}
+
+// MTU implements stack.LinkEndpoint.
+func (e *LinkEndpoint) MTU() uint32 { return e.mtu.Load() }
+
+// SetMTU implements stack.LinkEndpoint. The MTU never grows beyond what the
+// link's slots carry.
+func (e *LinkEndpoint) SetMTU(mtu uint32) {
+	e.mtu.Store(min(mtu, uint32(e.maxPacket)))
+}
+
+// MaxHeaderLength implements stack.LinkEndpoint: no link header.
+func (*LinkEndpoint) MaxHeaderLength() uint16 { return 0 }
+
+// LinkAddress implements stack.LinkEndpoint: a layer-3 link has none.
+func (*LinkEndpoint) LinkAddress() tcpip.LinkAddress { return "" }
+
+// SetLinkAddress implements stack.LinkEndpoint (ignored).
+func (*LinkEndpoint) SetLinkAddress(tcpip.LinkAddress) {}
+
+// Capabilities implements stack.LinkEndpoint: receive checksum offload,
+// since the receive loop verifies checksums itself, except while it hands
+// up a packet it could not judge (see the type's documentation). gVisor
+// reads this for every received packet; the transmit bits never change.
+func (e *LinkEndpoint) Capabilities() stack.LinkEndpointCapabilities {
+	if e.stackChecks.Load() {
+		return stack.CapabilityNone
+	}
+	return stack.CapabilityRXChecksumOffload
+}
+
+// GSOMaxSize implements stack.GSOEndpoint.
+func (*LinkEndpoint) GSOMaxSize() uint32 { return gsoMaxSize }
+
+// SupportedGSO implements stack.GSOEndpoint: TCP hands down large segments
+// with a partial checksum, as to a NIC with TSO, and WritePackets cuts them.
+func (*LinkEndpoint) SupportedGSO() stack.SupportedGSO { return stack.HostGSOSupported }
+
+// ARPHardwareType implements stack.LinkEndpoint.
+func (*LinkEndpoint) ARPHardwareType() header.ARPHardwareType { return header.ARPHardwareNone }
+
+// AddHeader implements stack.LinkEndpoint: nothing to add.
+func (*LinkEndpoint) AddHeader(*stack.PacketBuffer) {}
+
+// ParseHeader implements stack.LinkEndpoint: nothing to parse.
+func (*LinkEndpoint) ParseHeader(*stack.PacketBuffer) bool { return true }
+
+// SetOnCloseAction implements stack.LinkEndpoint.
+func (e *LinkEndpoint) SetOnCloseAction(f func()) {
+	e.mu.Lock()
+	e.onClose = f
+	e.mu.Unlock()
+}
+
+// Close implements stack.LinkEndpoint. It runs the close action; the link
+// itself belongs to whoever made it.
+func (e *LinkEndpoint) Close() {
+	e.mu.Lock()
+	f := e.onClose
+	e.onClose = nil
+	e.mu.Unlock()
+	if f != nil {
+		f()
+	}
+}
+
+// Attach implements stack.LinkEndpoint. The first attach starts the receive
+// loop; detaching (nil) makes it drop what arrives until the link closes.
+func (e *LinkEndpoint) Attach(d stack.NetworkDispatcher) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.dispatcher = d
+	if d != nil && !e.started {
+		e.started = true
+		go e.receiveLoop()
+	}
+}
+
+// IsAttached implements stack.LinkEndpoint.
+func (e *LinkEndpoint) IsAttached() bool {
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	return e.dispatcher != nil
+}
+
+// Wait implements stack.LinkEndpoint: it returns once the receive loop has
+// ended, which happens when the link is closed.
+func (e *LinkEndpoint) Wait() {
+	e.mu.RLock()
+	started := e.started
+	e.mu.RUnlock()
+	if started {
+		<-e.done
+	}
+}
+
+// receiveLoop moves batches from the link into the stack until Recv fails.
+func (e *LinkEndpoint) receiveLoop() {
+	r := newReceiver(e)
+	defer close(e.done)
+	for {
+		if err := r.once(); err != nil {
+			r.release()
+			e.rxErr = err
+			return
+		}
+	}
+}
+
+// receiver owns the receive side's buffers; only the receive loop (or a
+// test standing in for it) touches it.
+type receiver struct {
+	e     *LinkEndpoint
+	views []*buffer.View // the views the next Recv fills; nil once handed up
+	bufs  [][]byte
+	gro   gro.GRO
+}
+
+func newReceiver(e *LinkEndpoint) *receiver {
+	r := &receiver{e: e, views: make([]*buffer.View, e.batch), bufs: make([][]byte, e.batch)}
+	r.gro.Init(e.groOn)
+	return r
+}
+
+// once receives one batch and delivers it.
+func (r *receiver) once() error {
+	for i, v := range r.views {
+		if v == nil {
+			v = buffer.NewViewSize(r.e.maxPacket)
+			r.views[i] = v
+		}
+		r.bufs[i] = v.AsSlice()
+	}
+	n, err := r.e.link.Recv(r.bufs)
+	if n > 0 {
+		r.deliver(n)
+	}
+	return err
+}
+
+// deliver hands the first n filled views up the stack as one batch.
+func (r *receiver) deliver(n int) {
+	e := r.e
+	e.mu.RLock()
+	d := e.dispatcher
+	e.mu.RUnlock()
+	r.gro.Dispatcher = d
+	var bytes uint64
+	for i := 0; i < n; i++ {
+		v := r.views[i]
+		size := len(r.bufs[i])
+		bytes += uint64(size)
+		var proto tcpip.NetworkProtocolNumber
+		if size > 0 {
+			switch r.bufs[i][0] >> 4 {
+			case 4:
+				proto = header.IPv4ProtocolNumber
+			case 6:
+				proto = header.IPv6ProtocolNumber
+			}
+		}
+		if proto == 0 || d == nil {
+			// Not IP, or no stack to take it: reuse the view as is.
+			e.stats.rxNotIP.Add(1)
+			continue
+		}
+		switch check(r.bufs[i]) {
+		case corrupt:
+			e.stats.rxBadChecksum.Add(1)
+			continue // the view stays for the next batch
+		case verified:
+			r.views[i] = nil
+			v.CapLength(size)
+			pkt := stack.NewPacketBuffer(stack.PacketBufferOptions{Payload: buffer.MakeWithView(v)})
+			pkt.NetworkProtocolNumber = proto
+			pkt.RXChecksumValidated = true // GRO need not check again
+			if proto == header.IPv4ProtocolNumber {
+				r.gro.Enqueue(pkt)
+			} else {
+				// gVisor's IPv6 GRO walks extension headers through
+				// allocating iterators; IPv6 goes straight up instead.
+				d.DeliverNetworkPacket(proto, pkt)
+			}
+			pkt.DecRef()
+		case unverified:
+			r.views[i] = nil
+			v.CapLength(size)
+			pkt := stack.NewPacketBuffer(stack.PacketBufferOptions{Payload: buffer.MakeWithView(v)})
+			pkt.NetworkProtocolNumber = proto
+			r.gro.Flush() // keep order with what GRO holds
+			e.stackChecks.Store(true)
+			d.DeliverNetworkPacket(proto, pkt)
+			e.stackChecks.Store(false)
+			pkt.DecRef()
+		}
+	}
+	r.gro.Flush()
+	e.stats.rxPackets.Add(uint64(n))
+	e.stats.rxBytes.Add(bytes)
+	e.stats.rxBatches.Add(1)
+}
+
+func (r *receiver) release() {
+	for i, v := range r.views {
+		if v != nil {
+			v.Release()
+			r.views[i] = nil
+		}
+	}
+}
+
+// errLink is what WritePackets reports when the link refuses packets.
+var errLink = &tcpip.ErrClosedForSend{}
+
+// WritePackets implements stack.LinkWriter: it flattens (and, for offload
+// packets, segments) the packets into the endpoint's buffers and sends them
+// in batches. It returns how many of the stack's packets were written.
+// Concurrent calls are serialised, which also keeps the link's Send
+// single-producer.
+func (e *LinkEndpoint) WritePackets(pkts stack.PacketBufferList) (int, tcpip.Error) {
+	t := &e.tx
+	t.Lock()
+	defer t.Unlock()
+	written := 0
+	for _, pkt := range pkts.AsSlice() {
+		var err error
+		if pkt.GSOOptions.Type != stack.GSONone && pkt.GSOOptions.NeedsCsum {
+			err = e.writeOffload(pkt)
+		} else {
+			err = e.writePlain(pkt)
+		}
+		if err != nil {
+			e.stats.txDropped.Add(1)
+			if errors.Is(err, errMalformedOffload) {
+				continue // this packet is lost; the others go on
+			}
+			t.batch = t.batch[:0]
+			return written, errLink
+		}
+		written++
+	}
+	if err := e.flush(); err != nil {
+		return written, errLink
+	}
+	return written, nil
+}
+
+// writePlain appends a packet whose checksums are complete.
+func (e *LinkEndpoint) writePlain(pkt *stack.PacketBuffer) error {
+	if pkt.Size() > e.maxPacket {
+		return errMalformedOffload
+	}
+	dst, err := e.slot()
+	if err != nil {
+		return err
+	}
+	e.tx.batch = append(e.tx.batch, flatten(pkt, dst))
+	return nil
+}
+
+// slot returns the next free flattening buffer, sending the batch first if
+// all are in use.
+func (e *LinkEndpoint) slot() ([]byte, error) {
+	t := &e.tx
+	if len(t.batch) == len(t.bufs) {
+		if err := e.flush(); err != nil {
+			return nil, err
+		}
+	}
+	return t.bufs[len(t.batch)][:e.maxPacket], nil
+}
+
+// flush sends the batch built so far.
+func (e *LinkEndpoint) flush() error {
+	t := &e.tx
+	if len(t.batch) == 0 {
+		return nil
+	}
+	want := len(t.batch)
+	n, err := e.link.Send(t.batch)
+	var bytes uint64
+	for _, p := range t.batch[:max(n, 0)] {
+		bytes += uint64(len(p))
+	}
+	e.stats.txPackets.Add(uint64(n))
+	e.stats.txBytes.Add(bytes)
+	e.stats.txBatches.Add(1)
+	t.batch = t.batch[:0]
+	if err == nil && n < want {
+		err = errors.New("userstack: link took part of a batch")
+	}
+	return err
+}
+
+// flatten copies the packet (from its network header on) into dst and
+// returns the filled part. dst must hold pkt.Size() bytes.
+func flatten(pkt *stack.PacketBuffer, dst []byte) []byte {
+	views, off := pkt.AsViewList()
+	n := 0
+	for v := views.Front(); v != nil; v = v.Next() {
+		s := v.AsSlice()
+		if off >= len(s) {
+			off -= len(s)
+			continue
+		}
+		n += copy(dst[n:], s[off:])
+		off = 0
+	}
+	return dst[:n]
+}

@@ -1,0 +1,5 @@
+//go:build !race
+
+package userstack
+
+const raceEnabled = false

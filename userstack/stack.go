@@ -1,0 +1,377 @@
+package userstack
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"slices"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"gvisor.dev/gvisor/pkg/tcpip"
+	"gvisor.dev/gvisor/pkg/tcpip/network/ipv4"
+	"gvisor.dev/gvisor/pkg/tcpip/network/ipv6"
+	"gvisor.dev/gvisor/pkg/tcpip/stack"
+
+	"github.com/fabricbridge/fabricbridge/control"
+	"github.com/fabricbridge/fabricbridge/fabric"
+)
+
+// Options say how to reach the bridge. Exactly one of Control and Remote
+// is set.
+type Options struct {
+	// App is the application's name, as the bridge's configuration knows it.
+	App string
+	// Control is the path of the bridge's control socket, for an
+	// application on the bridge's own host: the stream is shared memory.
+	Control string
+	// Remote reaches a bridge on another node: control over TCP, packets
+	// over GENEVE.
+	Remote *RemoteOptions
+	// RxSlots and TxSlots ask for ring depths (local streams only); 0 takes
+	// the bridge's default.
+	RxSlots, TxSlots int
+	// MTU caps the packet size below what the bridge and the stream allow;
+	// 0 takes theirs.
+	MTU int
+	// NoGRO turns off receive coalescing (see LinkEndpoint).
+	NoGRO bool
+}
+
+// RemoteOptions reach a bridge on another node.
+type RemoteOptions struct {
+	// Control is the bridge's control address (host:port).
+	Control string
+	// Secret is shared with the bridge (see package control).
+	Secret []byte
+	// Local is where this application's GENEVE endpoint binds. The zero
+	// value takes the control connection's local address and any port.
+	Local netip.AddrPort
+	// Transport tunes the remote transport.
+	Transport fabric.RemoteConfig
+}
+
+// controlTimeout bounds the control requests of calls that take no
+// context (Listen, ListenPacket, the releases in Close).
+const controlTimeout = 10 * time.Second
+
+// claimer is the part of the control client a Stack needs; tests can stand
+// in for the bridge with something simpler.
+type claimer interface {
+	Listen(ctx context.Context, proto string, addr netip.Addr, port uint16) (control.Claim, error)
+	Connect(ctx context.Context, proto string, local netip.Addr, remote netip.AddrPort) (control.Claim, error)
+	Release(ctx context.Context, id uint64) error
+}
+
+// Stack is one application's TCP/IP stack over its stream, with the
+// standard library's network interfaces on top. Listen, Dial and
+// ListenPacket tell the bridge which tuples to steer here before anything
+// is sent; closing what they return gives the tuples back.
+type Stack struct {
+	ns     *stack.Stack
+	ep     *LinkEndpoint
+	addrs  []netip.Addr
+	claims claimer
+
+	closeOnce sync.Once
+	closed    atomic.Bool
+	closers   []func() error // control connection first, then the link
+	err       error
+}
+
+// Open connects to the bridge, registers the application, attaches its
+// stream and starts a stack on it.
+func Open(ctx context.Context, opts Options) (*Stack, error) {
+	if (opts.Control == "") == (opts.Remote == nil) {
+		return nil, errors.New("userstack: set exactly one of Options.Control and Options.Remote")
+	}
+	if opts.Remote != nil {
+		return openRemote(ctx, opts)
+	}
+	c, err := control.DialLocal(ctx, opts.Control, opts.App)
+	if err != nil {
+		return nil, err
+	}
+	reg, st, err := c.RegisterLocal(ctx, opts.RxSlots, opts.TxSlots)
+	if err != nil {
+		c.Close()
+		return nil, err
+	}
+	cfg := LinkConfig{MTU: mtuOf(reg.MTU, opts.MTU, st.MaxPayload()), MaxPacket: st.MaxPayload(), NoGRO: opts.NoGRO}
+	s, err := newStack(st, cfg, reg.Addrs, c, c.Close, st.Close)
+	if err != nil {
+		st.Close()
+		c.Close()
+		return nil, err
+	}
+	return s, nil
+}
+
+func openRemote(ctx context.Context, opts Options) (*Stack, error) {
+	ro := opts.Remote
+	c, err := control.DialRemote(ctx, ro.Control, opts.App, ro.Secret)
+	if err != nil {
+		return nil, err
+	}
+	local := ro.Local
+	if !local.IsValid() {
+		ta, ok := c.LocalAddr().(*net.TCPAddr)
+		if !ok {
+			c.Close()
+			return nil, fmt.Errorf("userstack: control connection's local address %v is not TCP", c.LocalAddr())
+		}
+		local = netip.AddrPortFrom(ta.AddrPort().Addr().Unmap(), 0)
+	}
+	r, err := fabric.ListenRemote(local, ro.Transport)
+	if err != nil {
+		c.Close()
+		return nil, err
+	}
+	fail := func(err error) (*Stack, error) {
+		r.Close()
+		c.Close()
+		return nil, err
+	}
+	reg, err := c.RegisterRemote(ctx, r.LocalAddr())
+	if err != nil {
+		return fail(err)
+	}
+	rs, err := r.Register(reg.Stream, reg.Geneve)
+	if err != nil {
+		return fail(err)
+	}
+	slot := ro.Transport.SlotSize
+	if slot == 0 {
+		slot = 2048
+	}
+	maxPacket := slot - 8 // the slot header
+	cfg := LinkConfig{MTU: mtuOf(reg.MTU, opts.MTU, maxPacket), MaxPacket: maxPacket, NoGRO: opts.NoGRO}
+	s, err := newStack(rs, cfg, reg.Addrs, c, c.Close, r.Close)
+	if err != nil {
+		return fail(err)
+	}
+	return s, nil
+}
+
+// mtuOf is the smallest positive of the bridge's MTU, the caller's cap and
+// what the stream carries.
+func mtuOf(bridge, capped, stream int) int {
+	m := stream
+	for _, v := range []int{bridge, capped} {
+		if v > 0 && v < m {
+			m = v
+		}
+	}
+	return m
+}
+
+// newStack starts a stack over link. closers run in order on Close.
+func newStack(link Link, cfg LinkConfig, addrs []netip.Addr, claims claimer, closers ...func() error) (*Stack, error) {
+	if len(addrs) == 0 {
+		return nil, errors.New("userstack: the bridge gave this application no address")
+	}
+	ep, err := NewLinkEndpoint(link, cfg)
+	if err != nil {
+		return nil, err
+	}
+	ns, err := newNetstack(ep, addrs)
+	if err != nil {
+		return nil, err
+	}
+	return &Stack{ns: ns, ep: ep, addrs: slices.Clone(addrs), claims: claims, closers: closers}, nil
+}
+
+// Addrs are the addresses the stack sends from.
+func (s *Stack) Addrs() []netip.Addr { return slices.Clone(s.addrs) }
+
+// LinkStats are the counters of the stack's link endpoint.
+func (s *Stack) LinkStats() LinkStats { return s.ep.Stats() }
+
+// Close aborts every connection (peers get a reset), ends the control
+// connection, whereupon the bridge releases everything this stack held,
+// and closes the stream.
+func (s *Stack) Close() error {
+	s.closeOnce.Do(func() {
+		s.closed.Store(true)
+		s.ns.Close() // resets go out while the bridge still lets them
+		var errs []error
+		for _, c := range s.closers {
+			if err := c(); err != nil {
+				errs = append(errs, err)
+			}
+		}
+		s.ns.Wait()
+		s.err = errors.Join(errs...)
+	})
+	return s.err
+}
+
+// lease is one claim at the bridge, given back when its last holder lets
+// go: a listener and each connection it accepted hold the listener's claim,
+// so connections outlive their listener, as with kernel sockets.
+type lease struct {
+	s    *Stack
+	id   uint64
+	refs atomic.Int32
+}
+
+func (s *Stack) newLease(id uint64) *lease {
+	l := &lease{s: s, id: id}
+	l.refs.Store(1)
+	return l
+}
+
+func (l *lease) hold() { l.refs.Add(1) }
+
+func (l *lease) drop() {
+	if l.refs.Add(-1) != 0 || l.s.closed.Load() {
+		return // others hold it, or the whole lease is gone with the stack
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), controlTimeout)
+	defer cancel()
+	l.s.claims.Release(ctx, l.id) // a bridge that is gone has released it already
+}
+
+// endpoint parsing
+
+type netKind struct {
+	proto  string // "tcp" or "udp"
+	family int    // 0 (either), 4 or 6
+}
+
+func parseNetwork(network string) (netKind, error) {
+	switch network {
+	case "tcp", "udp":
+		return netKind{network, 0}, nil
+	case "tcp4", "udp4":
+		return netKind{network[:3], 4}, nil
+	case "tcp6", "udp6":
+		return netKind{network[:3], 6}, nil
+	}
+	return netKind{}, net.UnknownNetworkError(network)
+}
+
+// parseAddr splits host:port; an empty host is the invalid Addr. Names are
+// not resolved: the stack has no resolver of its own.
+func parseAddr(address string) (netip.Addr, uint16, error) {
+	host, port, err := net.SplitHostPort(address)
+	if err != nil {
+		return netip.Addr{}, 0, err
+	}
+	p, err := strconv.ParseUint(port, 10, 16)
+	if err != nil {
+		return netip.Addr{}, 0, fmt.Errorf("port %q is not a number from 0 to 65535", port)
+	}
+	if host == "" {
+		return netip.Addr{}, uint16(p), nil
+	}
+	a, err := netip.ParseAddr(host)
+	if err != nil {
+		return netip.Addr{}, 0, fmt.Errorf("%q is not an IP address (this stack resolves no names)", host)
+	}
+	if a.Zone() != "" {
+		return netip.Addr{}, 0, fmt.Errorf("%q: zones are not supported", host)
+	}
+	return a.Unmap(), uint16(p), nil
+}
+
+func (s *Stack) has(family int) bool {
+	for _, a := range s.addrs {
+		if (family == 4) == a.Is4() {
+			return true
+		}
+	}
+	return false
+}
+
+// localFor resolves a listening address: which address to claim at the
+// bridge and which network protocol the stack endpoint uses. An empty host
+// listens on both families when the stack has both (an IPv6 endpoint that
+// also takes IPv4, as Linux does).
+func (s *Stack) localFor(k netKind, a netip.Addr) (netip.Addr, tcpip.NetworkProtocolNumber, error) {
+	if a.IsValid() {
+		if (k.family == 4 && !a.Is4()) || (k.family == 6 && a.Is4()) {
+			return a, 0, fmt.Errorf("address %v is not IPv%d", a, k.family)
+		}
+		if !a.IsUnspecified() && !slices.Contains(s.addrs, a) {
+			return a, 0, fmt.Errorf("address %v is not one of this stack's %v", a, s.addrs)
+		}
+		return a, protoOf(a), nil
+	}
+	fam := k.family
+	if fam == 0 {
+		switch {
+		case s.has(4) && s.has(6):
+			return netip.Addr{}, ipv6.ProtocolNumber, nil
+		case s.has(4):
+			fam = 4
+		default:
+			fam = 6
+		}
+	}
+	if !s.has(fam) {
+		return a, 0, fmt.Errorf("this stack has no IPv%d address", fam)
+	}
+	if fam == 4 {
+		return netip.IPv4Unspecified(), ipv4.ProtocolNumber, nil
+	}
+	return netip.IPv6Unspecified(), ipv6.ProtocolNumber, nil
+}
+
+func protoOf(a netip.Addr) tcpip.NetworkProtocolNumber {
+	if a.Is4() {
+		return ipv4.ProtocolNumber
+	}
+	return ipv6.ProtocolNumber
+}
+
+// fullAddr is a tcpip address; the unspecified and invalid addresses both
+// bind to any.
+func fullAddr(a netip.Addr, port uint16) tcpip.FullAddress {
+	f := tcpip.FullAddress{NIC: nicID, Port: port}
+	if a.IsValid() && !a.IsUnspecified() {
+		f.Addr = tcpip.AddrFromSlice(a.AsSlice())
+	}
+	return f
+}
+
+func opError(op string, k netKind, addr net.Addr, err error) error {
+	return &net.OpError{Op: op, Net: k.proto, Addr: addr, Err: err}
+}
+
+func tcpAddr(a netip.Addr, port uint16) *net.TCPAddr {
+	if !a.IsValid() {
+		a = netip.IPv6Unspecified()
+	}
+	return net.TCPAddrFromAddrPort(netip.AddrPortFrom(a, port))
+}
+
+func udpAddr(a netip.Addr, port uint16) *net.UDPAddr {
+	if !a.IsValid() {
+		a = netip.IPv6Unspecified()
+	}
+	return net.UDPAddrFromAddrPort(netip.AddrPortFrom(a, port))
+}
+
+// tcpipErr wraps a gVisor error for net.OpError.
+type tcpipErr struct{ e tcpip.Error }
+
+func (e tcpipErr) Error() string { return e.e.String() }
+func (e tcpipErr) Timeout() bool {
+	_, ok := e.e.(*tcpip.ErrTimeout)
+	return ok
+}
+
+// ErrClosed is returned by operations on a closed Stack.
+var ErrClosed = errors.New("userstack: stack closed")
+
+func (s *Stack) checkOpen() error {
+	if s.closed.Load() {
+		return ErrClosed
+	}
+	return nil
+}

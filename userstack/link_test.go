@@ -291,4 +291,3 @@ func TestLinkConfigChecked(t *testing.T) {
 		t.Errorf("MTU grew to %d beyond the slot", ep.MTU())
 	}
 }
-

@@ -44,4 +44,5 @@ func (d *Daemon) collect(w *metrics.Writer) {
 		}
 		return fmt.Sprintf("dynamic %d", id)
 	}, byStream)
+	d.ingest.Collect(w)
 }

@@ -36,6 +36,7 @@ type Daemon struct {
 	home    home
 	lock    *runLock
 	plane   dataplane
+	ingest  *ingestPlane
 	server  *control.Server
 	unixLn  *net.UnixListener
 	tcpLn   net.Listener
@@ -109,7 +110,12 @@ func Start(cfg *config.Config, opts Options) (_ *Daemon, err error) {
 	}
 	d.log.Info("reserved ports for applications' outgoing connections", "range", cfg.ReservedPorts.String(), "added", d.reserved.String())
 
-	if d.plane, err = openBridge(cfg, d.log); err != nil {
+	bp, err := openBridge(cfg, d.log)
+	if err != nil {
+		return nil, err
+	}
+	d.plane = bp
+	if d.ingest, err = openIngest(cfg, bp.b, d.log); err != nil {
 		return nil, err
 	}
 	d.cfg.Store(cfg)
@@ -287,6 +293,7 @@ func (d *Daemon) shutdown() error {
 		errs = append(errs, d.metrics.Shutdown(ctx))
 		cancel()
 	}
+	errs = append(errs, d.ingest.Close()) // before the bridge: it shares the bridge's UMEMs
 	if d.plane != nil {
 		errs = append(errs, d.plane.Close())
 	}

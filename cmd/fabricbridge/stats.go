@@ -241,6 +241,18 @@ func render(w io.Writer, target string, prev, cur snapshot) {
 			human(cur.get("fabricbridge_queue_fill_ring_empty_total", "interface", in, "queue", q))}
 	}
 	table(w, "QUEUE", []string{"RX PKT/S", "RX RATE", "TX PKT/S", "DROPS", "FILL EMPTY"}, queues)
+	rings := rowsOf(prev, cur, "fabricbridge_ingest_records_total", "fabricbridge_ingest_bytes_total",
+		func(x metrics.Sample) string { return x.Label("ring") }, nil)
+	for i := range rings {
+		r := labelOf(rings[i].labels, "ring")
+		consumer := "none"
+		if cur.sum("fabricbridge_ingest_consumer_attached", "ring", r) == 1 {
+			consumer = "attached"
+		}
+		rings[i].cells = append(rings[i].cells, human(cur.sum("fabricbridge_ingest_buffers_published_total", "ring", r)),
+			human(cur.sum("fabricbridge_ingest_drops_total", "ring", r)), consumer)
+	}
+	table(w, "INGEST", []string{"RECORDS", "REC/S", "BYTES", "RATE", "BUFFERS", "DROPS", "CONSUMER"}, rings)
 }
 
 type row struct {

@@ -50,6 +50,11 @@ func TestRenderRates(t *testing.T) {
 		`app="web"} 10`+"\n", `app="web"} 2010`+"\n",
 		`app="web"} 1000`+"\n", `app="web"} 1001000`+"\n",
 	).Replace(statsBefore) + `fabricbridge_stream_rx_drops_total{interface="eth1",stream="1",app="web",reason="ring_full"} 7
+fabricbridge_ingest_records_total{ring="trigger",buffer_id="1"} 4000
+fabricbridge_ingest_bytes_total{ring="trigger",buffer_id="1"} 256000
+fabricbridge_ingest_buffers_published_total{ring="trigger",buffer_id="1"} 12
+fabricbridge_ingest_drops_total{ring="trigger",buffer_id="1",reason="no_buffer"} 3
+fabricbridge_ingest_consumer_attached{ring="trigger",buffer_id="1"} 1
 `
 	cur := newSnapshot(t0.Add(2*time.Second), exposition(t, after))
 	var b bytes.Buffer
@@ -70,6 +75,7 @@ func TestRenderRates(t *testing.T) {
 		`(?m)^ +3 blocked +300 +100 +19\.2k +51\.2kb/s\s*$`,
 		`(?s)3 blocked.*12 late`,
 		`(?m)^ +1 web +normal +1000 +4\.00Mb/s +0 +0b/s +7 +0\s*$`,
+		`(?m)^ +trigger +4000 +2000 +256\.0k +1\.02Mb/s +12 +3 +attached\s*$`,
 	} {
 		if !regexp.MustCompile(re).MatchString(out) {
 			t.Errorf("no line matching %s:\n%s", re, out)

@@ -1,0 +1,152 @@
+package appliance
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"path/filepath"
+	"time"
+
+	"github.com/fabricbridge/fabricbridge/appliance/config"
+	"github.com/fabricbridge/fabricbridge/appliance/metrics"
+	"github.com/fabricbridge/fabricbridge/bridge"
+	bingest "github.com/fabricbridge/fabricbridge/bridge/ingest"
+	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+)
+
+// ingestPlane is the UDP offload path: one persistent buffer ring per
+// configured ingest entry, and the engine that fills them from the ingest
+// AF_XDP sockets, beside the bridge on the same queues.
+type ingestPlane struct {
+	engine *bingest.Engine
+	rings  []*ingestRing
+}
+
+type ingestRing struct {
+	name string // as configured
+	id   uint32
+	ring *fingest.Ring
+}
+
+// IngestPath is where consumers open the named ring of a configuration: a
+// socket in the ingest directory beside the control socket (by default
+// /run/fabricbridge/ingest, fabric/ingest's DefaultDir).
+func IngestPath(cfg *config.Config, name string) string {
+	return filepath.Join(filepath.Dir(cfg.Control.Socket), "ingest", name)
+}
+
+// openIngest creates the rings and starts the engine; nothing when the
+// configuration has no ingest entries. It runs on a thread in the
+// interface's namespace, after the bridge.
+func openIngest(cfg *config.Config, b *bridge.Bridge, log *slog.Logger) (_ *ingestPlane, err error) {
+	if len(cfg.Ingest) == 0 {
+		return nil, nil
+	}
+	prog := b.Program()
+	if prog == nil {
+		return nil, fmt.Errorf("interface %s: ingest needs the XDP path, and the bridge runs on %s", cfg.Interfaces[0].Name, b.Mode())
+	}
+	p := &ingestPlane{}
+	defer func() {
+		if err != nil {
+			p.Close()
+		}
+	}()
+	for i, g := range cfg.Ingest {
+		path := IngestPath(cfg, g.Name)
+		if removed, err := removeStaleSocket(path); err != nil {
+			return nil, cfg.Errorf(fmt.Sprintf("ingest[%d].name", i), "%v", err)
+		} else if removed {
+			log.Warn("removed a stale ingest socket left by a crashed daemon", "path", path)
+		}
+		r, err := fingest.Create(fingest.Config{
+			Name: path, Buffers: g.Buffers, BufferSize: int(g.BufferSize), Window: time.Duration(g.Window),
+			BufferID: cfg.IngestID(g.Name), NoHugepages: !g.Hugepages,
+		})
+		if err != nil {
+			return nil, cfg.Errorf(fmt.Sprintf("ingest[%d]", i), "%v", err)
+		}
+		p.rings = append(p.rings, &ingestRing{name: g.Name, id: cfg.IngestID(g.Name), ring: r})
+		st := r.Stats()
+		log.Info("ingest ring", "name", g.Name, "buffer_id", cfg.IngestID(g.Name), "socket", path,
+			"bytes", r.Size(), "hugetlb", st.Hugetlb, "locked", st.Locked, "lock_error", r.LockError())
+	}
+	ifc, err := net.InterfaceByName(cfg.Interfaces[0].Name)
+	if err != nil {
+		return nil, err
+	}
+	p.engine, err = bingest.Start(bingest.Config{
+		Program: prog, Ifindex: ifc.Index, Queues: cfg.Interfaces[0].Queues, Umem: b.Umem,
+		BusyPoll: time.Duration(cfg.Interfaces[0].BusyPoll),
+	})
+	if err != nil {
+		return nil, fmt.Errorf("ingest engine: %w", err)
+	}
+	for _, r := range p.rings {
+		if err := p.engine.Attach(r.id, r.ring); err != nil {
+			return nil, fmt.Errorf("ingest ring %s: %w", r.name, err)
+		}
+	}
+	return p, nil
+}
+
+// Close stops the engine, then flushes and closes the rings. It must run
+// before the bridge closes: the engine's sockets share the bridge's UMEMs.
+func (p *ingestPlane) Close() error {
+	if p == nil {
+		return nil
+	}
+	var errs []error
+	if p.engine != nil {
+		errs = append(errs, p.engine.Close())
+	}
+	for _, r := range p.rings {
+		errs = append(errs, r.ring.Close())
+	}
+	return errors.Join(errs...)
+}
+
+var (
+	famIngestRecords   = metrics.Family{Name: "fabricbridge_ingest_records_total", Type: metrics.Counter, Help: "Datagrams written into each ingest ring."}
+	famIngestBytes     = metrics.Family{Name: "fabricbridge_ingest_bytes_total", Type: metrics.Counter, Help: "Payload bytes written into each ingest ring."}
+	famIngestPublished = metrics.Family{Name: "fabricbridge_ingest_buffers_published_total", Type: metrics.Counter, Help: "Buffers each ingest ring published to its consumer."}
+	famIngestDrops     = metrics.Family{Name: "fabricbridge_ingest_drops_total", Type: metrics.Counter, Help: "Datagrams an ingest ring dropped, by reason (no_buffer: the consumer holds every buffer; too_big; source_full)."}
+	famIngestSources   = metrics.Family{Name: "fabricbridge_ingest_sources", Type: metrics.Gauge, Help: "Distinct sources an ingest ring has seen."}
+	famIngestConsumer  = metrics.Family{Name: "fabricbridge_ingest_consumer_attached", Type: metrics.Gauge, Help: "1 when a consumer is attached to the ingest ring."}
+	famEngine          = metrics.Family{Name: "fabricbridge_ingest_engine_frames_total", Type: metrics.Counter, Help: "Frames the ingest engine handled, by outcome (received, appended, dropped, no_ring, malformed, kernel_drop)."}
+	famEngineFillEmpty = metrics.Family{Name: "fabricbridge_ingest_engine_fill_ring_empty_total", Type: metrics.Counter, Help: "Times the kernel found an ingest socket's fill ring empty."}
+)
+
+func (p *ingestPlane) Collect(w *metrics.Writer) {
+	if p == nil {
+		return
+	}
+	for _, r := range p.rings {
+		st := r.ring.Stats()
+		l := metrics.L("ring", r.name, "buffer_id", fmt.Sprint(r.id))
+		w.AddUint(famIngestRecords, st.Records, l...)
+		w.AddUint(famIngestBytes, st.Bytes, l...)
+		w.AddUint(famIngestPublished, st.Published, l...)
+		for _, d := range []struct {
+			reason string
+			n      uint64
+		}{{"no_buffer", st.NoBuffer}, {"too_big", st.TooBig}, {"source_full", st.SourceFull}} {
+			w.AddUint(famIngestDrops, d.n, append(l, metrics.Label{Name: "reason", Value: d.reason})...)
+		}
+		w.Add(famIngestSources, float64(st.Sources), l...)
+		att := 0.0
+		if st.Attached {
+			att = 1
+		}
+		w.Add(famIngestConsumer, att, l...)
+	}
+	es := p.engine.Stats()
+	for _, o := range []struct {
+		outcome string
+		n       uint64
+	}{{"received", es.Received}, {"appended", es.Appended}, {"dropped", es.Dropped}, {"no_ring", es.NoRing}, {"malformed", es.Malformed}, {"kernel_drop", es.KernelDrops}} {
+		w.AddUint(famEngine, o.n, metrics.L("outcome", o.outcome)...)
+	}
+	w.AddUint(famEngineFillEmpty, es.FillRingEmpty)
+}

@@ -1,0 +1,90 @@
+package appliance
+
+import (
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"testing"
+	"time"
+
+	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+)
+
+// TestIngestThroughDaemon: trigger datagrams matching an ingest rule reach
+// a consumer of the configured ring, complete and in order, and the
+// daemon's metrics count them.
+func TestIngestThroughDaemon(t *testing.T) {
+	tp := newTopo(t)
+	c := tp.config(t, `ingest:
+  - {name: trigger, buffers: 16, buffer_size: 64K, window: 200us}
+rules:
+  - {id: 2, name: trigger, match: {protocol: udp, dst_port: 9000-9003}, action: ingest, ingest: trigger}
+`)
+	d := tp.start(t, c, io.Discard)
+	defer d.Close()
+	cons, err := fingest.Open(IngestPath(c, "trigger"), fingest.ConsumerOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cons.Close()
+	if id := cons.Info().BufferID; id != 1 {
+		t.Errorf("buffer id %d, want 1", id)
+	}
+
+	const perPort = 50
+	for p := range 2 {
+		err := tp.outside.Do(func() error {
+			s, err := net.DialUDP("udp", nil, net.UDPAddrFromAddrPort(netip.AddrPortFrom(tp.v.A.Addr4.Addr(), uint16(9000+p))))
+			if err != nil {
+				return err
+			}
+			defer s.Close()
+			for i := range perPort {
+				s.Write([]byte(fmt.Sprintf("port %d datagram %03d", 9000+p, i)))
+			}
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	next := map[uint16]int{} // per destination port, the next datagram expected
+	total := 0
+	for deadline := time.Now().Add(5 * time.Second); total < 2*perPort && time.Now().Before(deadline); {
+		b, err := cons.Next(500 * time.Millisecond)
+		if err == fingest.ErrTimeout {
+			continue
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		for it := b.Iter(); it.Next(); {
+			r := it.Record()
+			src, ok := cons.Source(r.Source)
+			if !ok {
+				t.Fatalf("record with unknown source %d", r.Source)
+			}
+			port := src.DstPort
+			if want := fmt.Sprintf("port %d datagram %03d", port, next[port]); string(r.Payload) != want {
+				t.Fatalf("record %q, want %q", r.Payload, want)
+			}
+			next[port]++
+			total++
+		}
+		cons.Release(&b)
+	}
+	if total != 2*perPort {
+		t.Fatalf("%d of %d datagrams reached the consumer", total, 2*perPort)
+	}
+	s := tp.scrape(t, d)
+	if v := value(t, s, "fabricbridge_ingest_records_total", "ring", "trigger"); v != 2*perPort {
+		t.Errorf("ring counted %v records", v)
+	}
+	if v := value(t, s, "fabricbridge_ingest_consumer_attached", "ring", "trigger"); v != 1 {
+		t.Errorf("consumer not reported attached")
+	}
+	if v := value(t, s, "fabricbridge_rule_packets_total", "id", "2"); v != 2*perPort {
+		t.Errorf("rule 2 counted %v", v)
+	}
+}

@@ -240,10 +240,7 @@ func (c *Client) call(ctx context.Context, req *Request) (Reply, error) {
 	}
 	select {
 	case rep := <-p.ch:
-		if rep.Error != nil {
-			return rep, rep.Error.Err()
-		}
-		return rep, nil
+		return result(rep)
 	case <-ctx.Done():
 		c.mu.Lock()
 		if c.pending != nil && c.pending[req.ID] == p {
@@ -253,16 +250,28 @@ func (c *Client) call(ctx context.Context, req *Request) (Reply, error) {
 		// The reply may have arrived meanwhile; then honour it.
 		select {
 		case rep := <-p.ch:
-			if rep.Error != nil {
-				return rep, rep.Error.Err()
-			}
-			return rep, nil
+			return result(rep)
 		default:
 		}
 		return Reply{}, ctx.Err()
 	case <-c.done:
+		// A reply that came just before the end (an error the server
+		// closed the connection after) still counts.
+		select {
+		case rep := <-p.ch:
+			return result(rep)
+		default:
+		}
 		return Reply{}, c.Err()
 	}
+}
+
+// result turns an error reply into its error.
+func result(rep Reply) (Reply, error) {
+	if rep.Error != nil {
+		return rep, rep.Error.Err()
+	}
+	return rep, nil
 }
 
 func registration(rep Reply) Registration {

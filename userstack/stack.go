@@ -55,6 +55,10 @@ type RemoteOptions struct {
 	Transport fabric.RemoteConfig
 }
 
+// resetGrace is how long Close waits for the bridge to send the resets of
+// aborted connections before the stream goes.
+const resetGrace = 20 * time.Millisecond
+
 // controlTimeout bounds the control requests of calls that take no
 // context (Listen, ListenPacket, the releases in Close).
 const controlTimeout = 10 * time.Second
@@ -197,7 +201,17 @@ func (s *Stack) LinkStats() LinkStats { return s.ep.Stats() }
 func (s *Stack) Close() error {
 	s.closeOnce.Do(func() {
 		s.closed.Store(true)
-		s.ns.Close() // resets go out while the bridge still lets them
+		// Abort every connection while the bridge still lets the resets
+		// out, and give it a moment to take them from the ring: peers
+		// learn at once that the application is gone instead of timing out.
+		eps := s.ns.RegisteredEndpoints()
+		s.ns.Close()
+		for _, e := range eps {
+			e.Wait()
+		}
+		if len(eps) > 0 {
+			time.Sleep(resetGrace)
+		}
 		var errs []error
 		for _, c := range s.closers {
 			if err := c(); err != nil {

@@ -17,10 +17,60 @@ import (
 	"github.com/fabricbridge/fabricbridge/appliance"
 	"github.com/fabricbridge/fabricbridge/appliance/config"
 	"github.com/fabricbridge/fabricbridge/control"
+	"github.com/fabricbridge/fabricbridge/internal/ethtool"
 	"github.com/fabricbridge/fabricbridge/internal/ippkt"
 	"github.com/fabricbridge/fabricbridge/internal/netns"
 	"github.com/fabricbridge/fabricbridge/internal/testenv"
 )
+
+// testBridge is the daemon in a bridge namespace with an outside host.
+type testBridge struct {
+	bridge, outside *netns.NS
+	v               *netns.Veth
+	cfg             *config.Config
+	d               *appliance.Daemon
+}
+
+func newTestBridge(t *testing.T, extra string) *testBridge {
+	t.Helper()
+	testenv.RequirePrivileged(t)
+	tb := &testBridge{}
+	tb.bridge, tb.outside, tb.v = netns.Pair(t, netns.VethOptions{})
+	// Complete checksums on the "wire", as a NIC would send them.
+	if err := ethtool.DisableTxChecksum(tb.outside, tb.v.B.Name); err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	path := filepath.Join(dir, "fb.yaml")
+	os.WriteFile(path, []byte(fmt.Sprintf("interfaces: [{name: %s}]\naddresses: [%s]\ncontrol: {socket: %s}\nmetrics: {address: \"\"}\n%s",
+		tb.v.A.Name, tb.v.A.Addr4.Addr(), filepath.Join(dir, "control.sock"), extra)), 0o644)
+	var err error
+	if tb.cfg, err = config.Load(path); err != nil {
+		t.Fatal(err)
+	}
+	if err := tb.bridge.Do(func() (err error) {
+		tb.d, err = appliance.Start(tb.cfg, appliance.Options{Log: io.Discard})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { tb.d.Close() })
+	return tb
+}
+
+// dialOutside opens a kernel TCP connection from the outside host.
+func (tb *testBridge) dialOutside(t *testing.T, network string, to netip.AddrPort) net.Conn {
+	t.Helper()
+	var c net.Conn
+	if err := tb.outside.Do(func() (err error) {
+		c, err = net.DialTimeout(network, to.String(), 5*time.Second)
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
 
 func TestPcapCounter(t *testing.T) {
 	var file []byte
@@ -49,22 +99,9 @@ func TestPcapCounter(t *testing.T) {
 // daemon's admin socket: both directions, the filter, the count; the
 // stream works before, during and after.
 func TestCaptureStream(t *testing.T) {
-	testenv.RequirePrivileged(t)
-	bridgeNS, outside, v := netns.Pair(t, netns.VethOptions{})
-	dir := t.TempDir()
-	path := filepath.Join(dir, "fb.yaml")
-	os.WriteFile(path, []byte(fmt.Sprintf("interfaces: [{name: %s}]\naddresses: [%s]\ncontrol: {socket: %s}\nmetrics: {address: \"\"}\n",
-		v.A.Name, v.A.Addr4.Addr(), filepath.Join(dir, "control.sock"))), 0o644)
-	cfg, err := config.Load(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var d *appliance.Daemon
-	if err := bridgeNS.Do(func() (err error) { d, err = appliance.Start(cfg, appliance.Options{Log: io.Discard}); return err }); err != nil {
-		t.Fatal(err)
-	}
-	defer d.Close()
-
+	tb := newTestBridge(t, "")
+	bridgeNS, outside, v, cfg := tb.bridge, tb.outside, tb.v, tb.cfg
+	_ = bridgeNS
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	c, err := control.DialLocal(ctx, cfg.Control.Socket, "echo")
@@ -116,7 +153,7 @@ func TestCaptureStream(t *testing.T) {
 	}
 	ping("before")
 
-	pcap := filepath.Join(dir, "echo.pcap")
+	pcap := filepath.Join(t.TempDir(), "echo.pcap")
 	var stderr bytes.Buffer
 	done := make(chan error, 1)
 	go func() {

@@ -7,6 +7,7 @@
 //	fabricbridge check --config FILE   validate a configuration file
 //	fabricbridge stats                 a live table of the daemon's counters
 //	fabricbridge capture --stream NAME -w FILE.pcap [filter]
+//	fabricbridge app http|echo|sink    sample applications on a user-space stack
 package main
 
 import (
@@ -37,6 +38,9 @@ commands:
   capture  --stream NAME -w FILE.pcap [-c N] [filter]: both directions of
            one application's stream into a pcap file (tcpdump, Wireshark);
            filter: tcp|udp|icmp, [src|dst] host ADDR, [src|dst] port N, and
+  app      http|echo|sink [--name NAME] [--listen HOST:PORT] [--config FILE]:
+           a sample application on its own user-space TCP/IP stack over the
+           bridge (fabricbridge app for the flags)
   help     print this text
 `
 
@@ -53,6 +57,8 @@ func main() {
 		err = demoCommand(ctx, args)
 	case "run":
 		err = runCommand(ctx, args)
+	case "app":
+		err = appCommand(ctx, args, os.Stdout)
 	case "capture":
 		err = captureCommand(ctx, args, os.Stderr)
 	case "stats":

@@ -1,0 +1,260 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	"github.com/fabricbridge/fabricbridge/appliance/config"
+	"github.com/fabricbridge/fabricbridge/userstack"
+)
+
+// The sample applications run on a user-space stack over a stream of the
+// bridge: for trying the bridge out and for benchmarks.
+
+const appUsage = `usage: fabricbridge app http|echo|sink [flags]
+
+  http   serve HTTP: GET / answers --size bytes, GET /bytes/N answers N bytes
+  echo   TCP echo (and UDP echo with --udp)
+  sink   discard TCP (and UDP with --udp), print the rate every --every
+
+flags (all applications):
+  --name NAME          application name, as the bridge's configuration knows it
+  --listen HOST:PORT   where to listen (default :80 for http, :7 echo, :9 sink)
+  --config FILE        the bridge's configuration, for its control socket
+  --control PATH       the bridge's control socket (overrides --config)
+  --remote HOST:PORT   a bridge on another node (control over TCP)
+  --secret-file FILE   the secret shared with that bridge
+`
+
+type appOptions struct {
+	kind, name, listen string
+	stack              userstack.Options
+	size               int
+	udp                bool
+	every              time.Duration
+}
+
+func parseApp(args []string) (appOptions, error) {
+	if len(args) == 0 || strings.HasPrefix(args[0], "-") {
+		return appOptions{}, errors.New(appUsage)
+	}
+	o := appOptions{kind: args[0]}
+	defaults := map[string]string{"http": ":80", "echo": ":7", "sink": ":9"}
+	listen, ok := defaults[o.kind]
+	if !ok {
+		return o, fmt.Errorf("app: unknown application %q\n\n%s", o.kind, appUsage)
+	}
+	fs := flag.NewFlagSet("app "+o.kind, flag.ContinueOnError)
+	fs.StringVar(&o.name, "name", o.kind, "application name")
+	fs.StringVar(&o.listen, "listen", listen, "address to listen on")
+	cfgPath := fs.String("config", "", "the bridge's configuration (default "+DefaultConfig+")")
+	control := fs.String("control", "", "the bridge's control socket")
+	remote := fs.String("remote", "", "a remote bridge's control address")
+	secretFile := fs.String("secret-file", "", "the secret shared with the remote bridge")
+	fs.IntVar(&o.size, "size", 4096, "http: bytes of the answer to GET /")
+	fs.BoolVar(&o.udp, "udp", false, "echo, sink: serve UDP on the same port too")
+	fs.DurationVar(&o.every, "every", 5*time.Second, "sink: how often to print the rate")
+	if err := fs.Parse(args[1:]); err != nil {
+		return o, err
+	}
+	if fs.NArg() > 0 || o.size < 0 || o.every <= 0 {
+		return o, errors.New(appUsage)
+	}
+	o.stack.App = o.name
+	switch {
+	case *remote != "":
+		secret, err := os.ReadFile(*secretFile)
+		if err != nil {
+			return o, fmt.Errorf("app: --secret-file: %w", err)
+		}
+		o.stack.Remote = &userstack.RemoteOptions{Control: *remote, Secret: []byte(strings.TrimRight(string(secret), "\r\n"))}
+	case *control != "":
+		o.stack.Control = *control
+	default:
+		path := *cfgPath
+		if path == "" {
+			path = DefaultConfig
+		}
+		if _, err := os.Stat(path); err != nil && *cfgPath == "" {
+			o.stack.Control = config.DefaultSocket
+			break
+		}
+		c, err := config.Load(path)
+		if err != nil {
+			return o, err
+		}
+		o.stack.Control = c.Control.Socket
+	}
+	return o, nil
+}
+
+func appCommand(ctx context.Context, args []string, stdout io.Writer) error {
+	o, err := parseApp(args)
+	if err != nil {
+		return err
+	}
+	st, err := userstack.Open(ctx, o.stack)
+	if err != nil {
+		return fmt.Errorf("app %s: %w", o.kind, err)
+	}
+	defer st.Close()
+	fmt.Fprintf(stdout, "%s: application %q on a user-space stack, addresses %v\n", o.kind, o.name, st.Addrs())
+	switch o.kind {
+	case "http":
+		return serveHTTP(ctx, st, o.listen, o.size, stdout, nil)
+	case "echo":
+		return serveEcho(ctx, st, o.listen, o.udp, stdout)
+	default:
+		return serveSink(ctx, st, o.listen, o.udp, o.every, stdout)
+	}
+}
+
+// httpCounters are what the HTTP application served.
+type httpCounters struct {
+	Requests, Bytes atomic.Int64
+}
+
+// httpHandler answers GET / with size bytes and GET /bytes/N with N.
+func httpHandler(size int, c *httpCounters) http.Handler {
+	body := []byte(strings.Repeat("fabricbridge ", size/13+1)[:size])
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /{$}", func(w http.ResponseWriter, r *http.Request) {
+		n, _ := w.Write(body)
+		c.Requests.Add(1)
+		c.Bytes.Add(int64(n))
+	})
+	mux.HandleFunc("GET /bytes/{n}", func(w http.ResponseWriter, r *http.Request) {
+		n, err := strconv.Atoi(r.PathValue("n"))
+		if err != nil || n < 0 || n > 1<<30 {
+			http.Error(w, "want /bytes/N with N up to 1 GiB", http.StatusBadRequest)
+			return
+		}
+		w.Header().Set("Content-Length", strconv.Itoa(n))
+		chunk := []byte(strings.Repeat("x", 64<<10))
+		sent := 0
+		for sent < n {
+			k, err := w.Write(chunk[:min(len(chunk), n-sent)])
+			sent += k
+			if err != nil {
+				break
+			}
+		}
+		c.Requests.Add(1)
+		c.Bytes.Add(int64(sent))
+	})
+	return mux
+}
+
+// serveHTTP serves until ctx ends; counters, if not nil, count what it served.
+func serveHTTP(ctx context.Context, st *userstack.Stack, listen string, size int, log io.Writer, counters *httpCounters) error {
+	ln, err := st.Listen("tcp", listen)
+	if err != nil {
+		return fmt.Errorf("http: listen %s: %w", listen, err)
+	}
+	if counters == nil {
+		counters = &httpCounters{}
+	}
+	srv := &http.Server{Handler: httpHandler(size, counters), ReadHeaderTimeout: 10 * time.Second}
+	go func() {
+		<-ctx.Done()
+		srv.Close()
+	}()
+	fmt.Fprintf(log, "http: serving on %s\n", ln.Addr())
+	if err := srv.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+		return err
+	}
+	fmt.Fprintf(log, "http: %d requests, %d bytes served\n", counters.Requests.Load(), counters.Bytes.Load())
+	return nil
+}
+
+func serveEcho(ctx context.Context, st *userstack.Stack, listen string, udp bool, log io.Writer) error {
+	return serveStream(ctx, st, listen, udp, log, "echo", func(c net.Conn) { io.Copy(c, c) }, func(pc net.PacketConn) {
+		buf := make([]byte, 65536)
+		for {
+			n, from, err := pc.ReadFrom(buf)
+			if err != nil {
+				return
+			}
+			pc.WriteTo(buf[:n], from)
+		}
+	})
+}
+
+func serveSink(ctx context.Context, st *userstack.Stack, listen string, udp bool, every time.Duration, log io.Writer) error {
+	var bytes, packets atomic.Int64
+	go func() {
+		t := time.NewTicker(every)
+		defer t.Stop()
+		last, start := int64(0), time.Now()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case now := <-t.C:
+				b := bytes.Load()
+				fmt.Fprintf(log, "sink: %.1f Mbit/s (%d bytes, %d datagrams in all)\n", float64(b-last)*8/now.Sub(start).Seconds()/1e6, b, packets.Load())
+				last, start = b, now
+			}
+		}
+	}()
+	return serveStream(ctx, st, listen, udp, log, "sink", func(c net.Conn) {
+		n, _ := io.Copy(io.Discard, c)
+		bytes.Add(n)
+	}, func(pc net.PacketConn) {
+		buf := make([]byte, 65536)
+		for {
+			n, _, err := pc.ReadFrom(buf)
+			if err != nil {
+				return
+			}
+			bytes.Add(int64(n))
+			packets.Add(1)
+		}
+	})
+}
+
+// serveStream accepts TCP connections (and, with udp, datagrams on the same
+// port) until ctx ends.
+func serveStream(ctx context.Context, st *userstack.Stack, listen string, udp bool, log io.Writer, name string, conn func(net.Conn), packets func(net.PacketConn)) error {
+	ln, err := st.Listen("tcp", listen)
+	if err != nil {
+		return fmt.Errorf("%s: listen %s: %w", name, listen, err)
+	}
+	defer ln.Close()
+	if udp {
+		pc, err := st.ListenPacket("udp", listen)
+		if err != nil {
+			return fmt.Errorf("%s: listen udp %s: %w", name, listen, err)
+		}
+		defer pc.Close()
+		go packets(pc)
+	}
+	go func() {
+		<-ctx.Done()
+		ln.Close()
+	}()
+	fmt.Fprintf(log, "%s: serving on %s%s\n", name, ln.Addr(), map[bool]string{true: " (tcp and udp)", false: ""}[udp])
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			if ctx.Err() != nil {
+				return nil
+			}
+			return err
+		}
+		go func() {
+			defer c.Close()
+			conn(c)
+		}()
+	}
+}

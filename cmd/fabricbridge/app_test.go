@@ -1,0 +1,121 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/netip"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// syncWriter is an io.Writer tests read while an application writes.
+type syncWriter struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (w *syncWriter) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.Write(p)
+}
+
+func (w *syncWriter) String() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.b.String()
+}
+
+// runApp starts `fabricbridge app ...` and waits until it serves.
+func runApp(t *testing.T, ctx context.Context, args ...string) *syncWriter {
+	t.Helper()
+	out := &syncWriter{}
+	done := make(chan error, 1)
+	go func() { done <- appCommand(ctx, args, out) }()
+	t.Cleanup(func() {
+		if err := <-done; err != nil {
+			t.Errorf("app %v: %v\n%s", args, err, out.String())
+		}
+	})
+	for deadline := time.Now().Add(10 * time.Second); !strings.Contains(out.String(), "serving on"); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("app %v did not start:\n%s", args, out.String())
+		}
+	}
+	return out
+}
+
+func TestApps(t *testing.T) {
+	tb := newTestBridge(t, "")
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	sock := tb.cfg.Control.Socket
+	addr := tb.v.A.Addr4.Addr()
+	runApp(t, ctx, "http", "--control", sock, "--listen", ":80", "--size", "1000")
+	runApp(t, ctx, "echo", "--control", sock, "--listen", ":7", "--udp")
+	sinkOut := runApp(t, ctx, "sink", "--control", sock, "--listen", ":9", "--every", "100ms")
+
+	// HTTP from the outside kernel.
+	client := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{
+		DialContext: func(ctx context.Context, network, a string) (c net.Conn, err error) {
+			err = tb.outside.Do(func() (err error) { c, err = (&net.Dialer{}).DialContext(ctx, network, a); return err })
+			return c, err
+		}}}
+	for _, tc := range []struct {
+		path string
+		size int
+	}{{"/", 1000}, {"/bytes/3000000", 3000000}} {
+		resp, err := client.Get(fmt.Sprintf("http://%s%s", netip.AddrPortFrom(addr, 80), tc.path))
+		if err != nil {
+			t.Fatal(err)
+		}
+		n, err := io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		if err != nil || n != int64(tc.size) || resp.StatusCode != 200 {
+			t.Errorf("GET %s: %d bytes, status %d, %v", tc.path, n, resp.StatusCode, err)
+		}
+	}
+
+	// TCP and UDP echo.
+	c := tb.dialOutside(t, "tcp", netip.AddrPortFrom(addr, 7))
+	msg := bytes.Repeat([]byte("echo!"), 20000)
+	go c.Write(msg)
+	got := make([]byte, len(msg))
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.ReadFull(c, got); err != nil || !bytes.Equal(got, msg) {
+		t.Errorf("tcp echo: %v", err)
+	}
+	u := tb.dialOutside(t, "udp", netip.AddrPortFrom(addr, 7))
+	u.Write([]byte("datagram"))
+	u.SetReadDeadline(time.Now().Add(5 * time.Second))
+	buf := make([]byte, 100)
+	if n, err := u.Read(buf); err != nil || string(buf[:n]) != "datagram" {
+		t.Errorf("udp echo: %q, %v", buf[:n], err)
+	}
+
+	// The sink takes a megabyte and reports it.
+	s := tb.dialOutside(t, "tcp", netip.AddrPortFrom(addr, 9))
+	if _, err := s.Write(make([]byte, 1<<20)); err != nil {
+		t.Fatal(err)
+	}
+	s.Close()
+	for deadline := time.Now().Add(10 * time.Second); !strings.Contains(sinkOut.String(), "(1048576 bytes"); time.Sleep(50 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("sink never reported the megabyte:\n%s", sinkOut.String())
+		}
+	}
+}
+
+func TestAppUsage(t *testing.T) {
+	for _, args := range [][]string{nil, {"ftp"}, {"--name", "x"}, {"http", "extra"}} {
+		if err := appCommand(context.Background(), args, io.Discard); err == nil {
+			t.Errorf("%v accepted", args)
+		}
+	}
+}

@@ -1,0 +1,25 @@
+package ethtool
+
+import (
+	"testing"
+
+	"github.com/fabricbridge/fabricbridge/internal/netns"
+	"github.com/fabricbridge/fabricbridge/internal/testenv"
+)
+
+func TestDisableTxChecksum(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	_, b, v := netns.Pair(t, netns.VethOptions{})
+	if on, err := TxChecksum(b, v.B.Name); err != nil || !on {
+		t.Fatalf("a new veth has tx checksum offload %v, %v; want on", on, err)
+	}
+	if err := DisableTxChecksum(b, v.B.Name); err != nil {
+		t.Fatal(err)
+	}
+	if on, err := TxChecksum(b, v.B.Name); err != nil || on {
+		t.Errorf("after disabling: %v, %v", on, err)
+	}
+	if err := DisableTxChecksum(b, "nosuchif0"); err == nil {
+		t.Error("unknown interface accepted")
+	}
+}

@@ -111,6 +111,7 @@ type Bridge struct {
 	mtu     int
 	mac     [6]byte
 	tried   []string // what auto fallback tried before path, and why it failed
+	clock   monoClock
 
 	nl     *netlink.Handle
 	ns     netns.NsHandle
@@ -193,7 +194,7 @@ func Open(cfg Config) (*Bridge, error) {
 	if cfg.Path < PathAuto || cfg.Path > PathAFPacket {
 		return nil, fmt.Errorf("bridge: unknown path %d", cfg.Path)
 	}
-	b := &Bridge{cfg: cfg, log: cfg.Logger}
+	b := &Bridge{cfg: cfg, log: cfg.Logger, clock: newMonoClock()}
 	b.streams.Store(&streamTable{})
 	if err := b.openCommon(); err != nil {
 		b.closeCommon()
@@ -344,7 +345,7 @@ func (q *queue) rxLoop() {
 // rxOnce is one batch of the RX loop.
 func (q *queue) rxOnce(d *dispatcher) int {
 	q.ep.enter()
-	d.begin(q.b.streams.Load())
+	d.begin(q.b.streams.Load(), q.b.clock)
 	n := q.rx.poll(d)
 	q.ep.leave()
 	if n > 0 {

@@ -51,6 +51,14 @@
 // resolves the neighbour, sends the packet, and the new neighbour entry
 // reaches the bridge as a notification.
 //
+// # Capture
+//
+// SetCapture hands every packet of one stream, both directions, to a
+// function (for `fabricbridge capture`): inbound packets as they are copied
+// into the stream, outbound ones after verification. The function sees the
+// bridge's buffer and must copy; without a hook the cost is one atomic load
+// per batch.
+//
 // # Sharing a queue
 //
 // The kernel allows one UMEM per queue. A second consumer on a queue the
@@ -67,5 +75,4 @@
 //   - On the AF_PACKET path GRO (on real NICs) merges TCP segments before the
 //     tap sees them; such super-packets exceed a stream slot and are dropped.
 //   - Frames leave untagged; the MTU is read once at Open.
-//   - The per-stream capture hook is not built.
 package bridge

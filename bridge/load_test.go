@@ -210,6 +210,18 @@ func TestNoAllocations(t *testing.T) {
 		r.standardTables()
 		app := r.stream(1, r.ownership1(), fabric.Config{})
 		q := r.b.queues[0]
+		// With a capture hook on: the hook itself (which copies into a
+		// buffer of its own) is on the measured path too.
+		var seen [2]int
+		capBuf := make([]byte, 2048)
+		if err := r.b.SetCapture(1, func(dir Direction, pkt []byte, ts time.Time) {
+			copy(capBuf, pkt)
+			if !ts.IsZero() {
+				seen[dir]++
+			}
+		}); err != nil {
+			t.Fatal(err)
+		}
 
 		// RX: frames waiting in the RX ring (AF_XDP) or in retired blocks
 		// (AF_PACKET: bursts 5 ms apart, one block each).
@@ -253,6 +265,9 @@ func TestNoAllocations(t *testing.T) {
 		sent := r.b.Stats().Streams[0].TxPackets
 		if allocs != 0 || sent < 5*uint64(r.b.cfg.TxBudget) {
 			t.Fatalf("TX: %v allocations per round, %d packets sent", allocs, sent)
+		}
+		if st := r.b.Stats().Streams[0]; uint64(seen[Inbound]) != st.RxPackets || uint64(seen[Outbound]) != sent || st.RxPackets == 0 {
+			t.Fatalf("the capture hook saw %d inbound and %d outbound, want %d and %d", seen[Inbound], seen[Outbound], st.RxPackets, sent)
 		}
 	})
 }

@@ -2,6 +2,7 @@ package bridge
 
 import (
 	"sync/atomic"
+	"time"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
 	"github.com/fabricbridge/fabricbridge/fabric"
@@ -20,6 +21,7 @@ type streamEntry struct {
 	txPackets, txBytes, txKernel   atomic.Uint64
 	txRejects                      [numReasons]atomic.Uint64
 	dead                           atomic.Bool // TX found it broken or closed
+	capture                        atomic.Pointer[captureHook]
 }
 
 // streamTable is an immutable id → stream map; changes copy it and swap the
@@ -45,8 +47,10 @@ type dispatcher struct {
 	cur   *streamEntry
 	pkts  [64][]byte
 	meta  [64]uint32
+	ts    [64]uint64 // XDP receive timestamps, for capture hooks
 	n     int
 	c     rxCounters
+	clock monoClock
 }
 
 // rxCounters are an RX loop's counts of one batch, added to the queue's
@@ -56,8 +60,9 @@ type rxCounters struct {
 	ringFull, noStream, malformed uint64
 }
 
-func (d *dispatcher) begin(t *streamTable) {
+func (d *dispatcher) begin(t *streamTable, clock monoClock) {
 	d.table = t
+	d.clock = clock
 	d.c = rxCounters{}
 }
 
@@ -96,6 +101,7 @@ func (d *dispatcher) frame(frame []byte, m *classifier.Meta) {
 	}
 	d.pkts[d.n] = pkt[:n]
 	d.meta[d.n] = m.RuleID
+	d.ts[d.n] = m.RxTimestampNs
 	d.n++
 }
 
@@ -105,6 +111,10 @@ func (d *dispatcher) flush() {
 	}
 	e, k := d.cur, d.n
 	d.n = 0
+	// The hook is loaded before the packets become visible, so that a
+	// packet the application can read is captured if the hook was set when
+	// it was delivered (SetCapture waits for this batch to end).
+	hook := e.capture.Load()
 	sent, err := e.s.SendMeta(d.pkts[:k], d.meta[:k])
 	var bytes uint64
 	for _, p := range d.pkts[:sent] {
@@ -115,6 +125,12 @@ func (d *dispatcher) flush() {
 	} else if sent < k {
 		d.c.ringFull += uint64(k - sent)
 		e.rxRingFull.Add(uint64(k - sent))
+	}
+	if hook != nil && sent > 0 {
+		now := time.Now()
+		for i, p := range d.pkts[:sent] {
+			hook.fn(Inbound, p, d.clock.wall(d.ts[i], now))
+		}
 	}
 	if sent > 0 {
 		e.rxPackets.Add(uint64(sent))

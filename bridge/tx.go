@@ -170,6 +170,11 @@ func (t *txLoop) serve(tok int, e *streamEntry) bool {
 		t.byTok[tok] = nil
 	}
 	own := e.own.Load()
+	hook := e.capture.Load()
+	var now time.Time
+	if hook != nil {
+		now = time.Now()
+	}
 	var sc txCounters
 	queued := false
 	for i := 0; i < got; i++ {
@@ -177,6 +182,9 @@ func (t *txLoop) serve(tok int, e *streamEntry) bool {
 		if r := verify(p, own, t.mtu); r != accepted {
 			sc.rejects[r]++
 			continue
+		}
+		if hook != nil {
+			hook.fn(Outbound, p, now)
 		}
 		mac, ok := t.l2.lookup(dstAddr(p))
 		if !ok {

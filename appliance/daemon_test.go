@@ -18,6 +18,7 @@ import (
 
 	"github.com/fabricbridge/fabricbridge/appliance/config"
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
+	"github.com/fabricbridge/fabricbridge/internal/ethtool"
 	"github.com/fabricbridge/fabricbridge/internal/netns"
 	"github.com/fabricbridge/fabricbridge/internal/testenv"
 )
@@ -50,6 +51,10 @@ type topo struct {
 func newTopo(t *testing.T) *topo {
 	testenv.RequirePrivileged(t)
 	b, o, v := netns.Pair(t, netns.VethOptions{})
+	// Complete checksums on the "wire", as a NIC would send them.
+	if err := ethtool.DisableTxChecksum(o, v.B.Name); err != nil {
+		t.Fatal(err)
+	}
 	return &topo{bridge: b, outside: o, v: v, dir: t.TempDir()}
 }
 

@@ -82,13 +82,21 @@ func DialLocal(ctx context.Context, path, app string) (*Client, error) {
 // DialRemote connects to a bridge's control port over TCP and runs the
 // mutual challenge-response with secret (see the package documentation).
 func DialRemote(ctx context.Context, addr, app string, secret []byte) (*Client, error) {
-	if len(secret) < MinSecretSize {
-		return nil, fmt.Errorf("%w: secret shorter than %d bytes", ErrAuth, MinSecretSize)
-	}
 	var d net.Dialer
 	conn, err := d.DialContext(ctx, "tcp", addr)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %v", ErrBridgeGone, err)
+	}
+	return DialRemoteConn(ctx, conn, app, secret)
+}
+
+// DialRemoteConn is DialRemote over a connection the caller made, for
+// example a *tls.Conn to a bridge that wants mutual TLS as well. The
+// client owns conn afterwards (it is closed on error too).
+func DialRemoteConn(ctx context.Context, conn net.Conn, app string, secret []byte) (*Client, error) {
+	if len(secret) < MinSecretSize {
+		conn.Close()
+		return nil, fmt.Errorf("%w: secret shorter than %d bytes", ErrAuth, MinSecretSize)
 	}
 	c := newClient(conn, app)
 	fail := func(err error) (*Client, error) {

@@ -3,7 +3,6 @@ package control
 import (
 	"bufio"
 	"context"
-	"crypto/hmac"
 	"encoding/base64"
 	"encoding/binary"
 	"errors"
@@ -705,22 +704,7 @@ func TestRemoteAuthentication(t *testing.T) {
 	pl := newPipeListener()
 	go f.srv.ServeRemote(pl)
 	dial := func(app string, key []byte) (*Client, error) {
-		c := newClient(pl.dial(), app)
-		cn := nonce()
-		rep, err := c.call(ctx(t), &Request{Op: OpHello, Version: Version, App: app, Nonce: cn})
-		if err != nil {
-			c.Close()
-			return nil, err
-		}
-		if !hmac.Equal(rep.MAC, proof(key, labelBridge, app, cn, rep.Nonce)) {
-			c.Close()
-			return nil, ErrAuth
-		}
-		if _, err := c.call(ctx(t), &Request{Op: OpAuth, MAC: proof(key, labelApp, app, cn, rep.Nonce)}); err != nil {
-			c.Close()
-			return nil, err
-		}
-		return c, nil
+		return DialRemoteConn(ctx(t), pl.dial(), app, key)
 	}
 	c, err := dial("far", secret)
 	if err != nil {
@@ -964,17 +948,10 @@ func TestSharedSecret(t *testing.T) {
 	pl := newPipeListener()
 	go f.srv.ServeRemote(pl)
 	try := func(app string, key []byte) error {
-		c := newClient(pl.dial(), app)
-		defer c.Close()
-		cn := nonce()
-		rep, err := c.call(ctx(t), &Request{Op: OpHello, Version: Version, App: app, Nonce: cn})
-		if err != nil {
-			return err
+		c, err := DialRemoteConn(ctx(t), pl.dial(), app, key)
+		if err == nil {
+			c.Close()
 		}
-		if !hmac.Equal(rep.MAC, proof(key, labelBridge, app, cn, rep.Nonce)) {
-			return ErrAuth
-		}
-		_, err = c.call(ctx(t), &Request{Op: OpAuth, MAC: proof(key, labelApp, app, cn, rep.Nonce)})
 		return err
 	}
 	if err := try("anyone", shared); err != nil {

@@ -2,6 +2,7 @@ package userstack
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"net"
@@ -48,6 +49,9 @@ type RemoteOptions struct {
 	Control string
 	// Secret is shared with the bridge (see package control).
 	Secret []byte
+	// TLS, if set, wraps the control connection in TLS (for a bridge that
+	// requires mutual TLS too; give it the client certificate).
+	TLS *tls.Config
 	// Local is where this application's GENEVE endpoint binds. The zero
 	// value takes the control connection's local address and any port.
 	Local netip.AddrPort
@@ -117,7 +121,20 @@ func Open(ctx context.Context, opts Options) (*Stack, error) {
 
 func openRemote(ctx context.Context, opts Options) (*Stack, error) {
 	ro := opts.Remote
-	c, err := control.DialRemote(ctx, ro.Control, opts.App, ro.Secret)
+	var d net.Dialer
+	conn, err := d.DialContext(ctx, "tcp", ro.Control)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v", control.ErrBridgeGone, err)
+	}
+	if ro.TLS != nil {
+		tc := tls.Client(conn, ro.TLS)
+		if err := tc.HandshakeContext(ctx); err != nil {
+			conn.Close()
+			return nil, fmt.Errorf("userstack: TLS to the bridge: %w", err)
+		}
+		conn = tc
+	}
+	c, err := control.DialRemoteConn(ctx, conn, opts.App, ro.Secret)
 	if err != nil {
 		return nil, err
 	}

@@ -114,9 +114,11 @@ func TestOpenServesHTTPThroughTheBridge(t *testing.T) {
 		ai, _ := w.app("a")
 		t.Fatalf("a still holds %d flows after its connections closed", ai.Flows)
 	}
+	// The listener's port goes back once it is closed and the connections
+	// it accepted have finished closing.
 	l.Close()
-	if bi, _ := w.app("b"); bi.Listeners != 0 {
-		t.Fatalf("b still holds %d listeners after closing its listener", bi.Listeners)
+	if !eventually(10*time.Second, func() bool { bi, _ := w.app("b"); return bi.Listeners == 0 }) {
+		t.Fatal("b still holds its listener after closing it and all its connections")
 	}
 }
 
@@ -349,4 +351,44 @@ func TestOpenErrors(t *testing.T) {
 		t.Errorf("listen after the bridge went: %v", err)
 	}
 	_ = netip.Addr{}
+}
+
+func TestAcceptedConnectionsOutliveTheirListener(t *testing.T) {
+	w := newWorld(t)
+	a, b := w.open(t, "a"), w.open(t, "b")
+	l, err := b.Listen("tcp", ":9100")
+	if err != nil {
+		t.Fatal(err)
+	}
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		c, err := l.Accept()
+		if err == nil {
+			accepted <- c
+		}
+	}()
+	c, err := a.Dial(testCtx(t, 10*time.Second), "tcp", "198.18.0.2:9100")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	sc := <-accepted
+	l.Close()
+	// Still steered: data flows after the listener closed.
+	c.Write([]byte("still there?"))
+	sc.SetDeadline(time.Now().Add(5 * time.Second))
+	buf := make([]byte, 20)
+	if n, err := sc.Read(buf); err != nil || string(buf[:n]) != "still there?" {
+		t.Fatalf("after the listener closed: %q %v", buf[:n], err)
+	}
+	if bi, _ := w.app("b"); bi.Listeners != 1 {
+		t.Fatalf("b holds %d listeners while an accepted connection is open, want 1", bi.Listeners)
+	}
+	// The port stays claimed until the connection's closing handshake is
+	// done on both sides (the peer may still send after our FIN).
+	sc.Close()
+	c.Close()
+	if !eventually(10*time.Second, func() bool { bi, _ := w.app("b"); return bi.Listeners == 0 }) {
+		t.Fatal("the port stayed claimed after the last connection closed")
+	}
 }

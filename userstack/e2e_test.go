@@ -91,7 +91,7 @@ func (p *bridgePlane) SetTables(t *classifier.Tables) error { return p.b.SetTabl
 // server on the bridge host, and, for the remote transport, an application
 // host joined to the bridge host by a second veth.
 type e2e struct {
-	t        *testing.T
+	t        testing.TB
 	out, br  *netns.NS
 	wire     *netns.Veth
 	b        *bridge.Bridge
@@ -108,7 +108,7 @@ type e2e struct {
 
 var e2ePorts = classifier.PortRange{Lo: 42000, Hi: 42999}
 
-func newE2E(t *testing.T) *e2e {
+func newE2E(t testing.TB) *e2e {
 	testenv.RequirePrivileged(t)
 	out, br, wire := netns.Pair(t, netns.VethOptions{})
 	e := &e2e{t: t, out: out, br: br, wire: wire, secret: []byte("e2e-shared-secret-0123"),

@@ -157,7 +157,7 @@ func body(n int) []byte {
 }
 
 // serveBody serves want at / on l.
-func serveBody(t *testing.T, l net.Listener, want []byte) {
+func serveBody(t testing.TB, l net.Listener, want []byte) {
 	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Length", fmt.Sprint(len(want)))
 		w.Write(want)
@@ -177,7 +177,7 @@ func httpGet(ctx context.Context, dial func(context.Context, string, string) (ne
 	return io.ReadAll(resp.Body)
 }
 
-func testCtx(t *testing.T, d time.Duration) context.Context {
+func testCtx(t testing.TB, d time.Duration) context.Context {
 	ctx, cancel := context.WithTimeout(context.Background(), d)
 	t.Cleanup(cancel)
 	return ctx

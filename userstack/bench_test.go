@@ -1,12 +1,16 @@
 package userstack
 
 import (
+	"bufio"
 	"context"
 	"fmt"
 	"io"
 	"net"
 	"net/netip"
+	"os"
+	"os/exec"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -126,6 +130,68 @@ func (e *e2e) connsPerSecond(addr string, d time.Duration) (float64, error) {
 	return float64(n) / time.Since(start).Seconds(), nil
 }
 
+// helperEnv names the control socket when the test binary runs as the
+// benchmark's application process.
+const helperEnv = "FB_USERSTACK_HELPER_CONTROL"
+
+// TestHelperApp is not a test: run by BenchmarkEndToEnd as a child
+// process, it is the application in a process of its own, as in
+// production. It serves a sink on port 5005 and echoes single bytes on
+// 5006, says "ready", and exits when its standard input closes.
+func TestHelperApp(t *testing.T) {
+	path := os.Getenv(helperEnv)
+	if path == "" {
+		t.Skip("helper process for BenchmarkEndToEnd")
+	}
+	s, err := Open(context.Background(), Options{App: "child", Control: path})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	sink, err := s.Listen("tcp", ":5005")
+	if err != nil {
+		t.Fatal(err)
+	}
+	rr, err := s.Listen("tcp", ":5006")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go sinkServer(sink)
+	go rrServer(rr)
+	fmt.Println("ready")
+	io.Copy(io.Discard, os.Stdin)
+}
+
+// startHelper runs the application process and waits until it serves.
+func startHelper(b *testing.B, path string) {
+	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperApp$")
+	cmd.Env = append(os.Environ(), helperEnv+"="+path)
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		b.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		b.Fatal(err)
+	}
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() {
+		stdin.Close()
+		cmd.Wait()
+	})
+	sc := bufio.NewScanner(stdout)
+	for sc.Scan() {
+		if strings.TrimSpace(sc.Text()) == "ready" {
+			go io.Copy(io.Discard, stdout)
+			return
+		}
+	}
+	b.Fatal("the application process did not start")
+}
+
 // BenchmarkEndToEnd compares the kernel's TCP with the user-space stack on
 // the same topology in the same run: the outside host's kernel talks to a
 // server on the bridge host, either the kernel's own (a port no application
@@ -168,6 +234,7 @@ func BenchmarkEndToEnd(b *testing.B) {
 		}
 	}
 	const size = 256 << 20
+	startHelper(b, e.path)
 	for b.Loop() {
 		offloads(true)
 		kernOn, err := e.goodput(at(5002), size)
@@ -180,6 +247,14 @@ func BenchmarkEndToEnd(b *testing.B) {
 			b.Fatal(err)
 		}
 		user, err := e.goodput(at(5001), size)
+		if err != nil {
+			b.Fatal(err)
+		}
+		child, err := e.goodput(at(5005), size)
+		if err != nil {
+			b.Fatal(err)
+		}
+		crr, err := e.roundTrips(at(5006), 5000)
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -214,6 +289,10 @@ func BenchmarkEndToEnd(b *testing.B) {
 		b.Log(fmt.Sprintf("goodput Mbit/s: kernel offload on %.0f, off %.0f, userstack %.0f (%.2f of off, %.2f of on)",
 			kernOn/1e6, kernOff/1e6, user/1e6, user/kernOff, user/kernOn))
 		b.Log(fmt.Sprintf("1-byte RR: kernel p50 %v p99 %v, userstack p50 %v p99 %v", pct(krr, 0.5), pct(krr, 0.99), pct(urr, 0.5), pct(urr, 0.99)))
+		b.Log(fmt.Sprintf("application in its own process: goodput %.0f Mbit/s (%.2f of off), RR p50 %v p99 %v (%.1f× kernel)",
+			child/1e6, child/kernOff, pct(crr, 0.5), pct(crr, 0.99), float64(pct(crr, 0.5))/float64(pct(krr, 0.5))))
+		b.ReportMetric(child/1e6, "own-process-userstack-Mbit/s")
+		b.ReportMetric(float64(pct(crr, 0.5).Microseconds()), "own-process-rr-p50-µs")
 		b.Log(fmt.Sprintf("connections/s: kernel %.0f, userstack %.0f", kcps, ucps))
 		b.Logf("userstack link: %+v", s.LinkStats())
 	}

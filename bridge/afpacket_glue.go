@@ -7,17 +7,26 @@ import (
 	"github.com/fabricbridge/fabricbridge/classifier"
 )
 
-// afpShared is the AF_PACKET path's classifier, which SetTables feeds.
+// afpShared is the AF_PACKET path's classifier and the nftables table that
+// hides steered frames from the kernel; SetTables feeds both.
 type afpShared struct {
-	cls *classifier.Classifier
+	cls  *classifier.Classifier
+	hide *kernelHider
+	offl *afpacket.Offloads // merging offloads turned off, restored on close
 }
 
+// setTables updates the kernel's table first: in the moment between the
+// two, a newly steered frame is lost rather than answered by the kernel
+// (a lost SYN is sent again; a reset ends the connection).
 func (a *afpShared) setTables(t *classifier.Tables) error {
+	if err := a.hide.update(t); err != nil {
+		return err
+	}
 	a.cls.SetTables(t)
 	return nil
 }
 
-func (a *afpShared) close() error { return nil }
+func (a *afpShared) close() error { return errors.Join(a.hide.close(), a.offl.Restore()) }
 
 // openAFPacket sets up the fallback: one TPACKET_V3 RX ring classified by
 // the Go reference classifier, one TX ring, served as queue 0 whatever
@@ -35,16 +44,37 @@ func (b *Bridge) openAFPacket() error {
 	if t := b.tables.Load(); t != nil {
 		empty = t
 	}
+	// A tap sees frames after GRO/LRO merged them: turn those off, so that
+	// every frame fits a slot and is what was on the wire.
+	offl, err := afpacket.DisableMerging(b.cfg.Interface)
+	if err != nil {
+		return err
+	}
+	if ch := offl.Changed(); len(ch) > 0 {
+		b.log.Info("bridge: receive offloads turned off for the AF_PACKET path (restored on close)", "interface", b.cfg.Interface, "features", ch)
+	}
+	hide, err := newKernelHider(b.ns, b.cfg.Interface, empty)
+	if err != nil {
+		offl.Restore()
+		return err
+	}
+	closeAll := func() {
+		hide.close()
+		offl.Restore()
+	}
 	rx, err := afpacket.NewRx(afpacket.RxConfig{Ifindex: b.ifindex})
 	if err != nil {
+		closeAll()
 		return err
 	}
 	tx, err := afpacket.NewTx(afpacket.TxConfig{Ifindex: b.ifindex, FrameSize: 2048, FrameCount: b.cfg.FrameCount / 2})
 	if err != nil {
+		closeAll()
 		rx.Close()
 		return err
 	}
 	if tx.MaxFrame() < b.mtu+ethHeader {
+		closeAll()
 		rx.Close()
 		tx.Close()
 		return errors.New("MTU too large for the AF_PACKET TX ring")
@@ -53,12 +83,13 @@ func (b *Bridge) openAFPacket() error {
 	ar.onFrame = ar.frame
 	q, err := b.newQueue(0, ar, &afpTx{tx: tx})
 	if err != nil {
+		closeAll()
 		rx.Close()
 		tx.Close()
 		return err
 	}
 	b.queues = []*queue{q}
-	b.afp = &afpShared{cls: ar.cls}
+	b.afp = &afpShared{cls: ar.cls, hide: hide, offl: offl}
 	return nil
 }
 

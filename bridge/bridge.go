@@ -144,9 +144,9 @@ type queue struct {
 	resume chan struct{}
 	ep     epoch
 
-	rxPackets, rxBytes, rxRingFull, rxNoStream, rxMalformed atomic.Uint64
-	txPackets, txBytes, txKernel                            atomic.Uint64
-	txRejects                                               [numReasons]atomic.Uint64
+	rxPackets, rxBytes, rxRingFull, rxNoStream, rxMalformed, rxTooBig atomic.Uint64
+	txPackets, txBytes, txKernel                                      atomic.Uint64
+	txRejects                                                         [numReasons]atomic.Uint64
 }
 
 // rxPort is where an RX loop takes frames from.
@@ -272,6 +272,9 @@ func (b *Bridge) openCommon() error {
 	if len(b.cfg.Queues) == 0 {
 		return errors.New("bridge: no queues")
 	}
+	if err := removeLeftoverTable(ns, b.cfg.Interface); err != nil {
+		b.log.Warn("bridge: removing a leftover nftables table", "interface", b.cfg.Interface, "err", err)
+	}
 	if b.kernel, err = newKernelPath(); err != nil {
 		return err
 	}
@@ -365,6 +368,9 @@ func (q *queue) addRx(c *rxCounters) {
 	}
 	if c.malformed > 0 {
 		q.rxMalformed.Add(c.malformed)
+	}
+	if c.tooBig > 0 {
+		q.rxTooBig.Add(c.tooBig)
 	}
 	*c = rxCounters{}
 }
@@ -482,7 +488,7 @@ func (b *Bridge) AddStream(id uint32, s *fabric.Stream, own Ownership) error {
 	if _, ok := old[id]; ok {
 		return fmt.Errorf("bridge: stream %d exists", id)
 	}
-	e := &streamEntry{id: id, s: s, txQueue: int(id) % len(b.queues)}
+	e := &streamEntry{id: id, s: s, txQueue: int(id) % len(b.queues), maxPayload: s.MaxPayload()}
 	e.own.Store(o)
 	done := make(chan struct{})
 	b.queues[e.txQueue].tx.command(txCmd{add: e, done: done})

@@ -31,8 +31,30 @@
 // its RX ring with one SendMeta (with the classifier's rule id as the slot's
 // metadata word), and the frames go back to the fill ring at once. A full
 // stream ring drops the newest packets and counts them against that stream
-// only. On the AF_PACKET path the kernel gets every frame anyway (it is a
-// tap), and steered frames are copied to their stream as well.
+// only; a packet longer than the stream's slots is dropped and counted as
+// too big.
+//
+// # The AF_PACKET path
+//
+// A packet socket is a tap: the kernel would get every frame too, answer
+// steered TCP with resets and steered UDP with ICMP errors, and receive what
+// drop rules drop. So Open installs an nftables table (netdev family, ingress
+// hook on the interface, which runs after the taps) that mirrors the
+// classification tables — sets of exact flows and listeners, and the rules
+// in order — and drops what the classifier steers or drops; SetTables
+// updates it in one nft transaction (sets by difference), Close removes it,
+// and every Open removes a table a crashed run left, on any path. It needs
+// the nft binary (Debian package nftables); without it the AF_PACKET path
+// does not open. The table and the classifier part ways only where nftables
+// cannot follow: later fragments always reach the kernel (which discards
+// them, having never seen their first fragment), frames with two VLAN tags
+// reach it too (it has no device for them unless one was made), and IPv6
+// packets with an authentication header or more extension headers than the
+// classifier walks may go either way (TestNftMirrorsClassifier checks the
+// rest frame by frame). The path also turns off the receive offloads that
+// merge frames before taps see them (GRO, hardware GRO, LRO, GRO lists; see
+// afpacket.MergingOffloads) and turns them back on at Close. It serves one
+// queue: a packet socket sees the whole interface.
 //
 // # TX
 //
@@ -68,11 +90,5 @@
 //
 // # Known gaps
 //
-//   - On the AF_PACKET path nothing hides steered frames from the kernel, so
-//     the kernel answers steered TCP with resets and steered UDP with ICMP
-//     port unreachable. Hiding them needs a netfilter (netdev ingress) or tc
-//     rule set mirroring the tables; not done.
-//   - On the AF_PACKET path GRO (on real NICs) merges TCP segments before the
-//     tap sees them; such super-packets exceed a stream slot and are dropped.
 //   - Frames leave untagged; the MTU is read once at Open.
 package bridge

@@ -49,7 +49,7 @@ func (r *rig) settle() Stats {
 		s := r.b.Stats()
 		var sum uint64
 		for _, q := range s.Queues {
-			sum += q.RxPackets + q.RxDrops.RingFull + q.RxDrops.NoStream + q.RxDrops.Malformed
+			sum += q.RxPackets + q.RxDrops.RingFull + q.RxDrops.NoStream + q.RxDrops.Malformed + q.RxDrops.TooBig
 		}
 		if sum == last && i > 2 {
 			return s

@@ -24,6 +24,7 @@ type RxDrops struct {
 	RingFull  uint64 // the stream's RX ring was full: the newest packets were dropped
 	NoStream  uint64 // no stream with the classified id, or it is gone
 	Malformed uint64 // metadata or IP length unusable
+	TooBig    uint64 // longer than the stream's slots (a merged frame, or a slot smaller than the MTU)
 }
 
 // QueueStats are one receive queue's counters.
@@ -46,6 +47,7 @@ type StreamStats struct {
 	ID                 uint32
 	RxPackets, RxBytes uint64
 	RxRingFull         uint64
+	RxTooBig           uint64 // longer than the stream's slots
 	TxPackets, TxBytes uint64
 	TxViaKernel        uint64
 	TxRejects          Rejects
@@ -61,7 +63,7 @@ func (b *Bridge) Stats() Stats {
 		qs := QueueStats{
 			Queue:     q.id,
 			RxPackets: q.rxPackets.Load(), RxBytes: q.rxBytes.Load(),
-			RxDrops:   RxDrops{RingFull: q.rxRingFull.Load(), NoStream: q.rxNoStream.Load(), Malformed: q.rxMalformed.Load()},
+			RxDrops:   RxDrops{RingFull: q.rxRingFull.Load(), NoStream: q.rxNoStream.Load(), Malformed: q.rxMalformed.Load(), TooBig: q.rxTooBig.Load()},
 			TxPackets: q.txPackets.Load(), TxBytes: q.txBytes.Load(), TxViaKernel: q.txKernel.Load(),
 		}
 		var rej [numReasons]uint64
@@ -76,7 +78,7 @@ func (b *Bridge) Stats() Stats {
 	for _, e := range *b.streams.Load() {
 		ss := StreamStats{
 			ID:        e.id,
-			RxPackets: e.rxPackets.Load(), RxBytes: e.rxBytes.Load(), RxRingFull: e.rxRingFull.Load(),
+			RxPackets: e.rxPackets.Load(), RxBytes: e.rxBytes.Load(), RxRingFull: e.rxRingFull.Load(), RxTooBig: e.rxTooBig.Load(),
 			TxPackets: e.txPackets.Load(), TxBytes: e.txBytes.Load(), TxViaKernel: e.txKernel.Load(),
 			Broken: e.dead.Load(),
 		}

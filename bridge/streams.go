@@ -17,7 +17,9 @@ type streamEntry struct {
 	own     atomic.Pointer[ownership]
 	txQueue int
 
+	maxPayload                     int // the stream's slot size: longer packets are dropped
 	rxPackets, rxBytes, rxRingFull atomic.Uint64
+	rxTooBig                       atomic.Uint64
 	txPackets, txBytes, txKernel   atomic.Uint64
 	txRejects                      [numReasons]atomic.Uint64
 	dead                           atomic.Bool // TX found it broken or closed
@@ -58,6 +60,7 @@ type dispatcher struct {
 type rxCounters struct {
 	packets, bytes                uint64
 	ringFull, noStream, malformed uint64
+	tooBig                        uint64
 }
 
 func (d *dispatcher) begin(t *streamTable, clock monoClock) {
@@ -93,6 +96,12 @@ func (d *dispatcher) frame(frame []byte, m *classifier.Meta) {
 	e := (*d.table)[m.StreamID]
 	if e == nil {
 		d.c.noStream++
+		return
+	}
+	if n > e.maxPayload {
+		// The stream would drop it too, but count it as delivered.
+		d.c.tooBig++
+		e.rxTooBig.Add(1)
 		return
 	}
 	if e != d.cur || d.n == len(d.pkts) {

@@ -1,0 +1,360 @@
+package bridge
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"math/bits"
+	"net/netip"
+	"os"
+	"os/exec"
+	"runtime"
+	"slices"
+	"strings"
+
+	"github.com/vishvananda/netns"
+
+	"github.com/fabricbridge/fabricbridge/classifier"
+)
+
+// On the AF_PACKET path the kernel receives every frame (packet sockets are
+// taps), so it would answer steered TCP with resets and steered UDP with
+// ICMP port unreachable, and it would see what drop rules drop: an
+// application could tell the path in use. Taps run before netfilter's
+// netdev ingress hook, so a netdev-family nftables table on the interface
+// that drops what the classifier steers or drops, after the tap has copied
+// it, hides those frames from the kernel. The table mirrors the classifier's
+// precedence:
+//
+//	exact flows        (set, per family)      → drop
+//	listeners on addr  (set, per family)      → drop
+//	wildcard listeners (set, per family)      → drop
+//	rules in order     (chain "rules")        → drop (steer, drop) or accept (pass, ingest)
+//	anything else                              → accept (the kernel's)
+//
+// Ingest rules accept: the offload engine needs AF_XDP, and on the XDP path
+// an ingest frame with no ingest socket goes to the kernel too.
+//
+// Where nftables and the classifier part ways (documented in doc.go): later
+// fragments reach the kernel (it cannot reassemble them without the dropped
+// first fragment and discards them silently); a frame with two VLAN tags is
+// not IP to the netdev hook and reaches the kernel (which has no device for
+// it unless one was made); malformed TCP/UDP headers the classifier passes
+// may be dropped (the kernel would drop them too).
+//
+// Changes go through the nft binary (package nftables), one `nft -f -`
+// transaction per SetTables, so every frame meets the old rules or the new
+// ones. Sets are updated by difference; the rules chain is flushed and
+// refilled in the same transaction.
+
+// nftTableName is the table the bridge owns on an interface; a restart after
+// a crash finds it by this name and replaces it.
+func nftTableName(ifname string) string {
+	var b strings.Builder
+	b.WriteString("fabricbridge_")
+	for _, r := range ifname {
+		if r < 0x80 && (r == '_' || r >= '0' && r <= '9' || r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z') {
+			b.WriteRune(r)
+		} else {
+			b.WriteByte('_')
+		}
+	}
+	return b.String()
+}
+
+// nftSets are the element lists of the table's sets, by set name.
+type nftSets map[string]map[string]struct{}
+
+var nftSetTypes = [...]struct{ name, typ, match string }{
+	{"flows4", "inet_proto . ipv4_addr . inet_service . ipv4_addr . inet_service", "meta l4proto . ip saddr . th sport . ip daddr . th dport"},
+	{"flows6", "inet_proto . ipv6_addr . inet_service . ipv6_addr . inet_service", "meta l4proto . ip6 saddr . th sport . ip6 daddr . th dport"},
+	{"listen4", "inet_proto . ipv4_addr . inet_service", "meta l4proto . ip daddr . th dport"},
+	{"listen6", "inet_proto . ipv6_addr . inet_service", "meta l4proto . ip6 daddr . th dport"},
+	{"any4", "inet_proto . inet_service", "meta protocol ip meta l4proto . th dport"},
+	{"any6", "inet_proto . inet_service", "meta protocol ip6 meta l4proto . th dport"},
+}
+
+func nftProto(p uint8) string {
+	switch classifier.Protocol(p) {
+	case classifier.ProtoTCP:
+		return "tcp"
+	case classifier.ProtoUDP:
+		return "udp"
+	}
+	return fmt.Sprint(p)
+}
+
+func addrOf(family uint8, a classifier.Addr16) netip.Addr {
+	if family == 4 {
+		return netip.AddrFrom4([4]byte(a[:4]))
+	}
+	return netip.AddrFrom16(a)
+}
+
+// nftElements lists the set elements that tables t needs.
+func nftElements(t *classifier.Tables) nftSets {
+	s := nftSets{}
+	for _, st := range nftSetTypes {
+		s[st.name] = map[string]struct{}{}
+	}
+	for k := range t.Flows() {
+		f := "4"
+		if k.Family == 6 {
+			f = "6"
+		}
+		e := fmt.Sprintf("%s . %s . %d . %s . %d", nftProto(k.Proto), addrOf(k.Family, k.Src), k.SrcPort, addrOf(k.Family, k.Dst), k.DstPort)
+		s["flows"+f][e] = struct{}{}
+	}
+	for k := range t.Listeners() {
+		f := "4"
+		if k.Family == 6 {
+			f = "6"
+		}
+		if k.Addr == (classifier.Addr16{}) {
+			s["any"+f][fmt.Sprintf("%s . %d", nftProto(k.Proto), k.Port)] = struct{}{}
+		} else {
+			s["listen"+f][fmt.Sprintf("%s . %s . %d", nftProto(k.Proto), addrOf(k.Family, k.Addr), k.Port)] = struct{}{}
+		}
+	}
+	return s
+}
+
+// nftRule renders one compiled rule as an nft rule body.
+func nftRule(r classifier.CompiledRule) string {
+	var b strings.Builder
+	if r.VLAN != 0 {
+		// The tag as the link-layer header shows it (nft rebuilds a tag
+		// the kernel took off), 802.1Q or 802.1ad alike, as the classifier
+		// takes either; "vlan id" would mean 802.1Q only.
+		fmt.Fprintf(&b, "@ll,96,16 { 0x8100, 0x88a8 } @ll,116,12 %d ", r.VLAN)
+	}
+	ip := ""
+	switch r.Family {
+	case 4:
+		ip = "ip"
+	case 6:
+		ip = "ip6"
+	}
+	if ip != "" {
+		fmt.Fprintf(&b, "meta protocol %s ", ip)
+	}
+	for _, p := range []struct {
+		dir       string
+		net, mask classifier.Addr16
+	}{{"saddr", r.SrcNet, r.SrcMask}, {"daddr", r.DstNet, r.DstMask}} {
+		ones := 0
+		for _, m := range p.mask {
+			ones += bits.OnesCount8(m)
+		}
+		if ones > 0 {
+			fmt.Fprintf(&b, "%s %s %s/%d ", ip, p.dir, addrOf(r.Family, p.net), ones)
+		}
+	}
+	if r.Proto != 0 {
+		fmt.Fprintf(&b, "meta l4proto %s ", nftProto(r.Proto))
+	} else {
+		b.WriteString("meta l4proto { tcp, udp } ")
+	}
+	for _, p := range []struct {
+		dir string
+		r   classifier.PortRange
+	}{{"sport", r.SrcPorts}, {"dport", r.DstPorts}} {
+		switch {
+		case p.r.IsAny():
+		case p.r.Lo == p.r.Hi:
+			fmt.Fprintf(&b, "th %s %d ", p.dir, p.r.Lo)
+		default:
+			fmt.Fprintf(&b, "th %s %d-%d ", p.dir, p.r.Lo, p.r.Hi)
+		}
+	}
+	switch r.Action {
+	case classifier.ActionSteer, classifier.ActionDrop:
+		b.WriteString("drop")
+	default:
+		b.WriteString("accept")
+	}
+	fmt.Fprintf(&b, " comment \"rule %d\"", r.ID)
+	return b.String()
+}
+
+// nftScript renders the transaction that takes the table from the sets in
+// prev (nil: the table does not exist, or is a leftover to replace) to
+// tables t, and returns it with the sets it leaves.
+func nftScript(table, ifname string, prev nftSets, t *classifier.Tables) (string, nftSets) {
+	next := nftElements(t)
+	var b strings.Builder
+	if prev == nil {
+		// "add" then "delete" removes a leftover and is no error when
+		// there is none; the table is then made whole.
+		fmt.Fprintf(&b, "add table netdev %s\ndelete table netdev %s\n", table, table)
+		fmt.Fprintf(&b, "table netdev %s {\n", table)
+		for _, st := range nftSetTypes {
+			fmt.Fprintf(&b, "\tset %s { type %s; }\n", st.name, st.typ)
+		}
+		b.WriteString("\tchain rules {\n\t}\n")
+		fmt.Fprintf(&b, "\tchain ingress {\n\t\ttype filter hook ingress device %q priority -500; policy accept;\n", ifname)
+		// A later fragment has no ports (nft would read payload bytes as
+		// ports): it goes to the kernel, whose datagram it may be.
+		b.WriteString("\t\tip frag-off & 0x1fff != 0 accept\n\t\tfrag frag-off != 0 accept\n")
+		for _, st := range nftSetTypes {
+			fmt.Fprintf(&b, "\t\t%s @%s drop\n", st.match, st.name)
+		}
+		b.WriteString("\t\tjump rules\n\t}\n}\n")
+		prev = nftSets{}
+	}
+	for _, st := range nftSetTypes {
+		var del, add []string
+		for e := range prev[st.name] {
+			if _, ok := next[st.name][e]; !ok {
+				del = append(del, e)
+			}
+		}
+		for e := range next[st.name] {
+			if _, ok := prev[st.name][e]; !ok {
+				add = append(add, e)
+			}
+		}
+		slices.Sort(del)
+		slices.Sort(add)
+		if len(del) > 0 {
+			fmt.Fprintf(&b, "delete element netdev %s %s { %s }\n", table, st.name, strings.Join(del, ", "))
+		}
+		if len(add) > 0 {
+			fmt.Fprintf(&b, "add element netdev %s %s { %s }\n", table, st.name, strings.Join(add, ", "))
+		}
+	}
+	fmt.Fprintf(&b, "flush chain netdev %s rules\n", table)
+	for _, r := range t.Rules() {
+		fmt.Fprintf(&b, "add rule netdev %s rules %s\n", table, nftRule(r))
+	}
+	return b.String(), next
+}
+
+// nftPath finds the nft binary.
+func nftPath() (string, error) {
+	if p, err := exec.LookPath("nft"); err == nil {
+		return p, nil
+	}
+	for _, p := range []string{"/usr/sbin/nft", "/sbin/nft"} {
+		if _, err := os.Stat(p); err == nil {
+			return p, nil
+		}
+	}
+	return "", errors.New("the nft binary (Debian package nftables) is not installed")
+}
+
+// nftRunner runs nft in one network namespace: on its own OS thread, moved
+// into the namespace once and never given back to the runtime (the thread
+// ends with the runner), so nft sees the bridge's interface whichever thread
+// calls.
+type nftRunner struct {
+	path string
+	reqs chan nftReq
+}
+
+type nftReq struct {
+	script string
+	done   chan error
+}
+
+func newNftRunner(ns netns.NsHandle) (*nftRunner, error) {
+	path, err := nftPath()
+	if err != nil {
+		return nil, err
+	}
+	r := &nftRunner{path: path, reqs: make(chan nftReq)}
+	started := make(chan error)
+	go func() {
+		runtime.LockOSThread() // never unlocked: the thread dies with us
+		if err := netns.Set(ns); err != nil {
+			started <- fmt.Errorf("enter the interface's network namespace: %w", err)
+			return
+		}
+		started <- nil
+		for req := range r.reqs {
+			req.done <- r.exec(req.script)
+		}
+	}()
+	if err := <-started; err != nil {
+		return nil, err
+	}
+	return r, nil
+}
+
+func (r *nftRunner) exec(script string) error {
+	cmd := exec.Command(r.path, "-f", "-")
+	cmd.Stdin = strings.NewReader(script)
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Run(); err != nil {
+		return fmt.Errorf("nft: %v: %s", err, strings.TrimSpace(out.String()))
+	}
+	return nil
+}
+
+// run runs one transaction.
+func (r *nftRunner) run(script string) error {
+	done := make(chan error, 1)
+	r.reqs <- nftReq{script: script, done: done}
+	return <-done
+}
+
+func (r *nftRunner) close() { close(r.reqs) }
+
+// kernelHider keeps the nftables table of one interface in step with the
+// classification tables.
+type kernelHider struct {
+	run    *nftRunner
+	table  string
+	ifname string
+	sets   nftSets // what the kernel's sets hold; nil before the first update
+}
+
+// newKernelHider installs the table for t, replacing any leftover of an
+// earlier run.
+func newKernelHider(ns netns.NsHandle, ifname string, t *classifier.Tables) (*kernelHider, error) {
+	run, err := newNftRunner(ns)
+	if err != nil {
+		return nil, err
+	}
+	h := &kernelHider{run: run, table: nftTableName(ifname), ifname: ifname}
+	if err := h.update(t); err != nil {
+		run.close()
+		return nil, err
+	}
+	return h, nil
+}
+
+// update makes the table match t in one transaction. On failure the old
+// state stays (nft transactions are all or nothing).
+func (h *kernelHider) update(t *classifier.Tables) error {
+	script, next := nftScript(h.table, h.ifname, h.sets, t)
+	if err := h.run.run(script); err != nil {
+		return fmt.Errorf("bridge: hiding steered frames from the kernel: %w", err)
+	}
+	h.sets = next
+	return nil
+}
+
+// close removes the table.
+func (h *kernelHider) close() error {
+	err := h.run.run(fmt.Sprintf("delete table netdev %s\n", h.table))
+	h.run.close()
+	return err
+}
+
+// removeLeftoverTable deletes the table a crashed run may have left on the
+// interface (on any path: a stale table would hide frames from the kernel
+// that nobody steers any more). No nft binary means no table to remove.
+func removeLeftoverTable(ns netns.NsHandle, ifname string) error {
+	if _, err := nftPath(); err != nil {
+		return nil
+	}
+	run, err := newNftRunner(ns)
+	if err != nil {
+		return err
+	}
+	defer run.close()
+	t := nftTableName(ifname)
+	return run.run(fmt.Sprintf("add table netdev %s\ndelete table netdev %s\n", t, t))
+}

@@ -154,6 +154,7 @@ func (a *afpTx) send(i, n int) {
 	a.nsent++
 }
 
-func (a *afpTx) settle()  { a.k = 0 }
-func (a *afpTx) flush()   { a.tx.Flush() }
-func (a *afpTx) reclaim() {}
+func (a *afpTx) settle()       { a.k = 0 }
+func (a *afpTx) flush()        { a.tx.Flush() }
+func (a *afpTx) reclaim()      {}
+func (a *afpTx) maxFrame() int { return a.tx.MaxFrame() }

@@ -145,6 +145,8 @@ type queue struct {
 	ep     epoch
 
 	rxPackets, rxBytes, rxRingFull, rxNoStream, rxMalformed, rxTooBig atomic.Uint64
+	rxBatches, rxSleeps                                               atomic.Uint64
+	rxTid                                                             atomic.Int32 // the RX loop's thread, for benchmarks' CPU accounting
 	txPackets, txBytes, txKernel                                      atomic.Uint64
 	txRejects                                                         [numReasons]atomic.Uint64
 }
@@ -278,7 +280,7 @@ func (b *Bridge) openCommon() error {
 	if b.kernel, err = newKernelPath(); err != nil {
 		return err
 	}
-	if b.res, err = newResolver(b.nl, ns, b.ifindex, b.log); err != nil {
+	if b.res, err = newResolver(b.nl, ns, b.ifindex, b.mtu, b.log); err != nil {
 		return err
 	}
 	return nil
@@ -321,6 +323,7 @@ func (q *queue) wake() {
 func (q *queue) rxLoop() {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
+	q.rxTid.Store(int32(unix.Gettid()))
 	var d dispatcher
 	idleSince := time.Time{}
 	for !q.stop.Load() {
@@ -340,6 +343,7 @@ func (q *queue) rxLoop() {
 		if time.Since(idleSince) < q.b.cfg.Spin {
 			continue
 		}
+		q.rxSleeps.Add(1)
 		q.rx.wait(q.wakefd)
 		idleSince = time.Time{}
 	}
@@ -358,6 +362,7 @@ func (q *queue) rxOnce(d *dispatcher) int {
 }
 
 func (q *queue) addRx(c *rxCounters) {
+	q.rxBatches.Add(1)
 	q.rxPackets.Add(c.packets)
 	q.rxBytes.Add(c.bytes)
 	if c.ringFull > 0 {

@@ -11,6 +11,7 @@ import (
 	"github.com/fabricbridge/fabricbridge/classifier"
 	"github.com/fabricbridge/fabricbridge/fabric"
 	"github.com/fabricbridge/fabricbridge/internal/ippkt"
+	"github.com/fabricbridge/fabricbridge/internal/netns"
 )
 
 func payloads(n int, tag string) [][]byte {
@@ -315,6 +316,110 @@ func TestTooBigCounted(t *testing.T) {
 		}
 		if st := s.Streams[0]; st.RxTooBig != 1 || st.RxPackets != 2 || q.TooBig != 1 {
 			t.Fatalf("stream %+v, queues %+v", st, s.Queues)
+		}
+	})
+}
+
+// TestMTUFollowsLink: the TX check uses the interface's MTU as it is now,
+// learnt from netlink link notifications, not the one at Open.
+func TestMTUFollowsLink(t *testing.T) {
+	forEachPath(t, func(t *testing.T, cfg Config) {
+		r := newRig(t, cfg)
+		r.standardTables()
+		app := r.stream(1, r.ownership1(), fabric.Config{})
+		if _, err := r.out.Ping(r.local4, 1, 3*time.Second); err != nil {
+			t.Fatal(err)
+		}
+		r.waitNeighbour(r.remote4)
+		sock := udpSocket(t, r.out, netip.AddrPortFrom(r.remote4, remotePort))
+		from, to := netip.AddrPortFrom(r.local4, udpPort1), netip.AddrPortFrom(r.remote4, remotePort)
+		big := func(tag string) []byte {
+			return ippkt.UDP(from, to, append([]byte(tag), make([]byte, 1400-28-len(tag))...))
+		}
+		expect := func(tag string, arrives bool) {
+			t.Helper()
+			if _, err := app.Send([][]byte{big(tag), ippkt.UDP(from, to, []byte("marker "+tag))}); err != nil {
+				t.Fatal(err)
+			}
+			buf := make([]byte, 2048)
+			var got []string
+			for {
+				sock.SetReadDeadline(time.Now().Add(3 * time.Second))
+				n, err := sock.Read(buf)
+				if err != nil {
+					t.Fatalf("%s: the marker never arrived (got %q)", tag, got)
+				}
+				got = append(got, string(buf[:min(n, len(tag)+7)]))
+				if bytes.HasPrefix(buf[:n], []byte("marker")) {
+					break
+				}
+			}
+			if arrives != (len(got) == 2) {
+				t.Fatalf("%s: got %q, want the 1400-byte packet to arrive: %v", tag, got, arrives)
+			}
+		}
+		setMTU := func(mtu int) {
+			t.Helper()
+			h := r.br.Handle()
+			l, err := h.LinkByIndex(r.v.A.Index)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := h.LinkSetMTU(l, mtu); err != nil {
+				t.Fatal(err)
+			}
+			for deadline := time.Now().Add(3 * time.Second); int(r.b.res.mtu.Load()) != mtu; time.Sleep(time.Millisecond) {
+				if time.Now().After(deadline) {
+					t.Fatalf("the bridge still sees MTU %d, want %d", r.b.res.mtu.Load(), mtu)
+				}
+			}
+		}
+		expect("at1500", true)
+		setMTU(1280)
+		expect("at1280", false)
+		if rej := r.b.Stats().Streams[0].TxRejects.MTU; rej != 1 {
+			t.Fatalf("MTU rejects %d, want 1", rej)
+		}
+		setMTU(1500)
+		expect("again1500", true)
+	})
+}
+
+// TestOtherDeviceViaKernel: the bridge writes Ethernet headers only for
+// its own interface (untagged). A packet a stream sends to a destination the
+// kernel routes through another device (another link, or a VLAN device on
+// top of the bridge's interface) is handed to the kernel, which sends it
+// with that device's framing: nothing is lost, each is counted as
+// TxViaKernel. (This kernel has no 802.1Q devices, so another link stands in
+// for one.)
+func TestOtherDeviceViaKernel(t *testing.T) {
+	forEachPath(t, func(t *testing.T, cfg Config) {
+		r := newRig(t, cfg)
+		r.standardTables()
+		third := netns.New(t)
+		side := netns.Connect(t, r.br, third, netns.VethOptions{})
+		own := r.ownership1()
+		own.Addrs = append(own.Addrs, side.A.Addr4.Addr())
+		app := r.stream(1, own, fabric.Config{})
+		sock := udpSocket(t, third, netip.AddrPortFrom(side.B.Addr4.Addr(), remotePort))
+		from, to := netip.AddrPortFrom(side.A.Addr4.Addr(), udpPort1), netip.AddrPortFrom(side.B.Addr4.Addr(), remotePort)
+		var out [][]byte
+		for _, p := range payloads(20, "other device") {
+			out = append(out, ippkt.UDP(from, to, p))
+		}
+		if _, err := app.Send(out); err != nil {
+			t.Fatal(err)
+		}
+		buf := make([]byte, 2048)
+		for i := range out {
+			sock.SetReadDeadline(time.Now().Add(3 * time.Second))
+			n, err := sock.Read(buf)
+			if err != nil || !bytes.HasPrefix(buf[:n], []byte("other device")) {
+				t.Fatalf("the other side got %d of %d: %q %v", i, len(out), buf[:n], err)
+			}
+		}
+		if s := r.b.Stats().Streams[0]; s.TxViaKernel != 20 || s.TxPackets != 0 {
+			t.Fatalf("stream counters %+v: want all 20 via the kernel", s)
 		}
 	})
 }

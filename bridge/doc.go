@@ -62,7 +62,9 @@
 // Config.TxBudget packets from every ready stream, straight into free frames
 // of the TX ring (one copy), so a busy application cannot starve the rest.
 // Every packet is verified before it leaves: IP version, header lengths, IP
-// length equal to the packet's, within the MTU, source address among the
+// length equal to the packet's, within the MTU (the interface's current one,
+// followed through netlink link notifications, and never more than a TX
+// frame holds), source address among the
 // stream's, protocol TCP or UDP with the source port owned by the stream
 // (Ownership, replaced atomically by SetOwnership). Rejects are counted by
 // reason, per stream and per queue. The Ethernet header comes from the
@@ -88,7 +90,14 @@
 // it then shares that queue's fill ring (see package xsk). Program returns
 // the XDP program for its IngestXSKMap.
 //
-// # Known gaps
+// # VLANs
 //
-//   - Frames leave untagged; the MTU is read once at Open.
+// The bridge serves one interface and writes that interface's Ethernet
+// header: untagged. Frames that arrive tagged are classified by their inner
+// headers and steered like any other. A packet to a destination the kernel
+// routes through another device — a VLAN device on top of the served
+// interface, say — is not framed by the bridge: it goes through the kernel
+// (TxViaKernel), which tags it: correct, but a system call per packet.
+// Writing tags itself, for direct TX to tagged destinations, the bridge does
+// not do.
 package bridge

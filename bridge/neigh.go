@@ -24,6 +24,9 @@ type resolver struct {
 	ifindex int
 	log     *slog.Logger
 	gen     atomic.Uint64
+	// mtu is the interface's MTU, kept current from link notifications:
+	// the TX check reads it once per round.
+	mtu atomic.Int32
 
 	mu     sync.Mutex
 	neigh  map[netip.Addr]net.HardwareAddr // usable entries on our interface
@@ -40,17 +43,20 @@ type nextHop struct {
 // usableNUD are neighbour states whose link-layer address may be used.
 const usableNUD = netlink.NUD_REACHABLE | netlink.NUD_STALE | netlink.NUD_DELAY | netlink.NUD_PROBE | netlink.NUD_PERMANENT | netlink.NUD_NOARP
 
-// newResolver subscribes to neighbour and route changes in ns. The initial
-// neighbour table comes in through the subscription's listing.
-func newResolver(h *netlink.Handle, ns netns.NsHandle, ifindex int, log *slog.Logger) (*resolver, error) {
+// newResolver subscribes to neighbour, route and link changes in ns. The
+// initial neighbour table comes in through the subscription's listing; mtu
+// is the interface's MTU now.
+func newResolver(h *netlink.Handle, ns netns.NsHandle, ifindex, mtu int, log *slog.Logger) (*resolver, error) {
 	r := &resolver{
 		h: h, ifindex: ifindex, log: log,
 		neigh:  map[netip.Addr]net.HardwareAddr{},
 		routes: map[netip.Addr]nextHop{},
 		done:   make(chan struct{}),
 	}
+	r.mtu.Store(int32(mtu))
 	neighs := make(chan netlink.NeighUpdate, 256)
 	routes := make(chan netlink.RouteUpdate, 256)
+	links := make(chan netlink.LinkUpdate, 64)
 	onErr := func(err error) {
 		select {
 		case <-r.done: // closing: the subscriptions' sockets go away
@@ -65,6 +71,14 @@ func newResolver(h *netlink.Handle, ns netns.NsHandle, ifindex int, log *slog.Lo
 	if err := netlink.RouteSubscribeWithOptions(routes, r.done, netlink.RouteSubscribeOptions{Namespace: &nsCopy, ErrorCallback: onErr}); err != nil {
 		close(r.done)
 		return nil, fmt.Errorf("bridge: subscribe to routes: %w", err)
+	}
+	if err := netlink.LinkSubscribeWithOptions(links, r.done, netlink.LinkSubscribeOptions{Namespace: &nsCopy, ErrorCallback: onErr}); err != nil {
+		close(r.done)
+		return nil, fmt.Errorf("bridge: subscribe to links: %w", err)
+	}
+	// A change between reading the MTU and subscribing would be missed.
+	if l, err := h.LinkByIndex(ifindex); err == nil {
+		r.mtu.Store(int32(l.Attrs().MTU))
 	}
 	// Load the table now, so that the first packets find their neighbours;
 	// the subscription's listing will repeat it.
@@ -86,6 +100,15 @@ func newResolver(h *netlink.Handle, ns netns.NsHandle, ifindex int, log *slog.Lo
 				r.apply(u.Type, &u.Neigh)
 				r.mu.Unlock()
 				r.gen.Add(1)
+			case u, ok := <-links:
+				if !ok {
+					return
+				}
+				if a := u.Attrs(); a != nil && a.Index == r.ifindex && u.Header.Type == unix.RTM_NEWLINK {
+					if old := r.mtu.Swap(int32(a.MTU)); int(old) != a.MTU {
+						log.Info("bridge: interface MTU changed", "interface", a.Name, "from", old, "to", a.MTU)
+					}
+				}
 			case _, ok := <-routes:
 				if !ok {
 					return

@@ -40,6 +40,10 @@ type QueueStats struct {
 	// room (AF_XDP: RX ring full or other; AF_PACKET: ring drops).
 	FillRingEmpty uint64
 	KernelRxDrops uint64
+	// RxBatches counts the RX loop's non-empty batches (RxPackets/RxBatches
+	// is the mean batch), RxSleeps the times it found nothing for
+	// Config.Spin and slept in poll.
+	RxBatches, RxSleeps uint64
 }
 
 // StreamStats are one stream's counters.
@@ -65,6 +69,7 @@ func (b *Bridge) Stats() Stats {
 			RxPackets: q.rxPackets.Load(), RxBytes: q.rxBytes.Load(),
 			RxDrops:   RxDrops{RingFull: q.rxRingFull.Load(), NoStream: q.rxNoStream.Load(), Malformed: q.rxMalformed.Load(), TooBig: q.rxTooBig.Load()},
 			TxPackets: q.txPackets.Load(), TxBytes: q.txBytes.Load(), TxViaKernel: q.txKernel.Load(),
+			RxBatches: q.rxBatches.Load(), RxSleeps: q.rxSleeps.Load(),
 		}
 		var rej [numReasons]uint64
 		for r := range rej {

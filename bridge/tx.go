@@ -28,6 +28,8 @@ type txPort interface {
 	// ones; reclaim only reclaims.
 	flush()
 	reclaim()
+	// maxFrame is the longest frame a TX buffer holds.
+	maxFrame() int
 }
 
 // txCounters are a TX loop's counts, added to the queue's atomics per round.
@@ -51,8 +53,10 @@ type txLoop struct {
 	budget int
 	l2     *l2cache
 	srcMAC [6]byte
-	mtu    int
-	c      txCounters
+	// maxPacket is the longest IP packet a TX frame holds; the MTU in force
+	// is the smaller of it and the interface's current MTU.
+	maxPacket int
+	c         txCounters
 
 	// Commands from the control plane arrive on cmds; the bell (a stream
 	// of its own in the event queue) wakes the loop for them.
@@ -90,7 +94,7 @@ func newTxLoop(b *Bridge, q *queue, port txPort) (*txLoop, error) {
 	}
 	t := &txLoop{
 		b: b, q: q, port: port, eq: eq,
-		budget: b.cfg.TxBudget, l2: newL2cache(b.res), srcMAC: b.mac, mtu: b.mtu,
+		budget: b.cfg.TxBudget, l2: newL2cache(b.res), srcMAC: b.mac, maxPacket: port.maxFrame() - ethHeader,
 		cmds: make(chan txCmd, 16), bell: bell, bellApp: bellApp, bellTok: tok,
 	}
 	t.bellBuf[0] = make([]byte, 64)
@@ -170,6 +174,7 @@ func (t *txLoop) serve(tok int, e *streamEntry) bool {
 		t.byTok[tok] = nil
 	}
 	own := e.own.Load()
+	mtu := min(int(t.b.res.mtu.Load()), t.maxPacket)
 	hook := e.capture.Load()
 	var now time.Time
 	if hook != nil {
@@ -179,7 +184,7 @@ func (t *txLoop) serve(tok int, e *streamEntry) bool {
 	queued := false
 	for i := 0; i < got; i++ {
 		p := t.pkts[i]
-		if r := verify(p, own, t.mtu); r != accepted {
+		if r := verify(p, own, mtu); r != accepted {
 			sc.rejects[r]++
 			continue
 		}

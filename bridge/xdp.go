@@ -222,6 +222,8 @@ func (x *xdpTx) flush() {
 	x.reclaim()
 }
 
+func (x *xdpTx) maxFrame() int { return x.umem.FrameSize() }
+
 func (x *xdpTx) reclaim() {
 	for {
 		n := x.sock.Completion.Reap(x.reaped[:])

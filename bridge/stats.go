@@ -106,7 +106,11 @@ func (b *Bridge) accountUMEM() []xsk.Accounting {
 	var out []xsk.Accounting
 	for _, q := range b.queues {
 		if x, ok := q.tx.port.(*xdpTx); ok {
-			out = append(out, x.umem.Account(x.free))
+			var queued []uint64
+			for _, d := range x.descs {
+				queued = append(queued, d.Addr)
+			}
+			out = append(out, x.umem.Account(x.free, q.rx.(*xdpRx).pending, queued))
 		}
 	}
 	return out

@@ -74,7 +74,10 @@ func (b *Bridge) openXDP(p Path) (err error) {
 }
 
 // openXSK makes one queue's UMEM and socket: half the frames go to the fill
-// ring, half to the TX loop's free list.
+// ring, half to the TX loop's free list. The fill and TX rings have room for
+// twice the frames they carry: the kernel publishes how far it consumed them
+// only when it has used up what it saw (see package xsk), so a ring sized
+// exactly would look full while the kernel has in fact taken frames.
 func (b *Bridge) openXSK(id int, bind xsk.BindMode) (*xdpRx, *xdpTx, error) {
 	umem, err := xsk.NewUmem(xsk.UmemConfig{FrameSize: b.cfg.FrameSize, FrameCount: b.cfg.FrameCount})
 	if err != nil {
@@ -83,14 +86,14 @@ func (b *Bridge) openXSK(id int, bind xsk.BindMode) (*xdpRx, *xdpTx, error) {
 	half := b.cfg.FrameCount / 2
 	sock, err := umem.Open(xsk.SocketConfig{
 		Ifindex: b.ifindex, Queue: id, Bind: bind,
-		RxSize: half, TxSize: half, FillSize: half, CompletionSize: half,
+		RxSize: half, TxSize: 2 * half, FillSize: 2 * half, CompletionSize: half,
 		BusyPoll: b.cfg.BusyPoll,
 	})
 	if err != nil {
 		umem.Close()
 		return nil, nil, fmt.Errorf("queue %d: %w", id, err)
 	}
-	rx := &xdpRx{umem: umem, sock: sock, busyPoll: b.cfg.BusyPoll > 0}
+	rx := &xdpRx{umem: umem, sock: sock, busyPoll: b.cfg.BusyPoll > 0, pending: make([]uint64, 0, half)}
 	rx.pfd = [2]unix.PollFd{{Fd: int32(sock.FD()), Events: unix.POLLIN}, {Events: unix.POLLIN}}
 	fill := make([]uint64, half)
 	if umem.Alloc(fill) != half || sock.Fill.Fill(fill) != half {
@@ -111,9 +114,31 @@ type xdpRx struct {
 	addrs    [xsk.MaxBatch]uint64
 	pfd      [2]unix.PollFd
 	buf      [8]byte
+	// pending are received frames the fill ring did not take yet (it
+	// cannot happen with the ring sizes openXSK uses; kept so that a
+	// frame is never dropped on the floor).
+	pending []uint64
+}
+
+// refill puts frames back into the fill ring, keeping what does not fit.
+func (x *xdpRx) refill(addrs []uint64) {
+	if len(x.pending) > 0 {
+		k := x.sock.Fill.Fill(x.pending)
+		x.pending = append(x.pending[:0], x.pending[k:]...)
+	}
+	if len(x.pending) > 0 {
+		x.pending = append(x.pending, addrs...)
+		return
+	}
+	if k := x.sock.Fill.Fill(addrs); k < len(addrs) {
+		x.pending = append(x.pending, addrs[k:]...)
+	}
 }
 
 func (x *xdpRx) poll(d *dispatcher) int {
+	if len(x.pending) > 0 {
+		x.refill(nil)
+	}
 	n := x.sock.RX.Receive(x.descs[:])
 	if n == 0 {
 		if x.busyPoll || x.sock.Fill.NeedWakeup() {
@@ -133,7 +158,7 @@ func (x *xdpRx) poll(d *dispatcher) int {
 		d.frame(x.umem.Bytes(desc.Addr, int(desc.Len)), &m)
 	}
 	d.end() // the packets are copied into their streams: recycle the frames
-	x.sock.Fill.Fill(x.addrs[:n])
+	x.refill(x.addrs[:n])
 	if x.sock.Fill.NeedWakeup() {
 		x.sock.WakeRX()
 	}
@@ -208,9 +233,10 @@ func (x *xdpTx) settle() {
 
 func (x *xdpTx) flush() {
 	if len(x.descs) > 0 {
-		// The TX ring has a slot for every TX frame, so everything fits.
-		x.sock.TX.Send(x.descs)
-		x.descs = x.descs[:0]
+		// The TX ring has room for twice the TX frames, so everything
+		// fits; whatever did not would be sent by the next flush.
+		k := x.sock.TX.Send(x.descs)
+		x.descs = append(x.descs[:0], x.descs[k:]...)
 	}
 	if x.copyMode || x.sock.TX.NeedWakeup() {
 		// In copy mode the kernel transmits inside sendto, a budget at a

@@ -37,6 +37,14 @@
 // empty), so a batch costs one shared load and one store. Batches are up to
 // MaxBatch entries.
 //
+// The kernel works the same way on its side, and publishes how far it has
+// consumed the fill and TX rings only when it has used up the entries it
+// last saw. A producer can therefore find a ring full that the kernel has in
+// fact emptied: Fill and Send may take fewer entries than asked even when
+// every frame the caller owns would fit. Keep what they refuse and offer it
+// again (dropping it loses the frame for good), and size the fill and TX
+// rings at twice the frames they carry, so that they never look full.
+//
 // RxRing, TxRing, FillRing and CompletionRing are not safe for concurrent use,
 // with one exception: FillRing.Fill and CompletionRing.Reap take a small
 // per-ring lock, once per batch, because sockets that share a queue share

@@ -69,7 +69,11 @@ func (g *Gen) Send(n int, d time.Duration) int {
 			k++
 		}
 		if k > 0 {
-			sent += g.sock.TX.Send(g.descs[:k])
+			m := g.sock.TX.Send(g.descs[:k])
+			sent += m
+			for _, d := range g.descs[m:k] { // the ring looked full: keep them
+				g.free = append(g.free, d.Addr)
+			}
 		}
 		g.sock.Kick()
 		for {

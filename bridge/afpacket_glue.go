@@ -3,14 +3,17 @@ package bridge
 import (
 	"errors"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/fabricbridge/fabricbridge/bridge/afpacket"
 	"github.com/fabricbridge/fabricbridge/classifier"
 )
 
-// afpShared is the AF_PACKET path's classifier and the nftables table that
-// hides steered frames from the kernel; SetTables feeds both.
+// afpShared is the AF_PACKET path's classifiers (one per queue: each keeps
+// its own fragment table) and the nftables table that hides steered frames
+// from the kernel; SetTables feeds them all.
 type afpShared struct {
-	cls  *classifier.Classifier
+	cls  []*classifier.Classifier
 	hide *kernelHider
 	offl *afpacket.Offloads // merging offloads turned off, restored on close
 }
@@ -22,17 +25,22 @@ func (a *afpShared) setTables(t *classifier.Tables) error {
 	if err := a.hide.update(t); err != nil {
 		return err
 	}
-	a.cls.SetTables(t)
+	for _, c := range a.cls {
+		c.SetTables(t)
+	}
 	return nil
 }
 
 func (a *afpShared) close() error { return errors.Join(a.hide.close(), a.offl.Restore()) }
 
-// openAFPacket sets up the fallback: one TPACKET_V3 RX ring classified by
-// the Go reference classifier, one TX ring, served as queue 0 whatever
-// Config.Queues says. The kernel keeps receiving every frame (AF_PACKET is a
-// tap); only steered ones also go to their stream.
-func (b *Bridge) openAFPacket() error {
+// openAFPacket sets up the fallback: per queue of Config.Queues a TPACKET_V3
+// RX ring classified by the Go reference classifier and a TX ring. The RX
+// rings form a fanout group by receive queue, so each loop gets the frames
+// of its queue (of every queue modulo the ring count when Config.Queues
+// names fewer than the interface has: a tap sees the whole interface). The
+// kernel would receive every frame too; the nftables table hides the
+// steered ones from it.
+func (b *Bridge) openAFPacket() (err error) {
 	if b.prog != nil {
 		b.prog.Close()
 		b.prog = nil
@@ -58,38 +66,54 @@ func (b *Bridge) openAFPacket() error {
 		offl.Restore()
 		return err
 	}
-	closeAll := func() {
-		hide.close()
-		offl.Restore()
+	var (
+		qs  []*queue
+		rxs []*afpacket.Rx
+		cls []*classifier.Classifier
+	)
+	defer func() {
+		if err != nil {
+			for _, q := range qs {
+				q.rx.close()
+				q.tx.close()
+				unix.Close(q.wakefd)
+			}
+			hide.close()
+			offl.Restore()
+		}
+	}()
+	for _, id := range b.cfg.Queues {
+		rx, err := afpacket.NewRx(afpacket.RxConfig{Ifindex: b.ifindex})
+		if err != nil {
+			return err
+		}
+		tx, err := afpacket.NewTx(afpacket.TxConfig{Ifindex: b.ifindex, FrameSize: 2048, FrameCount: b.cfg.FrameCount / 2})
+		if err != nil {
+			rx.Close()
+			return err
+		}
+		if tx.MaxFrame() < b.mtu+ethHeader {
+			rx.Close()
+			tx.Close()
+			return errors.New("MTU too large for the AF_PACKET TX ring")
+		}
+		ar := &afpRx{rx: rx, cls: classifier.New(empty, 0)}
+		ar.onFrame = ar.frame
+		q, err := b.newQueue(id, ar, &afpTx{tx: tx})
+		if err != nil {
+			rx.Close()
+			tx.Close()
+			return err
+		}
+		qs = append(qs, q)
+		rxs = append(rxs, rx)
+		cls = append(cls, ar.cls)
 	}
-	rx, err := afpacket.NewRx(afpacket.RxConfig{Ifindex: b.ifindex})
-	if err != nil {
-		closeAll()
+	if err := afpacket.FanoutByQueue(rxs); err != nil {
 		return err
 	}
-	tx, err := afpacket.NewTx(afpacket.TxConfig{Ifindex: b.ifindex, FrameSize: 2048, FrameCount: b.cfg.FrameCount / 2})
-	if err != nil {
-		closeAll()
-		rx.Close()
-		return err
-	}
-	if tx.MaxFrame() < b.mtu+ethHeader {
-		closeAll()
-		rx.Close()
-		tx.Close()
-		return errors.New("MTU too large for the AF_PACKET TX ring")
-	}
-	ar := &afpRx{rx: rx, cls: classifier.New(empty, 0)}
-	ar.onFrame = ar.frame
-	q, err := b.newQueue(0, ar, &afpTx{tx: tx})
-	if err != nil {
-		closeAll()
-		rx.Close()
-		tx.Close()
-		return err
-	}
-	b.queues = []*queue{q}
-	b.afp = &afpShared{cls: ar.cls, hide: hide, offl: offl}
+	b.queues = qs
+	b.afp = &afpShared{cls: cls, hide: hide, offl: offl}
 	return nil
 }
 
@@ -158,3 +182,4 @@ func (a *afpTx) settle()       { a.k = 0 }
 func (a *afpTx) flush()        { a.tx.Flush() }
 func (a *afpTx) reclaim()      {}
 func (a *afpTx) maxFrame() int { return a.tx.MaxFrame() }
+func (a *afpTx) release()      { a.tx.Close() }

@@ -53,8 +53,10 @@
 // classifier walks may go either way (TestNftMirrorsClassifier checks the
 // rest frame by frame). The path also turns off the receive offloads that
 // merge frames before taps see them (GRO, hardware GRO, LRO, GRO lists; see
-// afpacket.MergingOffloads) and turns them back on at Close. It serves one
-// queue: a packet socket sees the whole interface.
+// afpacket.MergingOffloads) and turns them back on at Close. It runs a loop
+// per queue of Config.Queues, their RX rings in a fanout group by receive
+// queue (afpacket.FanoutByQueue); a packet socket sees the whole interface,
+// so with fewer queues named than the interface has, queues fold onto loops.
 //
 // # TX
 //

@@ -67,8 +67,13 @@ func forEachPath(t *testing.T, f func(t *testing.T, cfg Config)) {
 }
 
 func newRig(t testing.TB, cfg Config) *rig {
+	return newRigWith(t, cfg, netns.VethOptions{})
+}
+
+// newRigWith is newRig on a veth made with opts.
+func newRigWith(t testing.TB, cfg Config, opts netns.VethOptions) *rig {
 	testenv.RequirePrivileged(t)
-	br, out, v := netns.Pair(t, netns.VethOptions{})
+	br, out, v := netns.Pair(t, opts)
 	r := &rig{t: t, br: br, out: out, v: v,
 		local4: v.A.Addr4.Addr(), local6: v.A.Addr6.Addr(), remote4: v.B.Addr4.Addr(), remote6: v.B.Addr6.Addr()}
 	// The outside kernel hands veth packets with checksums left to

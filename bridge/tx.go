@@ -30,6 +30,9 @@ type txPort interface {
 	reclaim()
 	// maxFrame is the longest frame a TX buffer holds.
 	maxFrame() int
+	// release frees what the port alone owns (the RX side closes a shared
+	// UMEM).
+	release()
 }
 
 // txCounters are a TX loop's counts, added to the queue's atomics per round.
@@ -289,6 +292,7 @@ func (t *txLoop) apply(c txCmd) {
 }
 
 func (t *txLoop) close() {
+	t.port.release()
 	t.eq.Close()
 	t.bell.Close()
 	t.bellApp.Close()

@@ -249,6 +249,7 @@ func (x *xdpTx) flush() {
 }
 
 func (x *xdpTx) maxFrame() int { return x.umem.FrameSize() }
+func (x *xdpTx) release()      {}
 
 func (x *xdpTx) reclaim() {
 	for {

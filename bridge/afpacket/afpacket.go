@@ -177,6 +177,33 @@ func (r *Rx) Wait(wakefd int) {
 	}
 }
 
+// FanoutByQueue joins rxs, in this order, into a new fanout group that
+// hands each frame only to rxs[q % len(rxs)], where q is the receive queue it
+// came in on (PACKET_FANOUT_QM): several RX loops then share one interface
+// by queue, as AF_XDP sockets do. With fewer rings than queues, queues fold
+// onto rings modulo their number. The rings must be bound to the same
+// interface.
+func FanoutByQueue(rxs []*Rx) error {
+	if len(rxs) < 2 {
+		return nil
+	}
+	arg := unix.PACKET_FANOUT_QM | unix.PACKET_FANOUT_FLAG_UNIQUEID<<8
+	if err := unix.SetsockoptInt(rxs[0].fd, unix.SOL_PACKET, unix.PACKET_FANOUT, arg<<16); err != nil {
+		return fmt.Errorf("afpacket: new fanout group: %w", err)
+	}
+	got, err := unix.GetsockoptInt(rxs[0].fd, unix.SOL_PACKET, unix.PACKET_FANOUT)
+	if err != nil {
+		return fmt.Errorf("afpacket: fanout group id: %w", err)
+	}
+	id := got & 0xffff
+	for i, r := range rxs[1:] {
+		if err := unix.SetsockoptInt(r.fd, unix.SOL_PACKET, unix.PACKET_FANOUT, id|unix.PACKET_FANOUT_QM<<16); err != nil {
+			return fmt.Errorf("afpacket: join fanout group %d (ring %d): %w", id, i+1, err)
+		}
+	}
+	return nil
+}
+
 // Drops is how many frames the kernel dropped for want of a free block.
 func (r *Rx) Drops() uint64 {
 	var st unix.TpacketStatsV3

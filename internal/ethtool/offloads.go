@@ -1,9 +1,7 @@
 package ethtool
 
 import (
-	"fmt"
-	"runtime"
-	"unsafe"
+	"errors"
 
 	"golang.org/x/sys/unix"
 
@@ -28,20 +26,10 @@ func SetOffloads(ns *netns.NS, name string, on bool) error {
 		cmds = []uint32{unix.ETHTOOL_SGRO, unix.ETHTOOL_SGSO, unix.ETHTOOL_STSO, unix.ETHTOOL_SSG, unix.ETHTOOL_STXCSUM}
 	}
 	return ns.Do(func() error {
-		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
-		if err != nil {
-			return err
-		}
-		defer unix.Close(fd)
 		for _, cmd := range cmds {
-			ev := struct{ cmd, data uint32 }{cmd, v}
-			var ifr [40]byte // struct ifreq: name, then a pointer to the command
-			copy(ifr[:unix.IFNAMSIZ-1], name)
-			*(*unsafe.Pointer)(unsafe.Pointer(&ifr[unix.IFNAMSIZ])) = unsafe.Pointer(&ev)
-			if _, _, e := unix.Syscall(unix.SYS_IOCTL, uintptr(fd), unix.SIOCETHTOOL, uintptr(unsafe.Pointer(&ifr))); e != 0 && e != unix.EOPNOTSUPP {
-				return fmt.Errorf("ethtool: command %#x = %d on %s: %w", cmd, v, name, e)
+			if _, err := ethtoolValue(name, cmd, v); err != nil && !errors.Is(err, unix.EOPNOTSUPP) {
+				return err
 			}
-			runtime.KeepAlive(&ev)
 		}
 		return nil
 	})

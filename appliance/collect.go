@@ -1,7 +1,6 @@
 package appliance
 
 import (
-	"fmt"
 	"strconv"
 
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
@@ -42,7 +41,7 @@ func (d *Daemon) collect(w *metrics.Writer) {
 		if n, ok := names[id]; ok {
 			return n
 		}
-		return fmt.Sprintf("dynamic %d", id)
+		return "application claim"
 	}, byStream)
 	d.ingest.Collect(w)
 }

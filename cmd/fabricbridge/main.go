@@ -1,8 +1,8 @@
 // Command fabricbridge is the command-line tool of the fabricbridge
 // appliance.
 //
-//	fabricbridge demo                  build a namespace topology, attach the classifier,
-//	                                   drive traffic through it and print what it counted
+//	fabricbridge demo                  the whole appliance in a namespace topology, with
+//	                                   real traffic and a summary
 //	fabricbridge run --config FILE     the daemon (SIGHUP reloads, SIGTERM stops)
 //	fabricbridge check --config FILE   validate a configuration file
 //	fabricbridge stats                 a live table of the daemon's counters
@@ -19,16 +19,17 @@ import (
 	"os/signal"
 	"syscall"
 
-	"github.com/fabricbridge/fabricbridge/ebpf"
+	"github.com/fabricbridge/fabricbridge/appliance/config"
 )
 
 const usage = `usage: fabricbridge <command> [flags]
 
 commands:
-  demo     build an outside host and a bridge host in network namespaces,
-           attach the XDP classifier with an embedded default configuration,
-           drive HTTP, UDP trigger bursts, blocked datagrams and pings through
-           it, print a summary and clean up (needs root)
+  demo     build an outside host and a bridge host in network namespaces, run
+           the daemon there with an embedded configuration, an HTTP application
+           on a user-space stack and an ingest consumer; drive HTTP, UDP trigger
+           bursts, blocked datagrams and pings through it, print a summary and
+           clean up (needs root). Flags: -requests N, -triggers N, -attach MODE
   run      [--config FILE]: the daemon; SIGHUP reloads the rules, SIGTERM
            shuts down cleanly (default FILE /etc/fabricbridge/fabricbridge.yaml)
   check    --config FILE: validate a configuration file; every problem is
@@ -82,25 +83,23 @@ func demoCommand(ctx context.Context, args []string) error {
 	opts := defaultDemo
 	fs.IntVar(&opts.Requests, "requests", opts.Requests, "HTTP requests to send")
 	fs.IntVar(&opts.TriggerPerPort, "triggers", opts.TriggerPerPort, "UDP trigger datagrams per source port")
-	mode := fs.String("mode", "auto", "XDP attach mode: auto, native or generic")
+	attach := fs.String("attach", "auto", "auto: the fastest data path the interface allows; strict: native zero-copy or fail")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
-	switch *mode {
+	switch *attach {
 	case "auto":
-		opts.Mode = ebpf.ModeAuto
-	case "native":
-		opts.Mode = ebpf.ModeNative
-	case "generic":
-		opts.Mode = ebpf.ModeGeneric
+		opts.Attach = config.AttachAuto
+	case "strict":
+		opts.Attach = config.AttachStrict
 	default:
-		return fmt.Errorf("demo: -mode %q: want auto, native or generic", *mode)
+		return fmt.Errorf("demo: -attach %q: want auto or strict", *attach)
 	}
 	if opts.Requests < 1 || opts.TriggerPerPort < 0 {
 		return errors.New("demo: -requests must be at least 1 and -triggers not negative")
 	}
 	if os.Geteuid() != 0 {
-		return errors.New("demo: needs root (it creates network namespaces and loads an XDP program)")
+		return errors.New("demo: needs root (it creates network namespaces, loads an XDP program and opens AF_XDP sockets)")
 	}
 	sum, err := runDemo(ctx, opts, os.Stdout)
 	if err != nil {

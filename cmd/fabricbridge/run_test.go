@@ -134,7 +134,7 @@ func waitMetric(t *testing.T, ns *netns.NS, addr string, p *daemonProc, ok func(
 	}
 }
 
-func ruleCount(s []metrics.Sample, id string) float64 {
+func rulePackets(s []metrics.Sample, id string) float64 {
 	for _, x := range metrics.Find(s, "fabricbridge_rule_packets_total", metrics.L("id", id)...) {
 		return x.Value
 	}
@@ -191,7 +191,7 @@ func TestRunSignals(t *testing.T) {
 	d := startDaemon(t, bridge, "run", "--config", path)
 	waitMetric(t, bridge, metricsAddr, d, func(s []metrics.Sample) bool { return len(s) > 0 })
 	sendUDP(t, outside, dst, 10)
-	waitMetric(t, bridge, metricsAddr, d, func(s []metrics.Sample) bool { return ruleCount(s, "3") == 10 })
+	waitMetric(t, bridge, metricsAddr, d, func(s []metrics.Sample) bool { return rulePackets(s, "3") == 10 })
 
 	// `fabricbridge stats --once` against the running daemon shows the rule.
 	st := startDaemon(t, bridge, "stats", "--once", "--interval", "100ms", "--metrics", metricsAddr)
@@ -227,7 +227,7 @@ func TestRunSignals(t *testing.T) {
 	d = startDaemon(t, bridge, "run", "--config", path)
 	waitMetric(t, bridge, metricsAddr, d, func(s []metrics.Sample) bool { return len(s) > 0 })
 	sendUDP(t, outside, dst, 5)
-	waitMetric(t, bridge, metricsAddr, d, func(s []metrics.Sample) bool { return ruleCount(s, "3") == 5 })
+	waitMetric(t, bridge, metricsAddr, d, func(s []metrics.Sample) bool { return rulePackets(s, "3") == 5 })
 
 	// SIGTERM: a clean exit that leaves nothing behind.
 	d.signal(t, syscall.SIGTERM)

@@ -134,37 +134,39 @@ func (e *e2e) connsPerSecond(addr string, d time.Duration) (float64, error) {
 // benchmark's application process.
 const helperEnv = "FB_USERSTACK_HELPER_CONTROL"
 
-// TestHelperApp is not a test: run by BenchmarkEndToEnd as a child
-// process, it is the application in a process of its own, as in
+// TestMain turns the test binary into the benchmark's application process
+// when helperEnv is set: the application in a process of its own, as in
 // production. It serves a sink on port 5005 and echoes single bytes on
 // 5006, says "ready", and exits when its standard input closes.
-func TestHelperApp(t *testing.T) {
+func TestMain(m *testing.M) {
 	path := os.Getenv(helperEnv)
 	if path == "" {
-		t.Skip("helper process for BenchmarkEndToEnd")
+		os.Exit(m.Run())
 	}
 	s, err := Open(context.Background(), Options{App: "child", Control: path})
 	if err != nil {
-		t.Fatal(err)
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
 	}
 	defer s.Close()
-	sink, err := s.Listen("tcp", ":5005")
-	if err != nil {
-		t.Fatal(err)
+	for _, srv := range []struct {
+		addr  string
+		serve func(net.Listener)
+	}{{":5005", sinkServer}, {":5006", rrServer}} {
+		l, err := s.Listen("tcp", srv.addr)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, err)
+			os.Exit(1)
+		}
+		go srv.serve(l)
 	}
-	rr, err := s.Listen("tcp", ":5006")
-	if err != nil {
-		t.Fatal(err)
-	}
-	go sinkServer(sink)
-	go rrServer(rr)
 	fmt.Println("ready")
 	io.Copy(io.Discard, os.Stdin)
 }
 
 // startHelper runs the application process and waits until it serves.
 func startHelper(b *testing.B, path string) {
-	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperApp$")
+	cmd := exec.Command(os.Args[0])
 	cmd.Env = append(os.Environ(), helperEnv+"="+path)
 	stdin, err := cmd.StdinPipe()
 	if err != nil {

@@ -30,6 +30,11 @@ const bindRetries = 3
 // the peer never answered.
 const lingerMax = 30 * time.Second
 
+// timeWaitHold is how long a connection in TIME-WAIT keeps its flow: a few
+// retransmission timeouts, far less than TIME-WAIT itself, so that ports of
+// the reserved range come back quickly.
+const timeWaitHold = time.Second
+
 // Listen announces on the local address: "tcp", "tcp4" or "tcp6", and
 // "host:port" where host is empty (every address of the stack) or one of
 // the stack's addresses, and port 0 asks the bridge for a free one.
@@ -147,14 +152,26 @@ func (c *tcpConn) Close() error {
 // lingerThenDrop keeps the claim while the closing handshake runs, so the
 // peer's FIN and ACK still reach the stack instead of the kernel (which
 // would answer them with a reset).
+//
+// TIME-WAIT keeps the claim a little longer (timeWaitHold): after a
+// simultaneous close the peer may still be waiting for the ACK of its FIN
+// and retransmit it, and only this stack can answer that.
 func lingerThenDrop(ep tcpip.Endpoint, l *lease) {
 	deadline := time.Now().Add(lingerMax)
 	wait := time.Millisecond
+	var timeWait time.Time
 	for !l.s.closed.Load() && time.Now().Before(deadline) {
 		switch tcp.EndpointState(ep.State()) {
-		case tcp.StateTimeWait, tcp.StateClose, tcp.StateError, tcp.StateInitial, tcp.StateBound:
+		case tcp.StateClose, tcp.StateError, tcp.StateInitial, tcp.StateBound:
 			l.drop()
 			return
+		case tcp.StateTimeWait:
+			if timeWait.IsZero() {
+				timeWait = time.Now()
+			} else if time.Since(timeWait) >= timeWaitHold {
+				l.drop()
+				return
+			}
 		}
 		time.Sleep(wait)
 		wait = min(2*wait, 100*time.Millisecond)

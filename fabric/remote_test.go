@@ -444,7 +444,7 @@ func TestRemoteGoodbye(t *testing.T) {
 // because both ends send keepalives.
 func TestRemotePeerTimeout(t *testing.T) {
 	testenv.RequirePrivileged(t)
-	cfg := RemoteConfig{PeerTimeout: 150 * time.Millisecond, CreditInterval: 5 * time.Millisecond}
+	cfg := RemoteConfig{PeerTimeout: 300 * time.Millisecond, CreditInterval: 5 * time.Millisecond}
 	x := newRemotes(t, false, cfg, cfg)
 	live, liveB := x.pair(t, 1) // both ends live, idle
 	var silent *RemoteStream
@@ -477,7 +477,7 @@ func TestRemotePeerTimeout(t *testing.T) {
 	if took < cfg.PeerTimeout {
 		t.Fatalf("broken after %v, before the %v timeout", took, cfg.PeerTimeout)
 	}
-	time.Sleep(3 * cfg.PeerTimeout) // the idle live pair outlives several timeouts
+	time.Sleep(2 * cfg.PeerTimeout) // the idle live pair outlives several timeouts
 	if live.Err() != nil || liveB.Err() != nil {
 		t.Fatalf("idle live stream broke: %v / %v", live.Err(), liveB.Err())
 	}

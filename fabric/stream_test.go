@@ -7,6 +7,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 func newTestPair(t testing.TB, cfg Config) (*Stream, *Stream) {
@@ -503,5 +505,60 @@ func TestEventQueueCloseWhileWaiting(t *testing.T) {
 	q.Close()
 	if after := openFDs(t); after != before {
 		t.Fatalf("%d descriptors open before, %d after", before, after)
+	}
+}
+
+// countdown becomes ready on its n-th look: a condition without timing.
+type countdown struct{ n int }
+
+func (c *countdown) ready() bool { c.n--; return c.n <= 0 }
+
+// The adaptive spin follows what waits needed: steady waits shorter than
+// MaxSpin raise it to 1.5 times their length, long ones bring it back to
+// Spin; a fixed Waiter never moves. And the learned spin is what the next
+// wait uses: it catches a condition that a fixed Waiter sleeps for.
+func TestWaiterAdaptiveSpin(t *testing.T) {
+	fd, err := newEventfd()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	var flag uint32
+	w := newWaiter(fd, &flag)
+	w.Spin, w.MaxSpin = 20*time.Microsecond, 200*time.Microsecond
+	for i := 0; i < 40; i++ {
+		w.learn(80 * time.Microsecond)
+	}
+	if b := w.Budget(); b < 115*time.Microsecond || b > 120*time.Microsecond {
+		t.Fatalf("after steady 80 µs waits the spin is %v, want about 120 µs", b)
+	}
+	for i := 0; i < 40; i++ {
+		w.learn(190 * time.Microsecond)
+	}
+	if b := w.Budget(); b > w.MaxSpin || b < w.MaxSpin-time.Microsecond {
+		t.Fatalf("spin %v, want just under MaxSpin %v", b, w.MaxSpin)
+	}
+	for i := 0; i < 40; i++ {
+		w.learn(5 * time.Millisecond)
+	}
+	if b := w.Budget(); b > 21*time.Microsecond {
+		t.Fatalf("after long waits the spin is still %v", b)
+	}
+	fixed := newWaiter(fd, &flag)
+	fixed.learn(80 * time.Microsecond)
+	if fixed.Budget() != DefaultSpin {
+		t.Fatalf("a fixed waiter moved to %v", fixed.Budget())
+	}
+
+	// A learned long spin catches a condition that needs many looks;
+	// a waiter that does not spin sleeps for it.
+	w.Spin, w.MaxSpin, w.budget = 0, time.Second, time.Second
+	if err := w.wait(&countdown{n: 10000}, time.Second); err != nil || w.Sleeps() != 0 {
+		t.Fatalf("learned spin: err %v, %d sleeps", err, w.Sleeps())
+	}
+	fixed.Spin = 0
+	fixed.wait(&countdown{n: 10000}, time.Millisecond)
+	if fixed.Sleeps() == 0 {
+		t.Fatal("a waiter without spin did not sleep")
 	}
 }

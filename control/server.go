@@ -635,7 +635,7 @@ func (ss *session) registerRemote(req *Request, pol Policy) (Reply, []int, error
 			return fmt.Errorf("%w: %v", ErrInternal, err)
 		}
 		if err := ss.srv.cfg.Dataplane.AddRemoteStream(id, rs, own); err != nil {
-			closeRemote(rs)
+			rs.Close()
 			return dataplaneErr(err)
 		}
 		ss.rs = rs
@@ -649,13 +649,6 @@ func (ss *session) registerRemote(req *Request, pol Policy) (Reply, []int, error
 	rep := ss.registered(a, pol)
 	rep.Geneve = ss.srv.cfg.RemoteAdvertise
 	return rep, nil, nil
-}
-
-// closeRemote closes a remote stream if the fabric version at hand can.
-func closeRemote(rs *fabric.RemoteStream) {
-	if c, ok := any(rs).(io.Closer); ok {
-		c.Close()
-	}
 }
 
 // end is the lease running out: everything the application held goes.
@@ -673,7 +666,7 @@ func (ss *session) end(log *slog.Logger) {
 		ss.stream.Close()
 	}
 	if ss.rs != nil {
-		closeRemote(ss.rs)
+		ss.rs.Close()
 	}
 	log.Info("application gone", "app", ss.name, "stream", ss.app.stream)
 }

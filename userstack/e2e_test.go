@@ -75,8 +75,14 @@ func (p *bridgePlane) AddRemoteStream(id uint32, rs *fabric.RemoteStream, own co
 			}
 		}
 	}
+	// When the server closes the remote stream (the lease ended), the pair
+	// goes too; the bridge has let go of it by then.
+	go func() {
+		relay(rs.Recv, app.Send) // remote application -> bridge
+		app.Close()
+		bs.Close()
+	}()
 	go relay(app.Recv, rs.Send) // bridge -> remote application
-	go relay(rs.Recv, app.Send) // remote application -> bridge
 	return nil
 }
 

@@ -165,11 +165,7 @@ func openRemote(ctx context.Context, opts Options) (*Stack, error) {
 	if err != nil {
 		return fail(err)
 	}
-	slot := ro.Transport.SlotSize
-	if slot == 0 {
-		slot = 2048
-	}
-	maxPacket := slot - 8 // the slot header
+	maxPacket := rs.MaxPayload()
 	cfg := LinkConfig{MTU: mtuOf(reg.MTU, opts.MTU, maxPacket), MaxPacket: maxPacket, NoGRO: opts.NoGRO}
 	s, err := newStack(rs, cfg, reg.Addrs, c, c.Close, r.Close)
 	if err != nil {

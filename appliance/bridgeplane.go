@@ -7,6 +7,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/fabricbridge/fabricbridge/appliance/capture"
 	"github.com/fabricbridge/fabricbridge/appliance/config"
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 	"github.com/fabricbridge/fabricbridge/bridge"
@@ -31,9 +32,16 @@ type bridgePlane struct {
 
 // planeStream is one application stream the bridge serves.
 type planeStream struct {
-	s   *fabric.Stream // the bridge side of the application's stream
-	own bridge.Ownership
-	tap *tap // non-nil while captured
+	s    *fabric.Stream // the bridge side of the application's stream
+	gone chan struct{}  // while captured: closed when the capture ends
+}
+
+// endCapture tells a running capture that it is over.
+func (e *planeStream) endCapture() {
+	if e.gone != nil {
+		close(e.gone)
+		e.gone = nil
+	}
 }
 
 // healthInterval is how often stream health intervals end: a stream is
@@ -120,7 +128,7 @@ func (p *bridgePlane) AddStream(id uint32, s *fabric.Stream, own control.Ownersh
 	if err := p.b.AddStream(id, s, o); err != nil {
 		return err
 	}
-	p.streams[id] = &planeStream{s: s, own: o}
+	p.streams[id] = &planeStream{s: s}
 	return nil
 }
 
@@ -136,30 +144,20 @@ func (p *bridgePlane) SetOwnership(id uint32, own control.Ownership) error {
 	if err := p.gone(); err != nil {
 		return err
 	}
-	o := ownership(own)
-	if err := p.b.SetOwnership(id, o); err != nil {
-		return err
-	}
-	if e := p.streams[id]; e != nil {
-		e.own = o
-	}
-	return nil
+	return p.b.SetOwnership(id, ownership(own))
 }
 
 func (p *bridgePlane) RemoveStream(id uint32) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	e := p.streams[id]
+	if e := p.streams[id]; e != nil {
+		e.endCapture() // the bridge's hook goes with the stream
+	}
 	delete(p.streams, id)
 	if err := p.gone(); err != nil {
 		return nil // the bridge is closed: nothing touches the stream any more
 	}
-	err := p.b.RemoveStream(id)
-	if e != nil && e.tap != nil {
-		e.tap.end() // after the bridge let go of the tap's end
-		e.tap = nil
-	}
-	return err
+	return p.b.RemoveStream(id)
 }
 
 func (p *bridgePlane) SetTables(t *classifier.Tables) error {
@@ -185,13 +183,53 @@ func (p *bridgePlane) Close() error {
 	err := p.b.Close()
 	p.mu.Lock()
 	for _, e := range p.streams {
-		if e.tap != nil {
-			e.tap.end()
-			e.tap = nil
-		}
+		e.endCapture()
 	}
 	p.mu.Unlock()
 	return err
+}
+
+// Tap shows see every packet of stream id, both ways, through the bridge's
+// capture hook (inbound as it is copied into the stream, outbound after
+// verification, with the XDP timestamp) until stop is called or the stream
+// goes (gone is closed then). One capture per stream at a time.
+func (p *bridgePlane) Tap(id uint32, see func(capture.Direction, time.Time, []byte)) (stop func(), gone <-chan struct{}, err error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := p.gone(); err != nil {
+		return nil, nil, err
+	}
+	e := p.streams[id]
+	if e == nil {
+		return nil, nil, fmt.Errorf("no stream %d", id)
+	}
+	if e.gone != nil {
+		return nil, nil, fmt.Errorf("stream %d is already being captured", id)
+	}
+	err = p.b.SetCapture(id, func(dir bridge.Direction, pkt []byte, ts time.Time) {
+		d := capture.In
+		if dir != bridge.Inbound {
+			d = capture.Out
+		}
+		see(d, ts, pkt)
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	ch := make(chan struct{})
+	e.gone = ch
+	stop = func() {
+		p.mu.Lock()
+		defer p.mu.Unlock()
+		if e.gone != ch {
+			return // the stream or the bridge went first
+		}
+		if !p.closed {
+			p.b.SetCapture(id, nil)
+		}
+		e.endCapture()
+	}
+	return stop, ch, nil
 }
 
 var (

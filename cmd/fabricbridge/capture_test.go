@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/binary"
 	"fmt"
@@ -10,6 +11,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -177,8 +179,15 @@ func TestCaptureStream(t *testing.T) {
 		t.Errorf("summary: %s", stderr.String())
 	}
 	data, _ := os.ReadFile(pcap)
-	var got []string
+	// Records are in the order the bridge's loops saw them (RX and TX run
+	// apart); their timestamps give the order on the wire.
+	type rec struct {
+		us  uint64
+		txt string
+	}
+	var recs []rec
 	for b := data[24:]; len(b) >= 16; {
+		us := uint64(binary.LittleEndian.Uint32(b))*1e6 + uint64(binary.LittleEndian.Uint32(b[4:]))
 		n := int(binary.LittleEndian.Uint32(b[8:]))
 		p, err := ippkt.Parse(b[16 : 16+n])
 		if err != nil {
@@ -188,11 +197,40 @@ func TestCaptureStream(t *testing.T) {
 		if p.Src == local {
 			dirn = "out"
 		}
-		got = append(got, dirn+" "+string(p.Payload))
+		recs = append(recs, rec{us, dirn + " " + string(p.Payload)})
 		b = b[16+n:]
+	}
+	slices.SortStableFunc(recs, func(a, b rec) int { return cmp.Compare(a.us, b.us) })
+	var got []string
+	for _, r := range recs {
+		got = append(got, r.txt)
 	}
 	if want := "in one|out one|in two|out two"; strings.Join(got, "|") != want {
 		t.Errorf("captured %q, want %q", strings.Join(got, "|"), want)
 	}
-	ping("after") // the stream is the bridge's again
+	ping("after") // the capture hook is gone, the stream works on
+
+	// A capture without a count ends when the application goes.
+	stderr.Reset()
+	go func() {
+		done <- captureCommand(ctx, []string{"--admin", cfg.Control.AdminSocket, "--stream", "echo", "-w", pcap}, &stderr)
+	}()
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if fi, err := os.Stat(pcap); err == nil && fi.Size() == 24 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("second capture did not start: %s", stderr.String())
+		}
+	}
+	ping("captured once more")
+	c.Close()
+	select {
+	case err := <-done:
+		if err != nil || !strings.Contains(stderr.String(), "2 packets captured") {
+			t.Errorf("capture after the application left: %v\n%s", err, stderr.String())
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the capture did not end with its application")
+	}
 }

@@ -12,7 +12,8 @@
 // epoll event per idle-to-busy transition. The shm transport (NewShm,
 // Handover, AttachShm, ListenShm, DialShm) passes the memfd and eventfds
 // over a Unix socket; the remote transport (Remote) carries the same
-// packets over UDP in GENEVE for applications on other nodes.
+// packets over UDP in GENEVE for applications on other nodes. Both give
+// the application the same Link: a user-space stack runs over either.
 //
 // # Trust
 //
@@ -100,10 +101,41 @@
 //
 // # Fixed slots rather than variable-length records
 //
-// Fixed slots make validation one comparison per packet, never need a
-// wrap-around marker, let a slot be reused without compaction, and keep
-// the consumer's reads independent of any previous length the peer wrote.
-// The price is memory (a 64-byte packet occupies a 2048-byte slot), not
-// bandwidth: only the bytes of the packet and its 8-byte header are
-// touched. See BENCHMARKS.md for the measured rates.
+// Measured, not assumed (BenchmarkSlotsVsRecords; a record-ring prototype
+// with the same index discipline, same 2 MiB of ring memory): records move
+// packets 1.1 to 4.5 times faster, most at 64 bytes (2.3-3.5x in batches)
+// and least at 1500 (1.05-1.7x), because a 64-byte packet in a 2048-byte
+// slot costs two cache lines where a record costs 1.1 and because the same
+// memory holds 28 times more small records. Slots stay, for three reasons
+// that outweigh that here. The ring is not the bottleneck: slots run at
+// 15-35 M packets/s in batches, against the bridge's whole RX path at about
+// 0.4 M/s (BENCHMARKS.md), so a faster ring changes no end-to-end number.
+// A depth in packets is a contract: configuration (RxSlots, TxSlots), the
+// bridge's drop accounting and its tests, the exact drop counts promised
+// when the application stalls, and the remote transport's credits are all
+// counted in packets; with records the capacity would depend on sizes.
+// And a hostile peer is checked with one comparison per slot, where a
+// record needs three and a wrap marker. The price is paid where it shows:
+// single-packet sends reach about 7x the Unix socket, not the 10x goal,
+// and the prototype suggests records would (BENCHMARKS.md). Should a
+// consumer ever be ring-bound, records are the measured way forward, as
+// layout version 2, with Config keeping its meaning (room for at least
+// RxSlots packets of the largest size).
+//
+// # Remote transport
+//
+// The wire format is in geneve.go: RFC 8926 GENEVE on UDP port 6081, VNI
+// = stream id, protocol type 0x0800 or 0x86DD for data and 0x88B5 (IEEE
+// 802 Local Experimental Ethertype 1) for fabric control packets (credits,
+// keepalives, goodbye), whose options use the experimental option class
+// 0xFFF0. Sending batches with sendmmsg; where the kernel offers UDP GSO a
+// run of equal-sized packets is one entry cut into datagrams by the kernel
+// or NIC, and where it offers UDP GRO the receiver takes coalesced runs
+// and splits them; either side falls back to one datagram per packet
+// (RemoteConfig.NoGSO, NoGRO force the fallback). Flow control is credit
+// based with two water marks. A stream breaks (ErrPeerGone) when its peer
+// says goodbye, stays silent for PeerTimeout (every stream sends a
+// keepalive each PeerTimeout/4), or, once heard from, draws an ICMP port
+// unreachable (IP_RECVERR). Packets that arrived before are delivered
+// first.
 package fabric

@@ -17,7 +17,8 @@
 // bridge has installed the exact flow before the stack sends the SYN, so
 // the answer cannot go astray. Closing a listener, packet conn or UDP conn
 // gives its claim back at once; a TCP connection keeps its flow until its
-// closing handshake is done (at most 30 s), and a listener's port stays
+// closing handshake is done (plus one second of TIME-WAIT; at most 30 s),
+// and a listener's port stays
 // claimed while connections it accepted are open, as with kernel sockets.
 // The control connection is the lease: Close, or the process dying,
 // releases everything.
@@ -33,13 +34,21 @@
 //
 // # Checksums
 //
-// Verified exactly once, here, in the application's stack: the bridge and
-// the XDP classifier never look at L4 checksums (the bridge is shared by all
+// Verified exactly once, on the application's side: the bridge and the XDP
+// classifier never look at L4 checksums (the bridge is shared by all
 // applications and copies each packet once; checking here spreads the cost
-// over the applications' own cores and covers the stream copy too). On
-// transmit the stack computes them and the bridge sends them as they are.
-// A packet with a bad checksum is dropped and counted by gVisor
-// (TCP.ChecksumErrors, UDP.ChecksumErrors), never delivered.
+// over the applications' own cores and covers the stream copy too). The
+// link endpoint's receive loop checks every packet right after the ring
+// copy — IPv4 header, TCP, UDP, ICMP and ICMPv6 — drops and counts a bad one
+// (LinkStats.RxBadChecksum) and tells gVisor the rest are checked (receive
+// checksum offload), so gVisor does not check them again and GRO may
+// coalesce them. What the loop cannot judge alone (IP fragments, whose L4
+// checksum covers the reassembled datagram; IPv6 extension headers; other
+// protocols) goes up with the offload switched off for that one packet, and
+// gVisor checks it. On transmit the stack computes checksums and the bridge
+// sends them as they are; a peer behind a veth must not leave them to
+// offload (tests turn tx checksumming off on the outside end, as a real NIC
+// would have computed them).
 //
 // # Defaults
 //

@@ -18,8 +18,8 @@
 // the answer cannot go astray. Closing a listener, packet conn or UDP conn
 // gives its claim back at once; a TCP connection keeps its flow until its
 // closing handshake is done (plus one second of TIME-WAIT; at most 30 s),
-// and a listener's port stays
-// claimed while connections it accepted are open, as with kernel sockets.
+// and a listener's port stays claimed while connections it accepted are
+// open, as with kernel sockets.
 // The control connection is the lease: Close, or the process dying,
 // releases everything.
 //

@@ -218,7 +218,7 @@ func runDemo(ctx context.Context, opts demoOptions, log io.Writer) (sum demoSumm
 	fmt.Fprintf(log, "web application on a user-space TCP/IP stack (gVisor netstack), listening on %s:%d\n", local, httpPort)
 
 	// The ingest consumer: the CPU reference trigger.
-	cons, err := fingest.Open(appliance.IngestPath(cfg, "trigger"), fingest.ConsumerOptions{})
+	cons, err := fingest.Open(appliance.IngestPath(cfg, "trigger"), fingest.ConsumerOptions{Budget: time.Duration(cfg.Ingest[0].LatencyBudget)})
 	if err != nil {
 		return sum, fmt.Errorf("ingest consumer: %w", err)
 	}

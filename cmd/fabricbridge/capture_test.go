@@ -11,6 +11,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -30,6 +31,7 @@ type testBridge struct {
 	bridge, outside *netns.NS
 	v               *netns.Veth
 	cfg             *config.Config
+	path            string // of the configuration file
 	d               *appliance.Daemon
 }
 
@@ -47,6 +49,7 @@ func newTestBridge(t *testing.T, extra string) *testBridge {
 	os.WriteFile(path, []byte(fmt.Sprintf("interfaces: [{name: %s}]\naddresses: [%s]\ncontrol: {socket: %s}\nmetrics: {address: \"\"}\n%s",
 		tb.v.A.Name, tb.v.A.Addr4.Addr(), filepath.Join(dir, "control.sock"), extra)), 0o644)
 	var err error
+	tb.path = path
 	if tb.cfg, err = config.Load(path); err != nil {
 		t.Fatal(err)
 	}
@@ -209,6 +212,15 @@ func TestCaptureStream(t *testing.T) {
 		t.Errorf("captured %q, want %q", strings.Join(got, "|"), want)
 	}
 	ping("after") // the capture hook is gone, the stream works on
+
+	// stats over the admin socket (this configuration has no metrics address).
+	var st bytes.Buffer
+	if err := statsCommand(ctx, []string{"--config", tb.path, "--once", "--interval", "100ms"}, &st); err != nil {
+		t.Fatal(err)
+	}
+	if !regexp.MustCompile(`(?m)^ +\d+ echo +normal `).MatchString(st.String()) || !strings.Contains(st.String(), cfg.Control.AdminSocket) {
+		t.Errorf("stats over the admin socket:\n%s", st.String())
+	}
 
 	// A capture without a count ends when the application goes.
 	stderr.Reset()

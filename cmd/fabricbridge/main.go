@@ -34,7 +34,7 @@ commands:
            shuts down cleanly (default FILE /etc/fabricbridge/fabricbridge.yaml)
   check    --config FILE: validate a configuration file; every problem is
            reported with its file, line and field
-  stats    [--config FILE | --metrics HOST:PORT] [--interval D] [--once]:
+  stats    [--config FILE | --metrics HOST:PORT | --admin PATH] [--once]:
            a live table of the daemon's counters and rates, refreshing like top
   capture  --stream NAME -w FILE.pcap [-c N] [filter]: both directions of
            one application's stream into a pcap file (tcpdump, Wireshark);

@@ -26,19 +26,29 @@ func statsCommand(ctx context.Context, args []string, stdout io.Writer) error {
 	fs := flag.NewFlagSet("stats", flag.ContinueOnError)
 	path := fs.String("config", "", "read the metrics address from this configuration (default "+DefaultConfig+" if it exists)")
 	addr := fs.String("metrics", "", "the daemon's metrics address host:port (overrides --config)")
+	admin := fs.String("admin", "", "the daemon's admin socket (overrides --config)")
 	every := fs.Duration("interval", time.Second, "refresh interval")
 	once := fs.Bool("once", false, "print one table (rates over one interval) and exit")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}
 	if fs.NArg() > 0 || *every <= 0 {
-		return errors.New("stats: usage: fabricbridge stats [--config FILE | --metrics HOST:PORT] [--interval D] [--once]")
+		return errors.New("stats: usage: fabricbridge stats [--config FILE | --metrics HOST:PORT | --admin PATH] [--interval D] [--once]")
 	}
-	target, err := metricsTarget(*addr, *path)
+	target, sock, err := metricsTarget(*addr, *admin, *path)
+	label := strings.TrimSuffix(strings.TrimPrefix(target, "http://"), "/metrics")
+	if sock != "" {
+		target, label = "http://fabricbridge/metrics", sock // dialled through the socket
+	}
 	if err != nil {
 		return fmt.Errorf("stats: %w", err)
 	}
 	client := &http.Client{Timeout: 3 * time.Second}
+	if sock != "" {
+		client.Transport = &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			return (&net.Dialer{}).DialContext(ctx, "unix", sock)
+		}}
+	}
 	prev, err := scrape(ctx, client, target)
 	if err != nil {
 		return fmt.Errorf("stats: %w", err)
@@ -60,7 +70,7 @@ func statsCommand(ctx context.Context, args []string, stdout io.Writer) error {
 		if clear {
 			io.WriteString(stdout, "\x1b[H\x1b[2J")
 		}
-		render(stdout, target, prev, cur)
+		render(stdout, label, prev, cur)
 		if *once {
 			return nil
 		}
@@ -68,10 +78,11 @@ func statsCommand(ctx context.Context, args []string, stdout io.Writer) error {
 	}
 }
 
-// metricsTarget is the URL of /metrics: from --metrics, else from the
-// configuration's metrics.address.
-func metricsTarget(addr, path string) (string, error) {
-	if addr == "" {
+// metricsTarget is where /metrics is: --metrics, else --admin (a Unix
+// socket: sock is set), else the configuration's metrics.address, or its
+// admin socket when the metrics address is off.
+func metricsTarget(addr, admin, path string) (url, sock string, err error) {
+	if addr == "" && admin == "" {
 		if path == "" {
 			path = DefaultConfig
 			if _, err := os.Stat(path); err != nil {
@@ -81,17 +92,17 @@ func metricsTarget(addr, path string) (string, error) {
 		if addr == "" {
 			c, err := config.Load(path)
 			if err != nil {
-				return "", err
+				return "", "", err
 			}
-			if c.Metrics.Address == "" {
-				return "", fmt.Errorf("%s: metrics.address is empty: the daemon serves no metrics", path)
-			}
-			addr = string(c.Metrics.Address)
+			addr, admin = string(c.Metrics.Address), c.Control.AdminSocket
 		}
+	}
+	if addr == "" {
+		return "", admin, nil
 	}
 	host, port, err := net.SplitHostPort(addr)
 	if err != nil {
-		return "", fmt.Errorf("metrics address %q: %v", addr, err)
+		return "", "", fmt.Errorf("metrics address %q: %v", addr, err)
 	}
 	switch host {
 	case "", "0.0.0.0":
@@ -99,7 +110,7 @@ func metricsTarget(addr, path string) (string, error) {
 	case "::":
 		host = "::1"
 	}
-	return "http://" + net.JoinHostPort(host, port) + "/metrics", nil
+	return "http://" + net.JoinHostPort(host, port) + "/metrics", "", nil
 }
 
 type snapshot struct {
@@ -187,14 +198,14 @@ func human(v float64) string {
 
 func bits(bytesPerSec float64) string { return human(bytesPerSec*8) + "b/s" }
 
-// render writes one screen.
-func render(w io.Writer, target string, prev, cur snapshot) {
+// render writes one screen; source names where the numbers come from.
+func render(w io.Writer, source string, prev, cur snapshot) {
 	up := time.Duration(0)
 	if st := cur.get("fabricbridge_start_time_seconds"); st > 0 {
 		up = cur.at.Sub(time.Unix(0, int64(st*1e9))).Round(time.Second)
 	}
 	fmt.Fprintf(w, "fabricbridge  %s  up %v  applications %s  reloads %s ok, %s failed  %s\n",
-		strings.TrimSuffix(strings.TrimPrefix(target, "http://"), "/metrics"), up,
+		source, up,
 		human(cur.get("fabricbridge_applications_connected")),
 		human(cur.get("fabricbridge_reloads_total", "result", "ok")), human(cur.get("fabricbridge_reloads_total", "result", "error")),
 		cur.at.Format("15:04:05"))

@@ -58,7 +58,7 @@ fabricbridge_ingest_consumer_attached{ring="trigger",buffer_id="1"} 1
 `
 	cur := newSnapshot(t0.Add(2*time.Second), exposition(t, after))
 	var b bytes.Buffer
-	render(&b, "http://127.0.0.1:9469/metrics", prev, cur)
+	render(&b, "127.0.0.1:9469", prev, cur)
 	out := b.String()
 	for _, want := range []string{
 		"fabricbridge  127.0.0.1:9469  up 16m42s  applications 1  reloads 2 ok, 1 failed",

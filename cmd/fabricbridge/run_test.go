@@ -223,6 +223,11 @@ func TestRunSignals(t *testing.T) {
 	// SIGKILL: nothing is cleaned up by the daemon; a new one starts anyway.
 	d.signal(t, syscall.SIGKILL)
 	d.wait(t)
+	for _, f := range []string{"control.sock", "admin.sock"} {
+		if _, err := os.Stat(filepath.Join(dir, f)); err != nil {
+			t.Fatalf("after SIGKILL %s should be left behind for the restart to clear: %v", f, err)
+		}
+	}
 	write("rules:\n  - {id: 3, name: blocked, match: {protocol: udp, dst_port: 6666}, action: drop}\n")
 	d = startDaemon(t, bridge, "run", "--config", path)
 	waitMetric(t, bridge, metricsAddr, d, func(s []metrics.Sample) bool { return len(s) > 0 })
@@ -237,8 +242,10 @@ func TestRunSignals(t *testing.T) {
 	if xdpOn(bridge, v.A.Name) {
 		t.Error("XDP still attached after SIGTERM")
 	}
-	if _, err := os.Stat(filepath.Join(dir, "control.sock.lock")); !os.IsNotExist(err) {
-		t.Errorf("lock file left after SIGTERM: %v", err)
+	for _, f := range []string{"control.sock.lock", "control.sock", "admin.sock", "control.sock.ports"} {
+		if _, err := os.Stat(filepath.Join(dir, f)); !os.IsNotExist(err) {
+			t.Errorf("%s left after SIGTERM: %v", f, err)
+		}
 	}
 	var reserved []byte
 	bridge.Do(func() (err error) {

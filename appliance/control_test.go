@@ -355,3 +355,63 @@ func TestControlMutualTLS(t *testing.T) {
 		t.Errorf("client with a certificate from another CA got %v", rep)
 	}
 }
+
+// TestQuotas: the configured quotas reach the control server.
+func TestQuotas(t *testing.T) {
+	tp := newTopo(t)
+	d := tp.start(t, tp.config(t, "applications:\n  - {name: small, quota: {ports: 1, max_slots: 2048}}\n"), io.Discard)
+	defer d.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	c, err := control.DialLocal(ctx, d.Config().Control.Socket, "small")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if _, _, err := c.RegisterLocal(ctx, 4096, 0); !errors.Is(err, control.ErrQuota) {
+		t.Errorf("ring deeper than max_slots: %v", err)
+	}
+	if _, _, err := c.RegisterLocal(ctx, 2048, 2048); err != nil {
+		t.Fatalf("rings within the quota: %v", err)
+	}
+	if err := listen(c, 8001); err != nil {
+		t.Fatal(err)
+	}
+	if err := listen(c, 8002); !errors.Is(err, control.ErrQuota) {
+		t.Errorf("second port with ports: 1: %v", err)
+	}
+	// An application the list does not name gets default_quota.
+	other := dialApp(t, d, "other")
+	for p := range 3 {
+		if err := listen(other, uint16(8100+p)); err != nil {
+			t.Errorf("unlisted application, port %d: %v", 8100+p, err)
+		}
+	}
+}
+
+// TestWhoMayRegister: refuse_unlisted and uids reach the control server.
+func TestWhoMayRegister(t *testing.T) {
+	tp := newTopo(t)
+	d := tp.start(t, tp.config(t, "applications:\n  - {name: listed}\n  - {name: other-user, uids: [12345]}\n", "  refuse_unlisted: true\n"), io.Discard)
+	defer d.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	register := func(name string) error {
+		c, err := control.DialLocal(ctx, d.Config().Control.Socket, name)
+		if err != nil {
+			return err
+		}
+		defer c.Close()
+		_, _, err = c.RegisterLocal(ctx, 0, 0)
+		return err
+	}
+	if err := register("listed"); err != nil {
+		t.Errorf("listed application: %v", err)
+	}
+	if err := register("stranger"); err == nil {
+		t.Error("an unlisted application registered despite refuse_unlisted")
+	}
+	if err := register("other-user"); err == nil {
+		t.Errorf("uid %d registered as an application reserved for uid 12345", os.Getuid())
+	}
+}

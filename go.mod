@@ -7,15 +7,15 @@ require (
 	github.com/gopacket/gopacket v1.7.7
 	github.com/vishvananda/netlink v1.3.1
 	github.com/vishvananda/netns v0.0.5
+	go.yaml.in/yaml/v3 v3.0.6
 	golang.org/x/sys v0.49.0
+	gvisor.dev/gvisor v0.0.0-20260527191743-a81fd9dd382e
 )
 
 require (
 	github.com/google/btree v1.1.2 // indirect
-	go.yaml.in/yaml/v3 v3.0.6 // indirect
 	golang.org/x/exp v0.0.0-20250711185948-6ae5c78190dc // indirect
 	golang.org/x/time v0.15.0 // indirect
-	gvisor.dev/gvisor v0.0.0-20260527191743-a81fd9dd382e // indirect
 )
 
 tool github.com/cilium/ebpf/cmd/bpf2go

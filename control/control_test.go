@@ -850,8 +850,19 @@ func TestConfiguredEntriesFollowTheirApplication(t *testing.T) {
 	if _, err := other.Listen(ctx(t), "tcp", boxB, 80); !errors.Is(err, ErrPortInUse) {
 		t.Fatalf("other app on web's configured port: %v", err)
 	}
-	if _, err := c.Listen(ctx(t), "tcp", boxA, 80); !errors.Is(err, ErrPortInUse) {
-		t.Fatalf("web listening again on its configured port: %v", err)
+	// web itself may listen there: the claim shares the configured entry.
+	own, err := c.Listen(ctx(t), "tcp", boxA, 80)
+	if err != nil {
+		t.Fatalf("web listening on its configured port: %v", err)
+	}
+	if got := f.dp.entries(); !slices.Equal(got, want) {
+		t.Fatalf("web's claim on its configured port changed the entries: %q, want %q", got, want)
+	}
+	if err := c.Release(ctx(t), own.ID); err != nil {
+		t.Fatal(err)
+	}
+	if got := f.dp.entries(); !slices.Equal(got, want) {
+		t.Fatalf("releasing the shared claim changed the entries: %q, want %q", got, want)
 	}
 	// A second "web" cannot take the name's entries.
 	c2, err := DialLocal(ctx(t), f.path, "web")
@@ -916,6 +927,90 @@ func TestConfiguredEntriesFollowTheirApplication(t *testing.T) {
 	}
 	if apps := f.srv.Apps(); len(apps) != 2 {
 		t.Fatalf("apps %+v", apps)
+	}
+}
+
+// TestOwnConfiguredListenerIsShared: an application listening on a port its
+// own configured listener covers gets a claim that shares the configured
+// entry; only the part the configuration does not cover gets an entry of
+// its own, and the claim keeps steering if a reload drops the configured
+// listener.
+func TestOwnConfiguredListenerIsShared(t *testing.T) {
+	v4only := AppStatic{Listeners: []classifier.Listener{{ID: 10, Protocol: classifier.ProtoTCP, Addr: netip.IPv4Unspecified(), Port: 80}}}
+	f := newFixture(t, func(c *Config) {
+		c.Static = Static{Apps: map[string]AppStatic{"web": v4only}}
+		c.FirstDynamicID = 4096
+	})
+	c, reg, _ := f.register("web")
+	rules := func() map[string]uint32 {
+		out := map[string]uint32{}
+		for k, tg := range f.dp.current().Listeners() {
+			if tg.Stream != reg.Stream {
+				t.Fatalf("listener %+v steers to stream %d, not web's %d", k, tg.Stream, reg.Stream)
+			}
+			out[fmt.Sprintf("%v:%d", addrOf(k.Family, k.Addr), k.Port)] = tg.Rule
+		}
+		return out
+	}
+
+	// Covered whole: no entry of its own.
+	exact, err := c.Listen(ctx(t), "tcp", boxA, 80)
+	if err != nil {
+		t.Fatalf("listen on an address the configured wildcard covers: %v", err)
+	}
+	if got := rules(); len(got) != 1 || got["0.0.0.0:80"] != 10 {
+		t.Fatalf("entries %v, want only the configured 0.0.0.0:80 (id 10)", got)
+	}
+	if err := c.Release(ctx(t), exact.ID); err != nil {
+		t.Fatal(err)
+	}
+
+	// Both families asked, IPv4 configured: the claim adds IPv6 only.
+	both, err := c.Listen(ctx(t), "tcp", netip.Addr{}, 80)
+	if err != nil {
+		t.Fatalf("listen on both families: %v", err)
+	}
+	got := rules()
+	if len(got) != 2 || got["0.0.0.0:80"] != 10 || got[":::80"] < 4096 {
+		t.Fatalf("entries %v, want the configured 0.0.0.0:80 (id 10) and a dynamic :::80", got)
+	}
+	if _, err := c.Listen(ctx(t), "tcp", netip.Addr{}, 80); !errors.Is(err, ErrPortInUse) {
+		t.Fatalf("second listen on the same port: %v", err)
+	}
+	other, _, _ := f.register("other")
+	if _, err := other.Listen(ctx(t), "tcp", boxB, 80); !errors.Is(err, ErrPortInUse) {
+		t.Fatalf("another application on web's port: %v", err)
+	}
+
+	// A reload that drops the configured listener leaves the claim
+	// steering both families on its own; one that brings it back shares
+	// again.
+	if err := f.srv.SetStatic(Static{Apps: map[string]AppStatic{"web": {}}}); err != nil {
+		t.Fatal(err)
+	}
+	dyn := rules()
+	if len(dyn) != 2 || dyn["0.0.0.0:80"] < 4096 || dyn["0.0.0.0:80"] != dyn[":::80"] {
+		t.Fatalf("after dropping the configured listener: %v, want the claim's own entry on both families", dyn)
+	}
+	if own := f.dp.ownership(reg.Stream); !slices.Contains(own.Ports, PortClaim{classifier.ProtoTCP, 80}) {
+		t.Fatalf("ownership %+v lost tcp/80", own.Ports)
+	}
+	if err := f.srv.SetStatic(Static{Apps: map[string]AppStatic{"web": v4only}}); err != nil {
+		t.Fatalf("reload bringing the configured listener back: %v", err)
+	}
+	if got := rules(); len(got) != 2 || got["0.0.0.0:80"] != 10 || got[":::80"] != dyn[":::80"] {
+		t.Fatalf("after restoring: %v", got)
+	}
+
+	// Released, the configured entry stays and so does the port.
+	if err := c.Release(ctx(t), both.ID); err != nil {
+		t.Fatal(err)
+	}
+	if got := rules(); len(got) != 1 || got["0.0.0.0:80"] != 10 {
+		t.Fatalf("after release: %v", got)
+	}
+	if own := f.dp.ownership(reg.Stream); !slices.Contains(own.Ports, PortClaim{classifier.ProtoTCP, 80}) {
+		t.Fatalf("ownership %+v lost the configured tcp/80", own.Ports)
 	}
 }
 

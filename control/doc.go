@@ -54,7 +54,11 @@
 // either family; 0.0.0.0 or ::: any of one family) for proto "tcp" or
 // "udp". Port 0 asks for a free port of the reserved range. Ports inside
 // the reserved range cannot be named explicitly: they are the server's to
-// hand out.
+// hand out. A port that the configuration binds to the application itself
+// (a configured listener, see Static) may be claimed too: the claim shares
+// the configured entry, which already steers to the application's stream,
+// and the application's stack can bind the port; only the part of the claim
+// the configured listener does not cover gets an entry of its own.
 //
 // connect allocates a free port P of the reserved range for an outgoing
 // conversation from addr:P to remote, and installs the exact flow

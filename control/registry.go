@@ -317,8 +317,12 @@ func (r *registry) compile() (*classifier.Tables, error) {
 		}
 		for _, c := range a.claims {
 			if c.listener {
+				addr, need := a.uncovered(c)
+				if !need {
+					continue // the application's configured listener steers it
+				}
 				set.Listeners = append(set.Listeners, classifier.Listener{
-					ID: c.ruleID, Protocol: c.proto, Addr: c.addr, Port: c.port, Stream: a.stream,
+					ID: c.ruleID, Protocol: c.proto, Addr: addr, Port: c.port, Stream: a.stream,
 				})
 			} else {
 				set.Flows = append(set.Flows, classifier.Flow{
@@ -329,6 +333,55 @@ func (r *registry) compile() (*classifier.Tables, error) {
 		}
 	}
 	return classifier.Compile(&set)
+}
+
+// uncovered says which part of listener claim c needs a table entry of its
+// own: the part that none of a's configured listeners (while a holds them)
+// already steers to a. need is false when they cover all of it, so the claim
+// shares their entries; else addr is what the claim's own entry must listen
+// on (c.addr, or one family's wildcard when a configured wildcard covers
+// the other). Deciding this when the tables are compiled, not when the
+// claim is made, keeps the claim steered if a reload takes the configured
+// listener away.
+func (a *app) uncovered(c *claim) (addr netip.Addr, need bool) {
+	if a.static == nil {
+		return c.addr, true
+	}
+	covered := func(part netip.Addr) bool {
+		for _, l := range a.static.Listeners {
+			if l.Protocol == c.proto && l.Port == c.port && covers(l.Addr, part) {
+				return true
+			}
+		}
+		return false
+	}
+	if c.addr.IsValid() {
+		return c.addr, !covered(c.addr)
+	}
+	v4, v6 := covered(netip.IPv4Unspecified()), covered(netip.IPv6Unspecified())
+	switch {
+	case v4 && v6:
+		return netip.Addr{}, false
+	case v4:
+		return netip.IPv6Unspecified(), true
+	case v6:
+		return netip.IPv4Unspecified(), true
+	}
+	return c.addr, true
+}
+
+// covers reports whether a listener on l receives every packet one on addr
+// (valid) would.
+func covers(l, addr netip.Addr) bool {
+	switch {
+	case !l.IsValid():
+		return true
+	case l.Is4() != addr.Is4():
+		return false
+	case l.IsUnspecified():
+		return true
+	}
+	return l == addr
 }
 
 // ownership is what a's stream may send: its claims' ports and those of
@@ -587,12 +640,8 @@ func (r *registry) listen(a *app, proto classifier.Protocol, addr netip.Addr, po
 		if !a.policy.mayListen(port) {
 			return nil, fmt.Errorf("%w: port %d is not among this application's ports", ErrNotPermitted, port)
 		}
-		if owner := r.staticHolder(proto, port, addr); owner != "" {
-			who := fmt.Sprintf("application %q by configuration", owner)
-			if owner == a.name {
-				who = "this application's configuration"
-			}
-			return nil, fmt.Errorf("%w: %v port %d on %v is held by %s", ErrPortInUse, proto, port, anyAddr(addr), who)
+		if owner := r.staticHolder(proto, port, addr, a); owner != "" {
+			return nil, fmt.Errorf("%w: %v port %d on %v is held by application %q by configuration", ErrPortInUse, proto, port, anyAddr(addr), owner)
 		}
 		for _, c := range r.byPort[portKey{proto, port}] {
 			if c.listener && overlaps(c.addr, addr) {
@@ -611,10 +660,16 @@ func (r *registry) listen(a *app, proto classifier.Protocol, addr netip.Addr, po
 	return c, nil
 }
 
-// staticHolder names the application whose configured listener covers
-// proto addr:port, or returns "".
-func (r *registry) staticHolder(proto classifier.Protocol, port uint16, addr netip.Addr) string {
+// staticHolder names an application whose configured listener overlaps
+// proto addr:port, or returns "". The configured listeners of self, while
+// self holds them, do not count: an application may listen where its own
+// configuration already steers (a user-space stack must listen to accept),
+// and its claim shares the configured entry (see uncovered).
+func (r *registry) staticHolder(proto classifier.Protocol, port uint16, addr netip.Addr, self *app) string {
 	for name, as := range r.static.Apps {
+		if self != nil && r.named[name] == self {
+			continue
+		}
 		for _, l := range as.Listeners {
 			if l.Protocol == proto && l.Port == port && overlaps(l.Addr, addr) {
 				return name
@@ -691,7 +746,7 @@ func (r *registry) freePort(proto classifier.Protocol) (uint16, error) {
 		} else {
 			cur++
 		}
-		if len(r.byPort[portKey{proto, cur}]) == 0 && r.staticHolder(proto, cur, netip.Addr{}) == "" {
+		if len(r.byPort[portKey{proto, cur}]) == 0 && r.staticHolder(proto, cur, netip.Addr{}, nil) == "" {
 			r.portCur[proto] = cur
 			return cur, nil
 		}

@@ -36,6 +36,9 @@ func TestMain(m *testing.M) {
 	if spec := os.Getenv("FB_TEST_APP"); spec != "" {
 		os.Exit(testApp(spec))
 	}
+	if spec := os.Getenv("FB_TEST_REMOTE_APP"); spec != "" {
+		os.Exit(testRemoteApp(spec))
+	}
 	os.Exit(m.Run())
 }
 

@@ -55,9 +55,10 @@ func rrServer(l net.Listener) {
 	}
 }
 
-// goodput sends n bytes from the outside kernel to addr and returns bit/s.
-func (e *e2e) goodput(addr string, n int) (float64, error) {
-	c, err := e.dialOutside(context.Background(), "tcp", addr)
+// goodput sends n bytes to addr and returns bit/s, timed until the server
+// has read the last byte.
+func goodput(addr string, n int) (float64, error) {
+	c, err := net.Dial("tcp", addr)
 	if err != nil {
 		return 0, err
 	}
@@ -77,10 +78,10 @@ func (e *e2e) goodput(addr string, n int) (float64, error) {
 	return float64(n) * 8 / time.Since(start).Seconds(), nil
 }
 
-// roundTrips times count 1-byte request/responses to addr from the outside
-// kernel and returns the sorted durations.
-func (e *e2e) roundTrips(addr string, count int) ([]time.Duration, error) {
-	c, err := e.dialOutside(context.Background(), "tcp", addr)
+// roundTrips times count 1-byte request/responses to addr and returns the
+// sorted durations.
+func roundTrips(addr string, count int) ([]time.Duration, error) {
+	c, err := net.Dial("tcp", addr)
 	if err != nil {
 		return nil, err
 	}
@@ -106,13 +107,12 @@ func (e *e2e) roundTrips(addr string, count int) ([]time.Duration, error) {
 
 func pct(ds []time.Duration, p float64) time.Duration { return ds[int(float64(len(ds)-1)*p)] }
 
-// connsPerSecond opens and closes connections to addr from the outside
-// kernel, one at a time, for d.
-func (e *e2e) connsPerSecond(addr string, d time.Duration) (float64, error) {
+// connsPerSecond opens and closes connections to addr, one at a time, for d.
+func connsPerSecond(addr string, d time.Duration) (float64, error) {
 	n := 0
 	start := time.Now()
 	for time.Since(start) < d {
-		c, err := e.dialOutside(context.Background(), "tcp", addr)
+		c, err := net.Dial("tcp", addr)
 		if err != nil {
 			return 0, err
 		}
@@ -130,15 +130,157 @@ func (e *e2e) connsPerSecond(addr string, d time.Duration) (float64, error) {
 	return float64(n) / time.Since(start).Seconds(), nil
 }
 
+// clientEnv makes the test binary the benchmark's outside client: a
+// process of its own in the outside namespace, as the client would be a
+// host of its own. In the benchmark's process it would share the Go
+// scheduler with the bridge's loops, whose threads keep their Ps while they
+// sleep in system calls; the client's wake-ups then wait for the runtime to
+// take a P back (measured: ~100 µs per round trip), a cost that belongs to
+// the benchmark, not to the path under test.
+const clientEnv = "FB_USERSTACK_BENCH_CLIENT"
+
+// runClient serves commands, one a line on standard input, each answered
+// with one line: "goodput ADDR BYTES" → bit/s, "rr ADDR COUNT" → the
+// sorted round trips in ns, "cps ADDR MS" → connections/s; "error ..."
+// when it fails.
+func runClient() {
+	sc := bufio.NewScanner(os.Stdin)
+	for sc.Scan() {
+		var op, addr string
+		var n int
+		if _, err := fmt.Sscan(sc.Text(), &op, &addr, &n); err != nil {
+			fmt.Println("error", err)
+			continue
+		}
+		var out string
+		var err error
+		switch op {
+		case "goodput":
+			var v float64
+			v, err = goodput(addr, n)
+			out = fmt.Sprint(v)
+		case "rr":
+			var ds []time.Duration
+			ds, err = roundTrips(addr, n)
+			var sb strings.Builder
+			for _, d := range ds {
+				fmt.Fprint(&sb, int64(d), " ")
+			}
+			out = sb.String()
+		case "cps":
+			var v float64
+			v, err = connsPerSecond(addr, time.Duration(n)*time.Millisecond)
+			out = fmt.Sprint(v)
+		default:
+			err = fmt.Errorf("unknown command %q", op)
+		}
+		if err != nil {
+			fmt.Println("error", err)
+			continue
+		}
+		fmt.Println(out)
+	}
+}
+
+// benchClient is the handle on the client process.
+type benchClient struct {
+	in  io.Writer
+	out *bufio.Scanner
+}
+
+// startClient runs the client process in the outside namespace.
+func startClient(b *testing.B, e *e2e) *benchClient {
+	cmd := exec.Command("ip", "netns", "exec", e.out.Name, os.Args[0])
+	cmd.Env = append(os.Environ(), clientEnv+"=1")
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		b.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		b.Fatal(err)
+	}
+	cmd.Stderr = os.Stderr
+	if err := cmd.Start(); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() {
+		stdin.Close()
+		cmd.Wait()
+	})
+	sc := bufio.NewScanner(stdout)
+	sc.Buffer(nil, 1<<20)
+	return &benchClient{in: stdin, out: sc}
+}
+
+func (c *benchClient) do(cmd string) (string, error) {
+	if _, err := fmt.Fprintln(c.in, cmd); err != nil {
+		return "", err
+	}
+	if !c.out.Scan() {
+		return "", fmt.Errorf("client process: %v", c.out.Err())
+	}
+	line := c.out.Text()
+	if msg, ok := strings.CutPrefix(line, "error "); ok {
+		return "", fmt.Errorf("client: %s: %s", cmd, msg)
+	}
+	return line, nil
+}
+
+func (c *benchClient) goodput(addr string, n int) (float64, error) {
+	line, err := c.do(fmt.Sprint("goodput ", addr, " ", n))
+	if err != nil {
+		return 0, err
+	}
+	var v float64
+	_, err = fmt.Sscan(line, &v)
+	return v, err
+}
+
+func (c *benchClient) roundTrips(addr string, count int) ([]time.Duration, error) {
+	line, err := c.do(fmt.Sprint("rr ", addr, " ", count))
+	if err != nil {
+		return nil, err
+	}
+	var ds []time.Duration
+	for _, f := range strings.Fields(line) {
+		var ns int64
+		if _, err := fmt.Sscan(f, &ns); err != nil {
+			return nil, err
+		}
+		ds = append(ds, time.Duration(ns))
+	}
+	if len(ds) != count {
+		return nil, fmt.Errorf("client: %d round trips, want %d", len(ds), count)
+	}
+	return ds, nil
+}
+
+func (c *benchClient) connsPerSecond(addr string, d time.Duration) (float64, error) {
+	line, err := c.do(fmt.Sprint("cps ", addr, " ", d.Milliseconds()))
+	if err != nil {
+		return 0, err
+	}
+	var v float64
+	_, err = fmt.Sscan(line, &v)
+	return v, err
+}
+
 // helperEnv names the control socket when the test binary runs as the
 // benchmark's application process.
 const helperEnv = "FB_USERSTACK_HELPER_CONTROL"
 
-// TestMain turns the test binary into the benchmark's application process
-// when helperEnv is set: the application in a process of its own, as in
-// production. It serves a sink on port 5005 and echoes single bytes on
-// 5006, says "ready", and exits when its standard input closes.
+// TestMain turns the test binary into one of the benchmark's processes:
+// the outside client when clientEnv is set (see runClient), or the
+// application when helperEnv is set: the application in a process of its
+// own, as in production. That one serves a sink on port 5005 and echoes
+// single bytes on 5006, says "ready", and exits when its standard input
+// closes.
 func TestMain(m *testing.M) {
+	if os.Getenv(clientEnv) != "" {
+		runClient()
+		return
+	}
 	path := os.Getenv(helperEnv)
 	if path == "" {
 		os.Exit(m.Run())
@@ -237,42 +379,43 @@ func BenchmarkEndToEnd(b *testing.B) {
 	}
 	const size = 256 << 20
 	startHelper(b, e.path)
+	client := startClient(b, e)
 	for b.Loop() {
 		offloads(true)
-		kernOn, err := e.goodput(at(5002), size)
+		kernOn, err := client.goodput(at(5002), size)
 		if err != nil {
 			b.Fatal(err)
 		}
 		offloads(false) // the userstack path needs full checksums anyway
-		kernOff, err := e.goodput(at(5002), size)
+		kernOff, err := client.goodput(at(5002), size)
 		if err != nil {
 			b.Fatal(err)
 		}
-		user, err := e.goodput(at(5001), size)
+		user, err := client.goodput(at(5001), size)
 		if err != nil {
 			b.Fatal(err)
 		}
-		child, err := e.goodput(at(5005), size)
+		child, err := client.goodput(at(5005), size)
 		if err != nil {
 			b.Fatal(err)
 		}
-		crr, err := e.roundTrips(at(5006), 5000)
+		crr, err := client.roundTrips(at(5006), 5000)
 		if err != nil {
 			b.Fatal(err)
 		}
-		krr, err := e.roundTrips(at(5004), 5000)
+		krr, err := client.roundTrips(at(5004), 5000)
 		if err != nil {
 			b.Fatal(err)
 		}
-		urr, err := e.roundTrips(at(5003), 5000)
+		urr, err := client.roundTrips(at(5003), 5000)
 		if err != nil {
 			b.Fatal(err)
 		}
-		kcps, err := e.connsPerSecond(at(5004), 2*time.Second)
+		kcps, err := client.connsPerSecond(at(5004), 2*time.Second)
 		if err != nil {
 			b.Fatal(err)
 		}
-		ucps, err := e.connsPerSecond(at(5003), 2*time.Second)
+		ucps, err := client.connsPerSecond(at(5003), 2*time.Second)
 		if err != nil {
 			b.Fatal(err)
 		}

@@ -3,19 +3,13 @@ package appliance
 import (
 	"bufio"
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
 	"crypto/tls"
 	"crypto/x509"
-	"crypto/x509/pkix"
 	"encoding/binary"
 	"encoding/json"
-	"encoding/pem"
 	"errors"
 	"fmt"
 	"io"
-	"math/big"
 	"net"
 	"net/netip"
 	"os"
@@ -27,6 +21,7 @@ import (
 	"time"
 
 	"github.com/fabricbridge/fabricbridge/control"
+	"github.com/fabricbridge/fabricbridge/internal/testpki"
 )
 
 // TestMain lets a test start the test binary as an application process:
@@ -237,81 +232,25 @@ func TestControlTCPSecret(t *testing.T) {
 	}
 }
 
-// pki makes a CA and a certificate signed by it.
-type pki struct {
-	caPEM           []byte
-	caKey           *ecdsa.PrivateKey
-	caCert          *x509.Certificate
-	serial          int64
-	dir             string
-	t               *testing.T
-	caFile, caKeyFn string
-}
-
-func newPKI(t *testing.T, dir string) *pki {
-	key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "test CA"},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour), IsCA: true,
-		KeyUsage: x509.KeyUsageCertSign, BasicConstraintsValid: true}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cert, _ := x509.ParseCertificate(der)
-	p := &pki{caKey: key, caCert: cert, serial: 1, dir: dir, t: t}
-	p.caPEM = pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})
-	p.caFile = filepath.Join(dir, "ca.pem")
-	os.WriteFile(p.caFile, p.caPEM, 0o644)
-	return p
-}
-
-// issue writes name.pem and name.key and returns the pair.
-func (p *pki) issue(name string, ip netip.Addr, usage x509.ExtKeyUsage) (certFile, keyFile string, pair tls.Certificate) {
-	p.serial++
-	key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	tmpl := &x509.Certificate{SerialNumber: big.NewInt(p.serial), Subject: pkix.Name{CommonName: name},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{usage}}
-	if ip.IsValid() {
-		tmpl.IPAddresses = []net.IP{ip.AsSlice()}
-	}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, p.caCert, &key.PublicKey, p.caKey)
-	if err != nil {
-		p.t.Fatal(err)
-	}
-	kder, _ := x509.MarshalECPrivateKey(key)
-	certPEM := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der})
-	keyPEM := pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: kder})
-	certFile, keyFile = filepath.Join(p.dir, name+".pem"), filepath.Join(p.dir, name+".key")
-	os.WriteFile(certFile, certPEM, 0o644)
-	os.WriteFile(keyFile, keyPEM, 0o600)
-	pair, err = tls.X509KeyPair(certPEM, keyPEM)
-	if err != nil {
-		p.t.Fatal(err)
-	}
-	return certFile, keyFile, pair
-}
-
 // TestControlMutualTLS checks the server side of auth: tls: clients without
 // a certificate from the configured CA never reach the control protocol;
 // a client with one gets the protocol's hello answer (the HMAC exchange
 // still follows, as with auth: secret).
 func TestControlMutualTLS(t *testing.T) {
 	tp := newTopo(t)
-	ca := newPKI(t, tp.dir)
+	ca := testpki.New(t, tp.dir)
 	bridgeIP := tp.v.A.Addr4.Addr()
-	srvCert, srvKey, _ := ca.issue("bridge", bridgeIP, x509.ExtKeyUsageServerAuth)
-	_, _, clientPair := ca.issue("analysis", netip.Addr{}, x509.ExtKeyUsageClientAuth)
-	other := newPKI(t, t.TempDir())
-	_, _, strangerPair := other.issue("stranger", netip.Addr{}, x509.ExtKeyUsageClientAuth)
+	srvCert, srvKey, _ := ca.Issue("bridge", bridgeIP, x509.ExtKeyUsageServerAuth)
+	_, _, clientPair := ca.Issue("analysis", netip.Addr{}, x509.ExtKeyUsageClientAuth)
+	other := testpki.New(t, t.TempDir())
+	_, _, strangerPair := other.Issue("stranger", netip.Addr{}, x509.ExtKeyUsageClientAuth)
 	sf := writeSecret(t, tp.dir, "shared.secret", "0123456789abcdef-shared", 0o600)
 	addr := netip.AddrPortFrom(bridgeIP, 7071)
 	d := tp.start(t, tp.config(t, "applications: [{name: analysis}]\n", fmt.Sprintf("  tcp:\n    address: %q\n    auth: tls\n    secret_file: %s\n    cert_file: %s\n    key_file: %s\n    client_ca_file: %s\n",
-		addr, sf, srvCert, srvKey, ca.caFile)), io.Discard)
+		addr, sf, srvCert, srvKey, ca.File)), io.Discard)
 	defer d.Close()
 
-	roots := x509.NewCertPool()
-	roots.AppendCertsFromPEM(ca.caPEM)
+	roots := ca.Pool()
 	hello := func(certs []tls.Certificate) (map[string]any, error) {
 		var conn *tls.Conn
 		err := tp.outside.Do(func() (err error) {

@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"flag"
 	"fmt"
@@ -32,8 +34,15 @@ flags (all applications):
   --listen HOST:PORT   where to listen (default :80 for http, :7 echo, :9 sink)
   --config FILE        the bridge's configuration, for its control socket
   --control PATH       the bridge's control socket (overrides --config)
-  --remote HOST:PORT   a bridge on another node (control over TCP)
-  --secret-file FILE   the secret shared with that bridge
+  --remote HOST:PORT   a bridge on another node (control over TCP, stream over GENEVE)
+  --secret-file FILE   the secret shared with that bridge (required with --remote)
+  --tls-cert FILE      client certificate, for a bridge with auth: tls (with --tls-key)
+  --tls-key FILE       its private key
+  --tls-ca FILE        the CA that signed the bridge's certificate (default: system roots)
+  --tls-server-name N  the name to check in the bridge's certificate (default: the
+                       host of --remote, an IP address checked against its IP SANs)
+  --mtu N              largest IP packet the stack sends; with --remote, at most the
+                       link MTU towards the bridge minus 36 (GENEVE): 1464 on 1500
 `
 
 type appOptions struct {
@@ -61,23 +70,40 @@ func parseApp(args []string) (appOptions, error) {
 	control := fs.String("control", "", "the bridge's control socket")
 	remote := fs.String("remote", "", "a remote bridge's control address")
 	secretFile := fs.String("secret-file", "", "the secret shared with the remote bridge")
+	var tlsFiles clientTLSFiles
+	fs.StringVar(&tlsFiles.cert, "tls-cert", "", "client certificate for a bridge with auth: tls")
+	fs.StringVar(&tlsFiles.key, "tls-key", "", "the client certificate's key")
+	fs.StringVar(&tlsFiles.ca, "tls-ca", "", "CA of the bridge's certificate")
+	fs.StringVar(&tlsFiles.serverName, "tls-server-name", "", "name to check in the bridge's certificate")
+	fs.IntVar(&o.stack.MTU, "mtu", 0, "largest IP packet the stack sends")
 	fs.IntVar(&o.size, "size", 4096, "http: bytes of the answer to GET /")
 	fs.BoolVar(&o.udp, "udp", false, "echo, sink: serve UDP on the same port too")
 	fs.DurationVar(&o.every, "every", 5*time.Second, "sink: how often to print the rate")
 	if err := fs.Parse(args[1:]); err != nil {
 		return o, err
 	}
-	if fs.NArg() > 0 || o.size < 0 || o.every <= 0 {
+	if fs.NArg() > 0 || o.size < 0 || o.every <= 0 || o.stack.MTU < 0 {
 		return o, errors.New(appUsage)
 	}
 	o.stack.App = o.name
+	if *remote == "" && (*secretFile != "" || tlsFiles != clientTLSFiles{}) {
+		return o, errors.New("app: --secret-file and --tls-* go with --remote")
+	}
 	switch {
 	case *remote != "":
+		if *secretFile == "" {
+			return o, errors.New("app: --remote needs --secret-file")
+		}
 		secret, err := os.ReadFile(*secretFile)
 		if err != nil {
 			return o, fmt.Errorf("app: --secret-file: %w", err)
 		}
 		o.stack.Remote = &userstack.RemoteOptions{Control: *remote, Secret: []byte(strings.TrimRight(string(secret), "\r\n"))}
+		if tlsFiles != (clientTLSFiles{}) {
+			if o.stack.Remote.TLS, err = tlsFiles.config(*remote); err != nil {
+				return o, err
+			}
+		}
 	case *control != "":
 		o.stack.Control = *control
 	default:
@@ -96,6 +122,41 @@ func parseApp(args []string) (appOptions, error) {
 		o.stack.Control = c.Control.Socket
 	}
 	return o, nil
+}
+
+// clientTLSFiles are the --tls-* flags: the client's side of mutual TLS
+// with a bridge whose TCP control plane has auth: tls.
+type clientTLSFiles struct{ cert, key, ca, serverName string }
+
+// config loads them. The server name defaults to the host of the bridge's
+// control address; TLS 1.3, as the bridge requires.
+func (f clientTLSFiles) config(remote string) (*tls.Config, error) {
+	if f.cert == "" || f.key == "" {
+		return nil, errors.New("app: mutual TLS needs --tls-cert and --tls-key (the bridge refuses clients without a certificate)")
+	}
+	pair, err := tls.LoadX509KeyPair(f.cert, f.key)
+	if err != nil {
+		return nil, fmt.Errorf("app: --tls-cert/--tls-key: %w", err)
+	}
+	c := &tls.Config{Certificates: []tls.Certificate{pair}, ServerName: f.serverName, MinVersion: tls.VersionTLS13}
+	if c.ServerName == "" {
+		host, _, err := net.SplitHostPort(remote)
+		if err != nil {
+			return nil, fmt.Errorf("app: --remote %q: %w", remote, err)
+		}
+		c.ServerName = host
+	}
+	if f.ca != "" {
+		pem, err := os.ReadFile(f.ca)
+		if err != nil {
+			return nil, fmt.Errorf("app: --tls-ca: %w", err)
+		}
+		c.RootCAs = x509.NewCertPool()
+		if !c.RootCAs.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("app: --tls-ca: %s holds no PEM certificate", f.ca)
+		}
+	}
+	return c, nil
 }
 
 func appCommand(ctx context.Context, args []string, stdout io.Writer) error {

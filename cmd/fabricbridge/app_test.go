@@ -12,6 +12,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/fabricbridge/fabricbridge/internal/netns"
 )
 
 // syncWriter is an io.Writer tests read while an application writes.
@@ -35,9 +37,23 @@ func (w *syncWriter) String() string {
 // runApp starts `fabricbridge app ...` and waits until it serves.
 func runApp(t *testing.T, ctx context.Context, args ...string) *syncWriter {
 	t.Helper()
+	return runAppIn(t, ctx, nil, args...)
+}
+
+// runAppIn is runApp with the application's sockets in ns (as on another
+// node), or in the test's namespace if ns is nil.
+func runAppIn(t *testing.T, ctx context.Context, ns *netns.NS, args ...string) *syncWriter {
+	t.Helper()
 	out := &syncWriter{}
 	done := make(chan error, 1)
-	go func() { done <- appCommand(ctx, args, out) }()
+	run := func() error { return appCommand(ctx, args, out) }
+	if ns != nil {
+		// Do keeps its thread in ns while the application runs; the
+		// application makes its sockets while it starts, on that thread.
+		inner := run
+		run = func() error { return ns.Do(inner) }
+	}
+	go func() { done <- run() }()
 	t.Cleanup(func() {
 		if err := <-done; err != nil {
 			t.Errorf("app %v: %v\n%s", args, err, out.String())
@@ -113,7 +129,8 @@ func TestApps(t *testing.T) {
 }
 
 func TestAppUsage(t *testing.T) {
-	for _, args := range [][]string{nil, {"ftp"}, {"--name", "x"}, {"http", "extra"}} {
+	for _, args := range [][]string{nil, {"ftp"}, {"--name", "x"}, {"http", "extra"}, {"http", "--mtu", "-1"},
+		{"http", "--remote", "198.18.0.1:7070"}, {"http", "--secret-file", "/dev/null"}, {"http", "--tls-cert", "c.pem"}} {
 		if err := appCommand(context.Background(), args, io.Discard); err == nil {
 			t.Errorf("%v accepted", args)
 		}

@@ -50,6 +50,11 @@ func TestDemo(t *testing.T) {
 	if got := sum.Verdicts["steer"]; got < uint64(3*opts.Requests) {
 		t.Errorf("%d frames steered for %d connections", got, opts.Requests)
 	}
+	for _, r := range sum.Rules {
+		if r.ID == 1 && r.Packets < uint64(3*opts.Requests) {
+			t.Errorf("listener http (id 1) counted %d frames for %d connections", r.Packets, opts.Requests)
+		}
+	}
 	if got := sum.Verdicts["ingest"]; got != uint64(sent) {
 		t.Errorf("%d frames ingested, want %d", got, sent)
 	}
@@ -67,6 +72,7 @@ func TestDemo(t *testing.T) {
 		`trigger datagrams +200 sent, 200 ingest records \(4000 payload bytes\) in \d+ buffers, 0 dropped here, 0 sender gaps, 0 reached the kernel`,
 		`ingest latency +p50 < \d+µs +p99 < \d+µs`,
 		`blocked datagrams +30 sent, 30 dropped in XDP, 0 reached the kernel`,
+		`(?m)^ +1 +http +\d+ +\d+ *$`, // the configured listener the application's claim shares
 		`(?m)^ +3 +blocked +30 +\d+ *$`,
 		`(?m)^ +2 +trigger +200 +\d+ *$`,
 	} {

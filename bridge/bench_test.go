@@ -3,18 +3,21 @@ package bridge
 import (
 	"fmt"
 	"net/netip"
-	"sync/atomic"
+	"runtime"
+	"slices"
 	"testing"
 	"time"
 
 	ciliumebpf "github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
 	"github.com/cilium/ebpf/link"
+	"golang.org/x/sys/unix"
 
 	"github.com/fabricbridge/fabricbridge/fabric"
 	"github.com/fabricbridge/fabricbridge/internal/ippkt"
 	"github.com/fabricbridge/fabricbridge/internal/netns"
 	"github.com/fabricbridge/fabricbridge/internal/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/xdpgen"
 )
 
 // Benchmarks of the bridge on a veth pair, all driven by the AF_XDP TX
@@ -83,64 +86,72 @@ func benchFrame(v *netns.Veth, dst netip.AddrPort, size int) []byte {
 	return ippkt.Ether(v.A.MAC, v.B.MAC, ippkt.UDP(netip.AddrPortFrom(v.B.Addr4.Addr(), 40000), dst, make([]byte, size-14-20-8)))
 }
 
-// reader drains an application's stream without allocating.
-func reader(app *fabric.Stream, n *atomic.Uint64) {
-	bufs := make([][]byte, 64)
-	mem := make([]byte, 64*2048)
-	for {
-		for i := range bufs {
-			bufs[i] = mem[i*2048 : (i+1)*2048]
-		}
-		k, err := app.Recv(bufs)
-		n.Add(uint64(k))
-		if err != nil {
-			return
-		}
-	}
-}
-
 func rate(n uint64, d time.Duration) float64 { return float64(n) / d.Seconds() }
+
+// rxBenchFrameCount sizes the XDP path's UMEM in BenchmarkBridgeRX: 8192
+// frames of 2 KiB, half of them (8 MiB) for receiving, the memory of the
+// AF_PACKET path's RX ring (8 blocks of 1 MiB), so that both paths buffer
+// the same bytes while their loop waits for the CPU.
+const rxBenchFrameCount = 8192
 
 // BenchmarkBridgeRX: frames per second into a stream on the XDP path and
 // on the AF_PACKET path, against a counting XDP_DROP program on the same
 // topology (the ceiling), for 60-byte (64 on the wire) and 1514-byte frames.
+// It also accounts for CPU time, thread by thread: the generator's thread
+// (which on veth also runs the receive side's XDP program, the AF_XDP copy
+// or the packet tap, in its softirq), the RX loop and the application; the
+// generator's time per frame, ceiling against path, bounds what a path can
+// reach on this topology whatever user space does.
 func BenchmarkBridgeRX(b *testing.B) {
 	testenv.RequirePrivileged(b)
 	for _, size := range []int{60, 1514} {
 		b.Run(fmt.Sprintf("frame=%d", size), func(b *testing.B) {
+			runtime.LockOSThread() // the generator runs here: its CPU time is this thread's
+			defer runtime.UnlockOSThread()
+			self := int32(unix.Gettid())
+
 			// Ceiling.
 			br, out, v := netns.Pair(b, netns.VethOptions{})
 			d := newDropCounter(b, br, v.A.Index)
 			frame := benchFrame(v, netip.AddrPortFrom(v.A.Addr4.Addr(), udpPort1), size)
+			m := newCPUMeter(self)
 			start := time.Now()
 			sent := generate(b, out, v.B.Index, [][]byte{frame}, benchFrames)
 			el := time.Since(start)
+			ceilingGen := float64(m.used(0).Nanoseconds()) / float64(sent)
 			time.Sleep(50 * time.Millisecond)
 			ceiling := rate(d.total(), el)
-			b.Logf("ceiling: sent %d in %v, dropped by XDP %d: %.0f frames/s (generator %.0f/s)", sent, el, d.total(), ceiling, rate(uint64(sent), el))
+			b.Logf("ceiling: sent %d in %v, dropped by XDP %d: %.0f frames/s; generator CPU %.0f ns/frame", sent, el, d.total(), ceiling, ceilingGen)
 
-			got := map[string]float64{}
+			got, gen := map[string]float64{}, map[string]float64{}
 			for _, p := range paths {
-				r := newRig(b, p.cfg)
+				cfg := p.cfg
+				cfg.FrameCount = rxBenchFrameCount
+				r := newRig(b, cfg)
 				r.standardTables()
 				app := r.stream(1, r.ownership1(), fabric.Config{RxSlots: 4096})
-				var n atomic.Uint64
-				go reader(app, &n)
+				rd := startReader(app)
 				frame := benchFrame(r.v, netip.AddrPortFrom(r.local4, udpPort1), size)
+				m := newCPUMeter(self, r.rxTid(), rd.tid.Load())
 				start := time.Now()
 				sent := generate(b, r.out, r.v.B.Index, [][]byte{frame}, benchFrames)
 				el := time.Since(start)
+				gen[p.name] = float64(m.used(0).Nanoseconds()) / float64(sent)
 				s := r.settle()
-				delivered := s.Streams[0].RxPackets
+				st, q := s.Streams[0], s.Queues[0]
+				delivered := st.RxPackets
 				got[p.name] = rate(delivered, el)
-				b.Logf("%s (%s): sent %d in %v, into the stream %d (ring full %d, app read %d): %.0f frames/s",
-					p.name, r.b.Mode(), sent, el, delivered, s.Streams[0].RxRingFull, n.Load(), got[p.name])
+				per := func(d time.Duration, n uint64) float64 { return float64(d.Nanoseconds()) / float64(max(n, 1)) }
+				b.Logf("%s (%s): sent %d in %v, into the stream %d: %.0f frames/s (%.2f of the ceiling); dropped: stream ring full %d, kernel %d (fill ring empty %d times); mean batch %.1f, %d sleeps; CPU per frame: generator %.0f ns, RX loop %.0f ns, application %.0f ns",
+					p.name, r.b.Mode(), sent, el, delivered, got[p.name], got[p.name]/ceiling, st.RxRingFull, q.KernelRxDrops, q.FillRingEmpty,
+					float64(q.RxPackets)/float64(max(q.RxBatches, 1)), q.RxSleeps, gen[p.name], per(m.used(1), delivered), per(m.used(2), rd.n.Load()))
 			}
 			b.ReportMetric(ceiling, "ceiling-fps")
 			b.ReportMetric(got["xdp"], "xdp-fps")
 			b.ReportMetric(got["afpacket"], "afpacket-fps")
 			b.ReportMetric(got["xdp"]/ceiling, "xdp/ceiling")
 			b.ReportMetric(got["xdp"]/got["afpacket"], "xdp/afpacket")
+			b.ReportMetric(ceilingGen/gen["xdp"], "xdp-bound")
 		})
 	}
 }
@@ -194,4 +205,80 @@ func BenchmarkBridgeTX(b *testing.B) {
 			b.ReportMetric(got["xdp"]/got["afpacket"], "xdp/afpacket")
 		})
 	}
+}
+
+// BenchmarkBridgeRXLoop: what the RX loop alone costs per frame, without
+// waiting, spinning or sharing a core: the generator fills the queue's
+// receive ring (2048 frames) while no loop runs, then one RX loop pass
+// drains it into a stream (timed), then the application's side drains the
+// stream (timed separately). Medians over rounds, so that a round the
+// machine's other work interrupted does not count. Capacity is 1e9 over the
+// loop's nanoseconds per frame: the rate one core running only the RX loop
+// could take.
+func BenchmarkBridgeRXLoop(b *testing.B) {
+	testenv.RequirePrivileged(b)
+	const perRound, rounds = 2048, 40
+	for _, size := range []int{60, 1514} {
+		b.Run(fmt.Sprintf("frame=%d", size), func(b *testing.B) {
+			for _, p := range paths {
+				cfg := p.cfg
+				cfg.manual = true
+				cfg.FrameCount = 2 * perRound
+				r := newRig(b, cfg)
+				r.standardTables()
+				app := r.stream(1, r.ownership1(), fabric.Config{RxSlots: 2 * perRound})
+				frame := benchFrame(r.v, netip.AddrPortFrom(r.local4, udpPort1), size)
+				var g *xdpgen.Gen
+				if err := r.out.Do(func() (err error) { g, err = xdpgen.New(r.v.B.Index, [][]byte{frame}); return err }); err != nil {
+					b.Fatal(err)
+				}
+				q := r.b.queues[0]
+				var d dispatcher
+				bufs := make([][]byte, 64)
+				mem := make([]byte, 64*2048)
+				var loopNs, appNs []float64
+				for range rounds {
+					g.Send(perRound, 5*time.Second)
+					time.Sleep(5 * time.Millisecond) // AF_PACKET: blocks retire after 1 ms
+					before := r.b.Stats().Streams[0].RxPackets
+					start := time.Now()
+					for idle := 0; idle < 3; {
+						if q.rxOnce(&d) == 0 {
+							idle++
+						}
+					}
+					el := time.Since(start)
+					got := r.b.Stats().Streams[0].RxPackets - before
+					if got < perRound*9/10 {
+						b.Fatalf("%s: a round delivered %d of %d frames (%+v)", p.name, got, perRound, r.b.Stats().Queues[0])
+					}
+					loopNs = append(loopNs, float64(el.Nanoseconds())/float64(got))
+					start = time.Now()
+					var read uint64
+					for read < got {
+						for i := range bufs {
+							bufs[i] = mem[i*2048 : (i+1)*2048]
+						}
+						k, err := app.TryRecv(bufs)
+						if err != nil {
+							b.Fatal(err)
+						}
+						read += uint64(k)
+					}
+					appNs = append(appNs, float64(time.Since(start).Nanoseconds())/float64(read))
+				}
+				g.Close()
+				lm, am := median(loopNs), median(appNs)
+				b.Logf("%s (%s): RX loop %.0f ns/frame (capacity %.2f M frames/s), application %.0f ns/frame", p.name, r.b.Mode(), lm, 1e3/lm, am)
+				b.ReportMetric(lm, p.name+"-loop-ns/frame")
+				b.ReportMetric(am, p.name+"-app-ns/frame")
+			}
+		})
+	}
+}
+
+func median(v []float64) float64 {
+	s := slices.Clone(v)
+	slices.Sort(s)
+	return s[len(s)/2]
 }

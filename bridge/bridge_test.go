@@ -103,7 +103,7 @@ func TestReceiveIntoStreams(t *testing.T) {
 				t.Fatalf("ping %v: %v", a, err)
 			}
 		}
-		s := r.b.Stats()
+		s := r.eventually(func(s Stats) bool { return s.Streams[0].RxPackets >= 105 && s.Streams[1].RxPackets >= 40 })
 		if s.Streams[0].RxPackets != 105 || s.Streams[1].RxPackets != 40 {
 			t.Fatalf("stream counters %+v", s.Streams)
 		}
@@ -159,7 +159,7 @@ func TestTransmitToOutside(t *testing.T) {
 				}
 			}
 		}
-		s := r.b.Stats().Streams[0]
+		s := r.eventually(func(s Stats) bool { return s.Streams[0].TxPackets+s.Streams[0].TxViaKernel >= 400 }).Streams[0]
 		if s.TxViaKernel != 2 || s.TxPackets != 398 {
 			t.Fatalf("stream counters %+v: want the first of each family via the kernel, the rest direct", s)
 		}
@@ -208,8 +208,8 @@ func TestSpoofedNeverLeaves(t *testing.T) {
 		if containsBytes(frames, []byte("spoof-")) {
 			t.Fatal("a spoofed packet reached the outside")
 		}
-		rej := r.b.Stats().Streams[0].TxRejects
 		want := Rejects{SourceAddr: 1, SourcePort: 2, Protocol: 1, TotalLength: 1, Version: 1}
+		rej := r.eventually(func(s Stats) bool { return s.Streams[0].TxRejects.Total() >= want.Total() }).Streams[0].TxRejects
 		if rej != want {
 			t.Fatalf("rejects %+v, want %+v", rej, want)
 		}
@@ -377,7 +377,7 @@ func TestMTUFollowsLink(t *testing.T) {
 		expect("at1500", true)
 		setMTU(1280)
 		expect("at1280", false)
-		if rej := r.b.Stats().Streams[0].TxRejects.MTU; rej != 1 {
+		if rej := r.eventually(func(s Stats) bool { return s.Streams[0].TxRejects.MTU >= 1 }).Streams[0].TxRejects.MTU; rej != 1 {
 			t.Fatalf("MTU rejects %d, want 1", rej)
 		}
 		setMTU(1500)
@@ -418,7 +418,7 @@ func TestOtherDeviceViaKernel(t *testing.T) {
 				t.Fatalf("the other side got %d of %d: %q %v", i, len(out), buf[:n], err)
 			}
 		}
-		if s := r.b.Stats().Streams[0]; s.TxViaKernel != 20 || s.TxPackets != 0 {
+		if s := r.eventually(func(s Stats) bool { return s.Streams[0].TxViaKernel >= 20 }).Streams[0]; s.TxViaKernel != 20 || s.TxPackets != 0 {
 			t.Fatalf("stream counters %+v: want all 20 via the kernel", s)
 		}
 	})

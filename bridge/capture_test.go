@@ -85,7 +85,11 @@ func TestCapture(t *testing.T) {
 		}
 		after := time.Now()
 
+		// The hook sees a batch just after the stream got it.
 		in, inTS := rec.take(Inbound)
+		for deadline := time.Now().Add(2 * time.Second); len(in) < len(got) && time.Now().Before(deadline); in, inTS = rec.take(Inbound) {
+			time.Sleep(time.Millisecond)
+		}
 		if len(in) != len(got) {
 			t.Fatalf("captured %d inbound packets, the stream got %d", len(in), len(got))
 		}

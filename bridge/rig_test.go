@@ -96,6 +96,17 @@ func newRigWith(t testing.TB, cfg Config, opts netns.VethOptions) *rig {
 	return r
 }
 
+// eventually returns the bridge's stats once cond holds for them, or after
+// two seconds whatever they are. Loops count a batch after they handed it
+// on, so a packet can be at its destination a moment before it is counted.
+func (r *rig) eventually(cond func(Stats) bool) Stats {
+	s := r.b.Stats()
+	for deadline := time.Now().Add(2 * time.Second); !cond(s) && time.Now().Before(deadline); s = r.b.Stats() {
+		time.Sleep(time.Millisecond)
+	}
+	return s
+}
+
 // standardTables installs the listeners described at udpPort1.
 func (r *rig) standardTables() {
 	r.t.Helper()

@@ -21,7 +21,10 @@
 // loop in poll on the AF_XDP (or packet) socket, the TX loop in the
 // fabric.EventQueue of its streams, which offers no descriptor to poll
 // together with a socket. They share no ring: RX owns the RX and fill rings,
-// TX the TX and completion rings of the queue's socket.
+// TX the TX and completion rings of the queue's socket. An idle RX loop
+// polls for Config.Spin, yielding the CPU between polls (on a shared core a
+// loop that spins without yielding starves the application and finds
+// packets one at a time), then sleeps in poll(2).
 //
 // # RX
 //

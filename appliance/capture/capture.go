@@ -11,9 +11,17 @@
 // network client, so Session.Packet copies the packet into a bounded queue
 // and returns at once; when the queue is full the packet is counted as
 // dropped by the capture, never held up.
+//
+// Records are written in timestamp order, not in the order they were
+// offered: the bridge hands an inbound packet to the capture after the
+// application could read it, so the application's answer, seen by another
+// loop, may be offered first. The writer holds each packet for a short
+// while (Options.Hold) and writes what it holds in timestamp order, so a
+// file reads cause before effect.
 package capture
 
 import (
+	"container/heap"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -50,13 +58,40 @@ type Options struct {
 	// Count stops the session after this many packets; 0 means no limit.
 	Count int
 	// Queue is how many packets may wait for the writer; default 4096.
+	// The writer holds as many again while it puts them in order.
 	Queue int
+	// Hold is how long the writer keeps a packet back for ones stamped
+	// earlier that are offered later; default 20ms.
+	Hold time.Duration
 }
 
 type record struct {
 	ts   time.Time
 	size int
 	data []byte
+
+	seq     uint64    // order of arrival at the writer, for equal stamps
+	arrived time.Time // when the writer took it
+}
+
+// held is the writer's records in timestamp order (a min-heap).
+type held []record
+
+func (h held) Len() int { return len(h) }
+func (h held) Less(i, j int) bool {
+	if !h[i].ts.Equal(h[j].ts) {
+		return h[i].ts.Before(h[j].ts)
+	}
+	return h[i].seq < h[j].seq
+}
+func (h held) Swap(i, j int) { h[i], h[j] = h[j], h[i] }
+func (h *held) Push(x any)   { *h = append(*h, x.(record)) }
+func (h *held) Pop() any {
+	old := *h
+	r := old[len(old)-1]
+	old[len(old)-1] = record{}
+	*h = old[:len(old)-1]
+	return r
 }
 
 // Session is one capture in progress.
@@ -77,6 +112,9 @@ func NewSession(opts Options) *Session {
 	}
 	if opts.Queue <= 0 {
 		opts.Queue = 4096
+	}
+	if opts.Hold <= 0 {
+		opts.Hold = 20 * time.Millisecond
 	}
 	return &Session{opts: opts, queue: make(chan record, opts.Queue), done: make(chan struct{})}
 }
@@ -122,9 +160,11 @@ func (s *Session) Stats() (captured, dropped, filtered uint64) {
 	return s.captured.Load(), s.dropped.Load(), s.filtered.Load()
 }
 
-// Run writes the pcap header and then every accepted packet to w, calling
-// flush (if not nil) whenever the queue runs empty, until ctx ends or the
-// session has its Count; then it writes what is still queued and returns.
+// Run writes the pcap header and then every accepted packet to w, in
+// timestamp order, each once it has been held for Options.Hold (sooner if
+// the writer holds more than Options.Queue), calling flush (if not nil)
+// after each round of writes, until ctx ends or the session has its Count;
+// then it writes what is still queued and held, and returns.
 func (s *Session) Run(ctx context.Context, w io.Writer, flush func()) error {
 	if _, err := w.Write(fileHeader(s.opts.Snaplen)); err != nil {
 		return err
@@ -148,33 +188,62 @@ func (s *Session) Run(ctx context.Context, w io.Writer, flush func()) error {
 		s.captured.Add(1)
 		return nil
 	}
-	drain := func() error {
+	var (
+		h   held
+		seq uint64
+	)
+	take := func(r record) {
+		seq++
+		r.seq, r.arrived = seq, time.Now()
+		heap.Push(&h, r)
+	}
+	// release writes, in order, what has been held long enough (all of
+	// it if all).
+	release := func(all bool) error {
+		wrote := false
+		for len(h) > 0 && (all || len(h) > s.opts.Queue || time.Since(h[0].arrived) >= s.opts.Hold) {
+			if err := write(heap.Pop(&h).(record)); err != nil {
+				return err
+			}
+			wrote = true
+		}
+		if wrote && flush != nil {
+			flush()
+		}
+		return nil
+	}
+	finish := func() error {
 		for {
 			select {
 			case r := <-s.queue:
-				if err := write(r); err != nil {
-					return err
-				}
+				take(r)
 			default:
-				return nil
+				return release(true)
 			}
 		}
 	}
+	tick := time.NewTicker(s.opts.Hold / 4)
+	defer tick.Stop()
 	for {
 		select {
 		case r := <-s.queue:
-			if err := write(r); err != nil {
+			take(r)
+			if len(h) > s.opts.Queue {
+				if err := release(false); err != nil {
+					s.stop()
+					return err
+				}
+			}
+		case <-tick.C:
+			if err := release(false); err != nil {
 				s.stop()
 				return err
 			}
-			if len(s.queue) == 0 && flush != nil {
-				flush()
-			}
 		case <-s.done:
-			return drain()
+			return finish()
 		case <-ctx.Done():
 			s.stop()
-			if err := drain(); err != nil {
+			if err := finish(); err != nil {
 				return err
 			}
 			if errors.Is(context.Cause(ctx), context.DeadlineExceeded) || errors.Is(context.Cause(ctx), context.Canceled) {

@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -203,5 +204,66 @@ func TestTsharkReadsIt(t *testing.T) {
 	want := []string{"198.18.0.2,,80,", ",2001:db8::1,,5353"}
 	if strings.Join(lines, "|") != strings.Join(want, "|") {
 		t.Errorf("tshark decoded:\n%s\nwant:\n%s", out, strings.Join(want, "\n"))
+	}
+}
+
+// lockedBuffer is a bytes.Buffer a test reads while the writer writes.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) bytes() []byte {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return bytes.Clone(l.b.Bytes())
+}
+
+// TestSessionWritesInTimestampOrder: an answer offered before the packet
+// it answers (as the bridge's TX loop can) is written after it, and held
+// packets reach the file within the hold time, not only at the end.
+func TestSessionWritesInTimestampOrder(t *testing.T) {
+	s := NewSession(Options{Hold: 30 * time.Millisecond})
+	var buf lockedBuffer
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- s.Run(ctx, &buf, nil) }()
+	t0 := time.Now()
+	syn := ippkt.TCP(client, app, 1, 0, true, false, false, nil)
+	synAck := ippkt.TCP(app, client, 9, 2, true, true, false, nil)
+	ack := ippkt.TCP(client, app, 2, 10, false, true, false, nil)
+	s.Packet(Out, t0.Add(time.Millisecond), synAck)
+	s.Packet(In, t0, syn)
+	s.Packet(In, t0.Add(2*time.Millisecond), ack)
+	var r *pcapFile
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		b := buf.bytes()
+		// Before the header, or in the middle of a record, the file does
+		// not parse yet.
+		if f, err := readPcap(b); err == nil && len(f.records) == 3 {
+			r = f
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of 3 records written while the session runs", len(r.records))
+		}
+	}
+	if since := time.Since(t0); since < 30*time.Millisecond {
+		t.Errorf("written after %v, before the hold time", since)
+	}
+	for i, want := range [][]byte{syn, synAck, ack} {
+		if !bytes.Equal(r.records[i].data, want) {
+			t.Errorf("record %d is not the %s", i, []string{"SYN", "SYN-ACK", "ACK"}[i])
+		}
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
 	}
 }

@@ -141,8 +141,9 @@ const clientEnv = "FB_USERSTACK_BENCH_CLIENT"
 
 // runClient serves commands, one a line on standard input, each answered
 // with one line: "goodput ADDR BYTES" → bit/s, "rr ADDR COUNT" → the
-// sorted round trips in ns, "cps ADDR MS" → connections/s; "error ..."
-// when it fails.
+// sorted round trips in ns, "rrt ADDR COUNT" → each round trip's start and
+// end on the system's monotonic clock (see monoNow), "cps ADDR MS" →
+// connections/s; "error ..." when it fails.
 func runClient() {
 	sc := bufio.NewScanner(os.Stdin)
 	for sc.Scan() {
@@ -165,6 +166,14 @@ func runClient() {
 			var sb strings.Builder
 			for _, d := range ds {
 				fmt.Fprint(&sb, int64(d), " ")
+			}
+			out = sb.String()
+		case "rrt":
+			var spans [][2]int64
+			spans, err = timedRoundTrips(addr, n)
+			var sb strings.Builder
+			for _, sp := range spans {
+				fmt.Fprint(&sb, sp[0], " ", sp[1], " ")
 			}
 			out = sb.String()
 		case "cps":

@@ -116,6 +116,10 @@ func (l *tcpListener) Accept() (net.Conn, error) {
 			return nil, opError("accept", netKind{proto: "tcp"}, l.addr, tcpipErr{err})
 		}
 		l.lease.hold()
+		if hopTrace.Load() != nil {
+			e := waiter.NewFunctionEntry(waiter.ReadableEvents, func(waiter.EventMask) { traceHop(hopReadable) })
+			wq.EventRegister(&e)
+		}
 		return &tcpConn{TCPConn: gonet.NewTCPConn(wq, n), ep: n, lease: l.lease}, nil
 	}
 }

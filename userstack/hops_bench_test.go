@@ -1,0 +1,271 @@
+package userstack
+
+import (
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+	_ "unsafe" // go:linkname
+
+	"golang.org/x/sys/unix"
+
+	"github.com/fabricbridge/fabricbridge/bridge"
+)
+
+// monoNow is CLOCK_MONOTONIC in ns: the clock the XDP program stamps
+// frames with and that every process shares (the runtime reads it through
+// the vDSO).
+//
+//go:linkname monoNow runtime.nanotime
+func monoNow() int64
+
+// wallOffset turns the bridge's capture timestamps (wall time made from a
+// CLOCK_MONOTONIC stamp by an offset taken once) back into that clock; it
+// is taken the same way, as the tightest of a few readings.
+var wallOffset = func() int64 {
+	best, off := int64(1<<62), int64(0)
+	for range 20 {
+		a := monoNow()
+		w := time.Now().UnixNano()
+		z := monoNow()
+		if z-a < best {
+			best, off = z-a, w-(a+z)/2
+		}
+	}
+	return off
+}()
+
+func wallToMono(t time.Time) int64 { return t.UnixNano() - wallOffset }
+
+// timedRoundTrips is roundTrips reporting each exchange's start and end.
+func timedRoundTrips(addr string, count int) ([][2]int64, error) {
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		return nil, err
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(60 * time.Second))
+	b := []byte{7}
+	var spans [][2]int64
+	for i := range count + 100 {
+		start := monoNow()
+		if _, err := c.Write(b); err != nil {
+			return nil, err
+		}
+		if _, err := io.ReadFull(c, b); err != nil {
+			return nil, err
+		}
+		if i >= 100 {
+			spans = append(spans, [2]int64{start, monoNow()})
+		}
+	}
+	return spans, nil
+}
+
+// The points of a round trip, in the order a request and its answer pass
+// them. The application's own (hop) come from the package's hook; the
+// bridge's from its capture hook; the ends from the client process.
+const (
+	ptClientWrite  = iota // the client process writes the request
+	ptXDP                 // the XDP program sees it (its timestamp)
+	ptBridgeRx            // the bridge put it into the stream and ran its hook (a woken app thread may preempt it in between)
+	ptRecv                // hopRecv
+	ptDelivered           // hopDelivered
+	ptReadable            // hopReadable
+	ptServerRead          // the server's Read returns
+	ptWriteData           // hopWriteData: the answer reaches the link
+	ptSentData            // hopSentData
+	ptBridgeTxData        // the bridge's TX loop has the answer (before its checks)
+	ptClientRead          // the client process has read the answer
+	ptWrite               // side line: the first WritePackets (gVisor's ACK)
+	ptBridgeTxAck         // side line: the bridge's TX loop has that ACK
+	ptCount
+)
+
+var ptNames = [ptCount]string{"client write", "XDP", "bridge RX hook ran", "app Recv", "app delivered",
+	"gVisor readable", "server Read", "app WritePackets", "app in TX ring", "bridge TX loop", "client read",
+	"(ACK WritePackets)", "(ACK at bridge TX)"}
+
+// eventLog gathers timestamped points from any goroutine without locks.
+type eventLog struct {
+	n  atomic.Int64
+	ev [1 << 20]struct {
+		t  int64
+		pt uint8
+	}
+}
+
+func (l *eventLog) add(pt int, t int64) {
+	i := l.n.Add(1) - 1
+	if i < int64(len(l.ev)) {
+		l.ev[i].t, l.ev[i].pt = t, uint8(pt)
+	}
+}
+
+// BenchmarkRoundTripHops attributes the 1-byte round trip of
+// BenchmarkEndToEnd's userstack path hop by hop: for each exchange it takes
+// the first time each point was passed between the client's write and its
+// read, and prints each point's median offset and the median step from the
+// previous point. Run: go test -run '^$' -bench RoundTripHops -benchtime 1x ./userstack
+func BenchmarkRoundTripHops(b *testing.B) {
+	log := new(eventLog)
+	appPoint := [...]int{hopRecv: ptRecv, hopDelivered: ptDelivered, hopReadable: ptReadable,
+		hopWrite: ptWrite, hopWriteData: ptWriteData, hopSentData: ptSentData}
+	trace := func(h hop) { log.add(appPoint[h], monoNow()) }
+	hopTrace.Store(&trace)
+	b.Cleanup(func() { hopTrace.Store(nil) })
+
+	e := newE2E(b)
+	s := e.open(false)
+	l, err := s.Listen("tcp", ":5007")
+	if err != nil {
+		b.Fatal(err)
+	}
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				buf := make([]byte, 1)
+				for {
+					if _, err := io.ReadFull(c, buf); err != nil {
+						return
+					}
+					log.add(ptServerRead, monoNow())
+					if _, err := c.Write(buf); err != nil {
+						return
+					}
+				}
+			}()
+		}
+	}()
+	if err := e.b.SetCapture(e.srv.Apps()[0].Stream, func(dir bridge.Direction, pkt []byte, ts time.Time) {
+		now := monoNow()
+		if dir == bridge.Inbound {
+			log.add(ptXDP, wallToMono(ts))
+			log.add(ptBridgeRx, now)
+			return
+		}
+		if tcpPayload(pkt) > 0 {
+			log.add(ptBridgeTxData, now)
+		} else {
+			log.add(ptBridgeTxAck, now)
+		}
+	}); err != nil {
+		b.Fatal(err)
+	}
+	client := startClient(b, e)
+	const count = 3000
+	for b.Loop() {
+		log.n.Store(0)
+		line, err := client.do(fmt.Sprint("rrt ", netip.AddrPortFrom(e.local4, 5007), " ", count))
+		if err != nil {
+			b.Fatal(err)
+		}
+		var spans [][2]int64
+		f := strings.Fields(line)
+		for i := 0; i+1 < len(f); i += 2 {
+			var sp [2]int64
+			fmt.Sscan(f[i], &sp[0])
+			fmt.Sscan(f[i+1], &sp[1])
+			spans = append(spans, sp)
+		}
+		n := min(int(log.n.Load()), len(log.ev))
+		evs := slices.Clone(log.ev[:n])
+		slices.SortFunc(evs, func(a, b struct {
+			t  int64
+			pt uint8
+		}) int {
+			return int(a.t - b.t)
+		})
+		// at[p][i]: offset of point p in exchange i from its start, -1 if
+		// the point was not passed within the exchange.
+		var at [ptCount][]int64
+		j := 0
+		for _, sp := range spans {
+			for j < len(evs) && evs[j].t < sp[0] {
+				j++
+			}
+			var first [ptCount]int64
+			for p := range first {
+				first[p] = -1
+			}
+			first[ptClientWrite], first[ptClientRead] = 0, sp[1]-sp[0]
+			for k := j; k < len(evs) && evs[k].t <= sp[1]; k++ {
+				if p := evs[k].pt; first[p] < 0 {
+					first[p] = evs[k].t - sp[0]
+				}
+			}
+			for p := range at {
+				at[p] = append(at[p], first[p])
+			}
+		}
+		med := func(v []int64) (float64, int) {
+			var ok []int64
+			for _, x := range v {
+				if x >= 0 {
+					ok = append(ok, x)
+				}
+			}
+			if len(ok) == 0 {
+				return 0, len(v)
+			}
+			slices.Sort(ok)
+			return float64(ok[len(ok)/2]) / 1e3, len(v) - len(ok)
+		}
+		var sb strings.Builder
+		fmt.Fprintf(&sb, "%d exchanges; offsets from the client's write, µs (median; step = median of this point minus the previous one per exchange)\n", len(spans))
+		for p := range ptCount {
+			off, missing := med(at[p])
+			var steps []int64
+			if p > 0 && p < ptWrite {
+				for i := range at[p] {
+					if at[p][i] >= 0 && at[p-1][i] >= 0 {
+						steps = append(steps, at[p][i]-at[p-1][i])
+					}
+				}
+			}
+			step, _ := med(steps)
+			fmt.Fprintf(&sb, "  %-20s %7.1f   step %6.1f   missing %d\n", ptNames[p], off, step, missing)
+			if p > 0 && p < ptWrite {
+				b.ReportMetric(step, "µs-to-"+strings.ReplaceAll(ptNames[p], " ", "-"))
+			}
+		}
+		fmt.Print(sb.String())
+	}
+}
+
+// tcpPayload is the TCP payload length of an IPv4 or IPv6 packet without
+// extension headers, 0 for anything else.
+func tcpPayload(p []byte) int {
+	if len(p) < 40 {
+		return 0
+	}
+	var l4 int
+	switch p[0] >> 4 {
+	case 4:
+		if p[9] != unix.IPPROTO_TCP {
+			return 0
+		}
+		l4 = int(p[0]&0xf) * 4
+	case 6:
+		if p[6] != unix.IPPROTO_TCP {
+			return 0
+		}
+		l4 = 40
+	default:
+		return 0
+	}
+	if len(p) < l4+20 {
+		return 0
+	}
+	return len(p) - l4 - int(p[l4+12]>>4)*4
+}

@@ -41,6 +41,13 @@ type Options struct {
 	MTU int
 	// NoGRO turns off receive coalescing (see LinkEndpoint).
 	NoGRO bool
+	// Spin is how long the receive loop keeps polling an empty local
+	// stream before it sleeps until the bridge signals. Zero, the default,
+	// sleeps at once: where cores are shared, a spinning loop holds the
+	// CPU that the bridge's loops and the peer need next, which measured
+	// costs more than the wake-up it saves (BENCHMARKS.md, Userstack).
+	// Give a few tens of µs when the application has cores to itself.
+	Spin time.Duration
 }
 
 // RemoteOptions reach a bridge on another node.
@@ -109,6 +116,7 @@ func Open(ctx context.Context, opts Options) (*Stack, error) {
 		c.Close()
 		return nil, err
 	}
+	st.RecvWaiter().Spin = opts.Spin
 	cfg := LinkConfig{MTU: mtuOf(reg.MTU, opts.MTU, st.MaxPayload()), MaxPacket: st.MaxPayload(), NoGRO: opts.NoGRO}
 	s, err := newStack(st, cfg, reg.Addrs, c, c.Close, st.Close)
 	if err != nil {

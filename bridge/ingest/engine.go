@@ -17,6 +17,7 @@ package ingest
 import (
 	"errors"
 	"fmt"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -252,7 +253,11 @@ func (q *queue) loop() {
 			continue
 		}
 		// Idle. Windows must close on time: while any buffer is open, keep
-		// polling; otherwise spin a little, then sleep.
+		// polling; otherwise spin a little, then sleep. Polling yields the
+		// processor at every turn, so a consumer goroutine sharing it (or
+		// the application's other work) runs between polls instead of
+		// waiting for the scheduler to preempt this loop.
+		runtime.Gosched()
 		if q.e.tick() {
 			continue
 		}

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"net"
+	"runtime"
 	"sync/atomic"
 	"time"
 
@@ -289,7 +290,10 @@ func (c *Consumer) wait(timeout time.Duration) error {
 			if c.ready() {
 				return nil
 			}
-			if i&63 == 0 {
+			// Yield while polling: the producer may be a goroutine of
+			// this process waiting for the processor.
+			runtime.Gosched()
+			if i&15 == 0 {
 				if el := time.Since(start); (spin >= 0 && el >= spin) || expired() {
 					break
 				}

@@ -1,0 +1,370 @@
+package ingest
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"slices"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	fbebpf "github.com/fabricbridge/fabricbridge/ebpf"
+	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/internal/framegen"
+	"github.com/fabricbridge/fabricbridge/internal/xdpgen"
+)
+
+var benchTrace = os.Getenv("FB_BENCH_TRACE") != ""
+
+// benchFrames sizes the engine's UMEM (and so its RX ring): 16384
+// frames hold about as many small datagrams as the kernel reader's 8 MB
+// socket buffer, the same slack against a receiver the scheduler holds
+// back.
+const benchFrames = 16384
+
+// latencyWindow is the window of the ring the latency is measured on.
+const latencyWindow = 20 * time.Microsecond
+
+// kernelPort is a port no rule claims: the kernel's UDP socket reader gets
+// its datagrams.
+const kernelPort = 9500
+
+// BenchmarkIngest measures, in one run and with one generator
+// (internal/xdpgen: AF_XDP TX on the outside end of the veth, four source
+// ports, paced in batches of 64), the highest rate at which every datagram
+// reaches its reader, for the offload path (XDP strip, engine, ring, a
+// consumer walking every record) and for a kernel UDP socket read with
+// recvmmsg (with the classifier attached and passing, and with no XDP
+// program at all), and then the ingest path's wire-to-consumer latency.
+// Each zero-loss rate is the median of three rounds of a bisection (a
+// quarter of a second per trial); the ratio is against the better kernel
+// variant. Run it once: -benchtime 1x. FB_BENCH_TRACE=1 prints every
+// trial; FB_BENCH_ROUNDS changes the number of rounds.
+func BenchmarkIngest(b *testing.B) {
+	for _, payload := range []int{64, 1024} {
+		b.Run(fmt.Sprintf("payload=%d", payload), func(b *testing.B) { benchIngest(b, payload) })
+	}
+}
+
+func benchIngest(b *testing.B, payload int) {
+	// Throughput through a ring with the default 100 µs window (256
+	// buffers: 25 ms of slack for a consumer the scheduler holds back);
+	// latency through one with a 20 µs window, on another port.
+	tp := newTopo(b, map[uint32]fingest.Config{
+		bufTrigger: {Buffers: 256, BufferSize: 256 << 10},
+		bufOther:   {Buffers: 256, BufferSize: 256 << 10, Window: latencyWindow},
+	}, Config{FrameCount: benchFrames})
+	// One queue takes one UMEM: each measurement opens its generator
+	// (the same code and frames but for the destination port) and
+	// closes it.
+	ing := func() *paced { return tp.generator(b, portTrigger, payload) }
+	lat := func() *paced { return tp.generator(b, portOther, payload) }
+	ker := func() *paced { return tp.generator(b, kernelPort, payload) }
+	kr := tp.kernelReader(b)
+	cons := tp.countingConsumer(b, bufTrigger)
+	lcons := tp.countingConsumer(b, bufOther)
+
+	for range b.N {
+		var rates [3][]float64 // ingest, kernel with XDP pass, kernel without XDP
+		rounds := 3
+		if n, err := strconv.Atoi(os.Getenv("FB_BENCH_ROUNDS")); err == nil && n > 0 {
+			rounds = n
+		}
+		for round := range rounds {
+			rates[0] = append(rates[0], zeroLossRate(ing(), func() uint64 { return cons.records.Load() }))
+			rates[1] = append(rates[1], zeroLossRate(ker(), kr.count.Load))
+			tp.detach(b)
+			rates[2] = append(rates[2], zeroLossRate(ker(), kr.count.Load))
+			tp.attach(b)
+			b.Logf("round %d: ingest %.0f/s, kernel (XDP pass) %.0f/s, kernel (no XDP) %.0f/s", round, rates[0][round], rates[1][round], rates[2][round])
+		}
+		ingest, kpass, knone := median(rates[0]), median(rates[1]), median(rates[2])
+		kernel := max(kpass, knone)
+		b.ReportMetric(ingest, "ingest-rec/s")
+		b.ReportMetric(ingest*float64(payload)*8/1e9, "ingest-Gbit/s")
+		b.ReportMetric(kpass, "kernel-xdp-pass-rec/s")
+		b.ReportMetric(knone, "kernel-no-xdp-rec/s")
+		b.ReportMetric(kernel*float64(payload)*8/1e9, "kernel-Gbit/s")
+		b.ReportMetric(ingest/kernel, "x-kernel")
+
+		for _, rate := range []float64{100_000, ingest / 2} {
+			l := lcons.latencies(lat(), rate)
+			slices.Sort(l)
+			q := func(p float64) float64 { return float64(l[min(len(l)-1, int(p*float64(len(l))))]) / 1e3 }
+			name := fmt.Sprintf("%.0fk", rate/1e3)
+			b.Logf("latency at %s records/s, %v window (%d buffers): p50 %.1f µs, p99 %.1f µs, p99.9 %.1f µs, max %.1f µs; %s",
+				name, latencyWindow, len(l), q(0.5), q(0.99), q(0.999), q(1), lcons.components())
+			b.ReportMetric(q(0.5), "p50-µs@"+name)
+			b.ReportMetric(q(0.99), "p99-µs@"+name)
+			b.ReportMetric(q(0.999), "p99.9-µs@"+name)
+		}
+	}
+	b.Logf("engine %+v; ring %+v", tp.eng.Stats(), tp.rings[bufTrigger].Stats())
+}
+
+func median(v []float64) float64 {
+	s := slices.Clone(v)
+	slices.Sort(s)
+	return s[len(s)/2]
+}
+
+// paced is the generator of one path: xdpgen on end B, sending a given
+// number of frames at a given rate.
+type paced struct {
+	gen *xdpgen.Gen
+}
+
+func (tp *topo) generator(b *testing.B, dport uint16, payload int) *paced {
+	var frames [][]byte
+	for i := range 4 {
+		f := framegen.Spec{L3: 4, L4: 17, Src: tp.v.B.Addr4.Addr(), Dst: tp.v.A.Addr4.Addr(),
+			SrcPort: uint16(5001 + i), DstPort: dport, Payload: payload}.Build()
+		copy(f[0:6], tp.v.A.MAC)
+		copy(f[6:12], tp.v.B.MAC)
+		frames = append(frames, f)
+	}
+	// The kernel tears down the previous generator's UMEM binding
+	// asynchronously: retry while the queue is still busy.
+	var g *xdpgen.Gen
+	var err error
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		err = tp.out.Do(func() (err error) {
+			g, err = xdpgen.New(tp.v.B.Index, frames)
+			return err
+		})
+		if !errors.Is(err, unix.EBUSY) || time.Now().After(deadline) {
+			break
+		}
+	}
+	if err != nil {
+		b.Fatal(err)
+	}
+	return &paced{gen: g}
+}
+
+// send sends n frames at rate per second, in batches of 64, and returns
+// how many went out.
+func (p *paced) send(n int, rate float64) int {
+	const batch = 64
+	interval := time.Duration(float64(batch) / rate * 1e9)
+	start := time.Now()
+	sent := 0
+	for i := 0; sent < n; i++ {
+		// Sleep through most of a long wait (a generator on another
+		// machine would not take this machine's processor), spin the
+		// rest.
+		slot := time.Duration(i) * interval
+		if wait := slot - time.Since(start); wait > 80*time.Microsecond {
+			time.Sleep(wait - 60*time.Microsecond)
+		}
+		for time.Since(start) < slot {
+		}
+		sent += p.gen.Send(min(batch, n-sent), time.Second)
+	}
+	return sent
+}
+
+// zeroLossRate searches for the highest rate at which every frame sent
+// arrives (received is the reader's running count): the generator's
+// unpaced rate first, then a bisection.
+func zeroLossRate(p *paced, received func() uint64) float64 {
+	defer p.gen.Close()
+	trial := func(rate float64, n int) (float64, bool) {
+		before := received()
+		start := time.Now()
+		sent := p.send(n, rate)
+		took := time.Since(start)
+		deadline := time.Now().Add(200 * time.Millisecond)
+		for received()-before < uint64(sent) && time.Now().Before(deadline) {
+			time.Sleep(time.Millisecond)
+		}
+		time.Sleep(20 * time.Millisecond) // and nothing more arrives late
+		got := received() - before
+		if benchTrace {
+			fmt.Fprintf(os.Stderr, "trial %.0f/s: sent %d in %v, got %d\n", rate, sent, took, got)
+		}
+		return float64(sent) / took.Seconds(), got == uint64(sent)
+	}
+	top, ok := trial(1e9, 200_000) // as fast as the generator goes
+	if ok {
+		return top
+	}
+	lo, hi := 0.0, top
+	for range 8 {
+		mid := (lo + hi) / 2
+		if _, ok := trial(mid, max(1000, int(mid/4))); ok { // a quarter of a second
+			lo = mid
+		} else {
+			hi = mid
+		}
+	}
+	return lo
+}
+
+// detach and attach take the XDP program off end A and put it back, for
+// the kernel baseline without XDP.
+func (tp *topo) detach(b *testing.B) {
+	if err := tp.prog.Detach(); err != nil {
+		b.Fatal(err)
+	}
+}
+
+func (tp *topo) attach(b *testing.B) {
+	if err := tp.br.Do(func() error {
+		_, err := tp.prog.Attach(tp.v.A.Index, fbebpf.ModeNative)
+		return err
+	}); err != nil {
+		b.Fatal(err)
+	}
+}
+
+// kernelReader is a UDP socket on end A's address and kernelPort, read
+// with recvmmsg in batches of 64 by one goroutine.
+type kernelReader struct {
+	count atomic.Uint64
+	bytes atomic.Uint64
+}
+
+func (tp *topo) kernelReader(b *testing.B) *kernelReader {
+	var fd int
+	if err := tp.br.Do(func() (err error) {
+		if fd, err = unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0); err != nil {
+			return err
+		}
+		_ = unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_RCVBUF, 8<<20)
+		_ = unix.SetsockoptInt(fd, unix.SOL_SOCKET, unix.SO_RCVBUFFORCE, 8<<20)
+		addr := tp.v.A.Addr4.Addr().As4()
+		return unix.Bind(fd, &unix.SockaddrInet4{Port: kernelPort, Addr: addr})
+	}); err != nil {
+		b.Fatal(err)
+	}
+	kr := &kernelReader{}
+	var stop atomic.Bool
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		const batch = 64
+		bufs := make([][2048]byte, batch)
+		iovs := make([]unix.Iovec, batch)
+		msgs := make([]unix.Mmsghdr, batch)
+		for i := range msgs {
+			iovs[i].Base = &bufs[i][0]
+			iovs[i].SetLen(len(bufs[i]))
+			msgs[i].Hdr.Iov = &iovs[i]
+			msgs[i].Hdr.SetIovlen(1)
+		}
+		tv := unix.Timeval{Usec: 50_000} // so the loop sees stop
+		_ = unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
+		for !stop.Load() {
+			n, _, errno := unix.Syscall6(unix.SYS_RECVMMSG, uintptr(fd), uintptr(unsafe.Pointer(&msgs[0])), batch, unix.MSG_WAITFORONE, 0, 0)
+			if errno != 0 {
+				continue
+			}
+			var bytes uint64
+			for i := range int(n) {
+				bytes += uint64(msgs[i].Len)
+			}
+			kr.count.Add(uint64(n))
+			kr.bytes.Add(bytes)
+		}
+	}()
+	b.Cleanup(func() { stop.Store(true); wg.Wait(); unix.Close(fd) })
+	return kr
+}
+
+// countingConsumer reads a ring like a trigger would: it walks every
+// record of every buffer (reading its header and payload length), then
+// releases the buffer.
+type countingConsumer struct {
+	c       *fingest.Consumer
+	records atomic.Uint64
+	mu      sync.Mutex
+	lat     []uint64
+	pub     []uint64 // first RX to publication
+	hand    []uint64 // publication to wake-up
+	keep    atomic.Bool
+}
+
+func (tp *topo) countingConsumer(b *testing.B, id uint32) *countingConsumer {
+	c, err := fingest.Open(tp.rings[id].Name(), fingest.ConsumerOptions{})
+	if err != nil {
+		b.Fatal(err)
+	}
+	cc := &countingConsumer{c: c}
+	var stop atomic.Bool
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for !stop.Load() {
+			buf, err := c.Next(20 * time.Millisecond)
+			if errors.Is(err, fingest.ErrTimeout) {
+				continue
+			}
+			if err != nil {
+				return
+			}
+			if cc.keep.Load() {
+				cc.mu.Lock()
+				cc.lat = append(cc.lat, uint64(buf.Latency()))
+				cc.pub = append(cc.pub, buf.PublishNs-buf.FirstNs)
+				cc.hand = append(cc.hand, buf.WakeNs-buf.PublishNs)
+				cc.mu.Unlock()
+			}
+			it := buf.Iter()
+			var bytes int
+			for it.Next() {
+				bytes += len(it.Record().Payload)
+			}
+			cc.records.Add(uint64(buf.Records))
+			c.Release(&buf)
+		}
+	}()
+	b.Cleanup(func() { stop.Store(true); wg.Wait(); c.Close() })
+	return cc
+}
+
+// latencies sends for a second at rate and returns the latency of every
+// buffer the consumer took meanwhile.
+func (cc *countingConsumer) latencies(p *paced, rate float64) []uint64 {
+	defer p.gen.Close()
+	cc.mu.Lock()
+	cc.lat, cc.pub, cc.hand = cc.lat[:0], cc.pub[:0], cc.hand[:0]
+	cc.mu.Unlock()
+	cc.keep.Store(true)
+	p.send(int(rate), rate)
+	time.Sleep(50 * time.Millisecond)
+	cc.keep.Store(false)
+	cc.mu.Lock()
+	defer cc.mu.Unlock()
+	return slices.Clone(cc.lat)
+}
+
+// components are the latency's parts as percentiles: first RX to
+// publication (the window and the engine) and publication to wake-up
+// (the consumer), from the last latencies call.
+func (cc *countingConsumer) components() string {
+	cc.mu.Lock()
+	defer cc.mu.Unlock()
+	out := ""
+	for _, v := range []struct {
+		name string
+		d    []uint64
+	}{{"RX to publish", cc.pub}, {"publish to wake-up", cc.hand}} {
+		d := slices.Clone(v.d)
+		slices.Sort(d)
+		if len(d) == 0 {
+			continue
+		}
+		p := func(q float64) float64 { return float64(d[min(len(d)-1, int(q*float64(len(d))))]) / 1e3 }
+		out += fmt.Sprintf("%s p50 %.1f p99 %.1f p99.9 %.1f µs; ", v.name, p(0.5), p(0.99), p(0.999))
+	}
+	return out
+}

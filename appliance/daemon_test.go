@@ -48,7 +48,7 @@ type topo struct {
 	dir             string
 }
 
-func newTopo(t *testing.T) *topo {
+func newTopo(t testing.TB) *topo {
 	testenv.RequirePrivileged(t)
 	b, o, v := netns.Pair(t, netns.VethOptions{})
 	// Complete checksums on the "wire", as a NIC would send them.
@@ -60,7 +60,7 @@ func newTopo(t *testing.T) *topo {
 
 // config renders a configuration for the topology; extra is appended,
 // control (lines indented by two spaces) goes into the control section.
-func (tp *topo) config(t *testing.T, extra string, control ...string) *config.Config {
+func (tp *topo) config(t testing.TB, extra string, control ...string) *config.Config {
 	t.Helper()
 	text := fmt.Sprintf(`interfaces: [{name: %s}]
 addresses: [%s]

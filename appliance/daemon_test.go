@@ -63,12 +63,12 @@ func newTopo(t testing.TB) *topo {
 func (tp *topo) config(t testing.TB, extra string, control ...string) *config.Config {
 	t.Helper()
 	text := fmt.Sprintf(`interfaces: [{name: %s}]
-addresses: [%s]
+addresses: [%s, "%s"]
 metrics: {address: "127.0.0.1:0"}
 log: {level: debug}
 control:
   socket: %s
-%s`, tp.v.A.Name, tp.v.A.Addr4.Addr(), filepath.Join(tp.dir, "control.sock"), strings.Join(control, "")) + extra
+%s`, tp.v.A.Name, tp.v.A.Addr4.Addr(), tp.v.A.Addr6.Addr(), filepath.Join(tp.dir, "control.sock"), strings.Join(control, "")) + extra
 	path := filepath.Join(tp.dir, "fabricbridge.yaml")
 	if err := os.WriteFile(path, []byte(text), 0o644); err != nil {
 		t.Fatal(err)

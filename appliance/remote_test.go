@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 	"github.com/fabricbridge/fabricbridge/control"
 	"github.com/fabricbridge/fabricbridge/internal/netns"
 	"github.com/fabricbridge/fabricbridge/userstack"
@@ -193,5 +194,192 @@ listeners:
 	plane.mu.Unlock()
 	if left != 1 { // the successor's
 		t.Errorf("%d streams left, want the successor's only", left)
+	}
+}
+
+// TestRemoteApplicationBothWays: through the daemon, a remote application
+// (its stack in its own namespace, over TCP control and GENEVE) is reached
+// over IPv6 too, dials out to a kernel server (from the bridge's address and
+// a reserved port), exchanges UDP both ways, and carries 100 concurrent
+// connections, half each way, byte-exact.
+func TestRemoteApplicationBothWays(t *testing.T) {
+	tp := newTopo(t)
+	appNS := netns.New(t)
+	link := netns.Connect(t, tp.bridge, appNS, netns.VethOptions{MTU: 1600})
+	ctl := netip.AddrPortFrom(link.A.Addr4.Addr(), 7070)
+	secret := "0123456789abcdef-far-away"
+	sf := writeSecret(t, tp.dir, "far.secret", secret, 0o600)
+	local4, local6 := tp.v.A.Addr4.Addr(), tp.v.A.Addr6.Addr()
+	out4, out6 := tp.v.B.Addr4.Addr(), tp.v.B.Addr6.Addr()
+	cfg := tp.config(t, fmt.Sprintf("applications:\n  - {name: far, secret_file: %s}\n", sf),
+		fmt.Sprintf("  tcp: {address: %q, auth: secret}\n", ctl))
+	d := tp.start(t, cfg, io.Discard)
+	defer d.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	var st *userstack.Stack
+	if err := appNS.Do(func() (err error) {
+		st, err = userstack.Open(ctx, userstack.Options{App: "far", Remote: &userstack.RemoteOptions{Control: ctl.String(), Secret: []byte(secret)}})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	echo := func(ln net.Listener) {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() { defer c.Close(); io.Copy(c, c) }()
+		}
+	}
+	outside := func(fn func() error) {
+		t.Helper()
+		if err := tp.outside.Do(fn); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	// IPv6, kernel -> remote application.
+	ln, err := st.Listen("tcp", ":7")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	go echo(ln)
+	roundTrip := func(c net.Conn, msg []byte) error {
+		c.SetDeadline(time.Now().Add(20 * time.Second))
+		go c.Write(msg)
+		got := make([]byte, len(msg))
+		if _, err := io.ReadFull(c, got); err != nil {
+			return err
+		}
+		if !bytes.Equal(got, msg) {
+			return errors.New("echo differs")
+		}
+		return nil
+	}
+	var c6 net.Conn
+	outside(func() (err error) { c6, err = net.DialTimeout("tcp6", netip.AddrPortFrom(local6, 7).String(), 5*time.Second); return err })
+	if err := roundTrip(c6, bytes.Repeat([]byte("over IPv6 "), 50000)); err != nil {
+		t.Fatalf("IPv6: %v", err)
+	}
+	c6.Close()
+
+	// Remote application -> kernel server: from the bridge's address and a
+	// port of the reserved range.
+	var kl net.Listener
+	outside(func() (err error) { kl, err = net.Listen("tcp4", netip.AddrPortFrom(out4, 0).String()); return err })
+	defer kl.Close()
+	seen := make(chan netip.AddrPort, 200)
+	go func() {
+		for {
+			c, err := kl.Accept()
+			if err != nil {
+				return
+			}
+			seen <- c.RemoteAddr().(*net.TCPAddr).AddrPort()
+			go func() { defer c.Close(); io.Copy(c, c) }()
+		}
+	}()
+	c, err := st.Dial(ctx, "tcp", kl.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := roundTrip(c, bytes.Repeat([]byte("dialled out "), 5000)); err != nil {
+		t.Fatalf("outbound: %v", err)
+	}
+	c.Close()
+	if from := <-seen; from.Addr() != local4 || !cfg.ReservedPorts.Classifier().Contains(from.Port()) {
+		t.Errorf("the kernel server saw %v, want %v and a port of %v", from, local4, cfg.ReservedPorts)
+	}
+
+	// UDP both ways.
+	pc, err := st.ListenPacket("udp", ":5353")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pc.Close()
+	go func() {
+		buf := make([]byte, 2000)
+		for {
+			n, from, err := pc.ReadFrom(buf)
+			if err != nil {
+				return
+			}
+			pc.WriteTo(buf[:n], from)
+		}
+	}()
+	var kc, kpc net.PacketConn
+	outside(func() (err error) {
+		if kc, err = net.ListenPacket("udp4", netip.AddrPortFrom(out4, 0).String()); err != nil {
+			return err
+		}
+		kpc, err = net.ListenPacket("udp6", netip.AddrPortFrom(out6, 0).String())
+		return err
+	})
+	defer kc.Close()
+	defer kpc.Close()
+	buf := make([]byte, 2000)
+	kc.SetDeadline(time.Now().Add(5 * time.Second))
+	kc.WriteTo([]byte("kernel to far"), net.UDPAddrFromAddrPort(netip.AddrPortFrom(local4, 5353)))
+	if n, _, err := kc.ReadFrom(buf); err != nil || string(buf[:n]) != "kernel to far" {
+		t.Errorf("UDP kernel -> far -> kernel: %q, %v", buf[:n], err)
+	}
+	go func() { // the kernel's UDP echo, over IPv6
+		b := make([]byte, 2000)
+		for {
+			n, from, err := kpc.ReadFrom(b)
+			if err != nil {
+				return
+			}
+			kpc.WriteTo(b[:n], from)
+		}
+	}()
+	uc, err := st.Dial(ctx, "udp", kpc.LocalAddr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	uc.SetDeadline(time.Now().Add(5 * time.Second))
+	uc.Write([]byte("far to kernel"))
+	if n, err := uc.Read(buf); err != nil || string(buf[:n]) != "far to kernel" {
+		t.Errorf("UDP far -> kernel -> far over IPv6: %q, %v", buf[:n], err)
+	}
+	uc.Close()
+
+	// 100 connections at once, half each way.
+	const n, size = 100, 16 << 10
+	errs := make(chan error, n)
+	for i := range n {
+		go func() {
+			var c net.Conn
+			var err error
+			if i%2 == 0 {
+				err = tp.outside.Do(func() (err error) {
+					c, err = net.DialTimeout("tcp4", netip.AddrPortFrom(local4, 7).String(), 10*time.Second)
+					return err
+				})
+			} else {
+				c, err = st.Dial(ctx, "tcp", kl.Addr().String())
+			}
+			if err == nil {
+				msg := bytes.Repeat([]byte{byte(i)}, size)
+				err = roundTrip(c, msg)
+				c.Close()
+			}
+			errs <- err
+		}()
+	}
+	for range n {
+		if err := <-errs; err != nil {
+			t.Error(err)
+		}
+	}
+	s := tp.scrape(t, d)
+	for _, r := range []string{"source_addr", "source_port", "protocol"} {
+		if v := metrics.Find(s, "fabricbridge_stream_tx_rejects_total", metrics.L("reason", r)...); len(v) != 1 || v[0].Value != 0 {
+			t.Errorf("TX rejects %s: %+v", r, v)
+		}
 	}
 }

@@ -261,7 +261,10 @@ func TestRemoteApplicationBothWays(t *testing.T) {
 		return nil
 	}
 	var c6 net.Conn
-	outside(func() (err error) { c6, err = net.DialTimeout("tcp6", netip.AddrPortFrom(local6, 7).String(), 5*time.Second); return err })
+	outside(func() (err error) {
+		c6, err = net.DialTimeout("tcp6", netip.AddrPortFrom(local6, 7).String(), 5*time.Second)
+		return err
+	})
 	if err := roundTrip(c6, bytes.Repeat([]byte("over IPv6 "), 50000)); err != nil {
 		t.Fatalf("IPv6: %v", err)
 	}

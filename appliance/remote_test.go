@@ -385,4 +385,17 @@ func TestRemoteApplicationBothWays(t *testing.T) {
 			t.Errorf("TX rejects %s: %+v", r, v)
 		}
 	}
+
+	// The daemon shuts down with the remote application still connected:
+	// the relay goes and the application hears that the bridge is gone.
+	start := time.Now()
+	if err := d.Close(); err != nil {
+		t.Errorf("close: %v", err)
+	}
+	if took := time.Since(start); took > 5*time.Second {
+		t.Errorf("shutdown took %v", took)
+	}
+	if _, err := st.Dial(ctx, "tcp", kl.Addr().String()); !errors.Is(err, control.ErrBridgeGone) {
+		t.Errorf("dial after the daemon stopped: %v, want bridge gone", err)
+	}
 }

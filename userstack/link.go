@@ -41,6 +41,11 @@ type LinkConfig struct {
 	Batch int
 	// NoGRO turns off receive coalescing of TCP segments (see LinkEndpoint).
 	NoGRO bool
+	// RxDepth is how many packets the link holds for the stack before it
+	// drops (a local stream's RX ring); the stack keeps TCP receive
+	// windows within it. 0: the link does not drop, its sender waits
+	// (the remote transport's credits).
+	RxDepth int
 }
 
 // gsoMaxSize bounds a segmentation-offload packet handed down by TCP. It

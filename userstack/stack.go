@@ -66,6 +66,11 @@ type RemoteOptions struct {
 	Transport fabric.RemoteConfig
 }
 
+// defaultRxSlots is the RX ring depth a local stream is assumed to have
+// when the application does not ask for one: the bridge's default (fabric
+// and the appliance's configuration). A stream cannot tell its depth yet.
+const defaultRxSlots = 1024
+
 // resetGrace is how long Close waits for the bridge to send the resets of
 // aborted connections before the stream goes.
 const resetGrace = 20 * time.Millisecond
@@ -117,7 +122,11 @@ func Open(ctx context.Context, opts Options) (*Stack, error) {
 		return nil, err
 	}
 	st.RecvWaiter().Spin = opts.Spin
-	cfg := LinkConfig{MTU: mtuOf(reg.MTU, opts.MTU, st.MaxPayload()), MaxPacket: st.MaxPayload(), NoGRO: opts.NoGRO}
+	rxDepth := opts.RxSlots
+	if rxDepth == 0 {
+		rxDepth = defaultRxSlots
+	}
+	cfg := LinkConfig{MTU: mtuOf(reg.MTU, opts.MTU, st.MaxPayload()), MaxPacket: st.MaxPayload(), NoGRO: opts.NoGRO, RxDepth: rxDepth}
 	s, err := newStack(st, cfg, reg.Addrs, c, c.Close, st.Close)
 	if err != nil {
 		st.Close()
@@ -203,7 +212,7 @@ func newStack(link Link, cfg LinkConfig, addrs []netip.Addr, claims claimer, clo
 	if err != nil {
 		return nil, err
 	}
-	ns, err := newNetstack(ep, addrs)
+	ns, err := newNetstack(ep, addrs, receiveBufferMax(cfg.RxDepth, int(ep.MTU())))
 	if err != nil {
 		return nil, err
 	}

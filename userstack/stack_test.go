@@ -91,13 +91,19 @@ var (
 // checks every packet (well formed, checksums right, within the MTU) and
 // passes it through tap.
 func wiredPair(t *testing.T, tap tapFunc) (a, b *peer) {
+	return wiredPairDepth(t, tap, 0)
+}
+
+// wiredPairDepth is wiredPair with each stack told that its link holds
+// rxDepth packets (LinkConfig.RxDepth).
+func wiredPairDepth(t *testing.T, tap tapFunc, rxDepth int) (a, b *peer) {
 	t.Helper()
 	mk := func(addrs []netip.Addr) *peer {
 		br, app, err := fabric.NewPair(fabric.Config{RxSlots: 1024, TxSlots: 1024})
 		if err != nil {
 			t.Fatal(err)
 		}
-		s, err := newStack(app, LinkConfig{MTU: 1500, MaxPacket: app.MaxPayload()}, addrs, &grantAll{}, app.Close)
+		s, err := newStack(app, LinkConfig{MTU: 1500, MaxPacket: app.MaxPayload(), RxDepth: rxDepth}, addrs, &grantAll{}, app.Close)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -350,4 +356,72 @@ func TestListenValidation(t *testing.T) {
 		t.Errorf("tcp4 :0 listens on %v", ad)
 	}
 	l.Close()
+}
+
+// TestReceiveWindowFitsTheRing checks that a receiver's advertised window,
+// even with a reader that lags, never exceeds what its link holds
+// (RxDepth full-sized segments), and that without the bound it would.
+func TestReceiveWindowFitsTheRing(t *testing.T) {
+	const depth = 64
+	const mss = 1500 - header.IPv4MinimumSize - header.TCPMinimumSize
+	for _, bounded := range []bool{true, false} {
+		var maxWnd atomic.Int64
+		var scale atomic.Int32 // the receiver's window scale, from its SYN-ACK
+		tap := func(from *peer, pkt []byte) bool {
+			ip := header.IPv4(pkt)
+			if !ip.IsValid(len(pkt)) || ip.Protocol() != uint8(header.TCPProtocolNumber) || ip.SourceAddress().String() != "198.18.0.2" {
+				return true
+			}
+			tcp := header.TCP(ip.Payload())
+			if tcp.Flags().Contains(header.TCPFlagSyn) {
+				scale.Store(int32(header.ParseSynOptions(tcp.Options(), true).WS))
+				return true
+			}
+			w := int64(tcp.WindowSize()) << scale.Load()
+			for old := maxWnd.Load(); w > old && !maxWnd.CompareAndSwap(old, w); old = maxWnd.Load() {
+			}
+			return true
+		}
+		rx := depth
+		if !bounded {
+			rx = 0
+		}
+		a, b := wiredPairDepth(t, tap, rx)
+		l, err := b.s.Listen("tcp4", ":81")
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := make(chan int, 1)
+		go func() {
+			c, err := l.Accept()
+			if err != nil {
+				got <- -1
+				return
+			}
+			defer c.Close()
+			time.Sleep(50 * time.Millisecond) // let the sender fill the window
+			n, _ := io.Copy(io.Discard, c)
+			got <- int(n)
+		}()
+		c, err := a.s.Dial(testCtx(t, 10*time.Second), "tcp4", "198.18.0.2:81")
+		if err != nil {
+			t.Fatal(err)
+		}
+		const size = 4 << 20
+		if _, err := c.Write(body(size)); err != nil {
+			t.Fatal(err)
+		}
+		c.Close()
+		if n := <-got; n != size {
+			t.Fatalf("receiver read %d bytes, want %d", n, size)
+		}
+		w := maxWnd.Load()
+		switch {
+		case bounded && (w > depth*mss || w < depth*mss/4):
+			t.Errorf("largest advertised window %d bytes, want at most %d (%d segments) and not far below", w, depth*mss, depth)
+		case !bounded && w <= depth*mss:
+			t.Errorf("without RxDepth the window stayed at %d bytes: the bounded case proves nothing", w)
+		}
+		t.Logf("RxDepth %d: largest advertised window %d bytes", rx, w)
+	}
 }

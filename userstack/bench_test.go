@@ -14,6 +14,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/fabricbridge/fabricbridge/internal/ethtool"
 )
 
@@ -140,7 +142,8 @@ func connsPerSecond(addr string, d time.Duration) (float64, error) {
 const clientEnv = "FB_USERSTACK_BENCH_CLIENT"
 
 // runClient serves commands, one a line on standard input, each answered
-// with one line: "goodput ADDR BYTES" → bit/s, "rr ADDR COUNT" → the
+// with one line: "goodput ADDR BYTES" → bit/s and the CPU time the client
+// spent (ns, user and system: the sending kernel's work), "rr ADDR COUNT" → the
 // sorted round trips in ns, "rrt ADDR COUNT" → each round trip's start and
 // end on the system's monotonic clock (see monoNow), "cps ADDR MS" →
 // connections/s; "error ..." when it fails.
@@ -158,8 +161,9 @@ func runClient() {
 		switch op {
 		case "goodput":
 			var v float64
+			cpu := selfCPU()
 			v, err = goodput(addr, n)
-			out = fmt.Sprint(v)
+			out = fmt.Sprint(v, " ", int64(selfCPU()-cpu))
 		case "rr":
 			var ds []time.Duration
 			ds, err = roundTrips(addr, n)
@@ -236,14 +240,51 @@ func (c *benchClient) do(cmd string) (string, error) {
 	return line, nil
 }
 
-func (c *benchClient) goodput(addr string, n int) (float64, error) {
+func (c *benchClient) goodput(addr string, n int) (bps float64, cpu time.Duration, err error) {
 	line, err := c.do(fmt.Sprint("goodput ", addr, " ", n))
 	if err != nil {
-		return 0, err
+		return 0, 0, err
 	}
-	var v float64
-	_, err = fmt.Sscan(line, &v)
-	return v, err
+	_, err = fmt.Sscan(line, &bps, &cpu)
+	return bps, cpu, err
+}
+
+// selfCPU is the CPU time (user and system) this process has used.
+func selfCPU() time.Duration {
+	var ru unix.Rusage
+	unix.Getrusage(unix.RUSAGE_SELF, &ru)
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// procCPU is the CPU time of another process, at clock-tick resolution.
+func procCPU(pid int) time.Duration {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0
+	}
+	s := string(b)
+	f := strings.Fields(s[strings.LastIndexByte(s, ')')+2:])
+	if len(f) < 13 {
+		return 0
+	}
+	var u, k int64
+	fmt.Sscan(f[11], &u)
+	fmt.Sscan(f[12], &k)
+	return time.Duration(u+k) * 10 * time.Millisecond // USER_HZ is 100 on Linux
+}
+
+// measuredGoodput is one goodput run with the CPU it cost: the client's
+// (the sending kernel) and the bridge host's (this process: the bridge,
+// the userstack or the kernel's receiving socket, and the application
+// process when there is one).
+func measuredGoodput(b *testing.B, c *benchClient, addr string, n int, helper int) (bps float64, cpuPerGB time.Duration) {
+	self, child := selfCPU(), procCPU(helper)
+	bps, clientCPU, err := c.goodput(addr, n)
+	if err != nil {
+		b.Fatal(err)
+	}
+	cpu := clientCPU + selfCPU() - self + procCPU(helper) - child
+	return bps, time.Duration(float64(cpu) * float64(1<<30) / float64(n))
 }
 
 func (c *benchClient) roundTrips(addr string, count int) ([]time.Duration, error) {
@@ -316,7 +357,7 @@ func TestMain(m *testing.M) {
 }
 
 // startHelper runs the application process and waits until it serves.
-func startHelper(b *testing.B, path string) {
+func startHelper(b *testing.B, path string) (pid int) {
 	cmd := exec.Command(os.Args[0])
 	cmd.Env = append(os.Environ(), helperEnv+"="+path)
 	stdin, err := cmd.StdinPipe()
@@ -339,10 +380,11 @@ func startHelper(b *testing.B, path string) {
 	for sc.Scan() {
 		if strings.TrimSpace(sc.Text()) == "ready" {
 			go io.Copy(io.Discard, stdout)
-			return
+			return cmd.Process.Pid
 		}
 	}
 	b.Fatal("the application process did not start")
+	return 0
 }
 
 // BenchmarkEndToEnd compares the kernel's TCP with the user-space stack on
@@ -387,27 +429,15 @@ func BenchmarkEndToEnd(b *testing.B) {
 		}
 	}
 	const size = 256 << 20
-	startHelper(b, e.path)
+	helper := startHelper(b, e.path)
 	client := startClient(b, e)
 	for b.Loop() {
 		offloads(true)
-		kernOn, err := client.goodput(at(5002), size)
-		if err != nil {
-			b.Fatal(err)
-		}
+		kernOn, kernOnCPU := measuredGoodput(b, client, at(5002), size, helper)
 		offloads(false) // the userstack path needs full checksums anyway
-		kernOff, err := client.goodput(at(5002), size)
-		if err != nil {
-			b.Fatal(err)
-		}
-		user, err := client.goodput(at(5001), size)
-		if err != nil {
-			b.Fatal(err)
-		}
-		child, err := client.goodput(at(5005), size)
-		if err != nil {
-			b.Fatal(err)
-		}
+		kernOff, kernOffCPU := measuredGoodput(b, client, at(5002), size, helper)
+		user, userCPU := measuredGoodput(b, client, at(5001), size, helper)
+		child, childCPU := measuredGoodput(b, client, at(5005), size, helper)
 		crr, err := client.roundTrips(at(5006), 5000)
 		if err != nil {
 			b.Fatal(err)
@@ -442,6 +472,11 @@ func BenchmarkEndToEnd(b *testing.B) {
 		b.ReportMetric(ucps, "userstack-conn/s")
 		b.Log(fmt.Sprintf("goodput Mbit/s: kernel offload on %.0f, off %.0f, userstack %.0f (%.2f of off, %.2f of on)",
 			kernOn/1e6, kernOff/1e6, user/1e6, user/kernOff, user/kernOn))
+		b.Log(fmt.Sprintf("CPU per GB (client + bridge host): kernel offload on %v, off %v, userstack %v (%.2f× off), own process %v (%.2f× off)",
+			kernOnCPU.Round(time.Millisecond), kernOffCPU.Round(time.Millisecond), userCPU.Round(time.Millisecond),
+			float64(userCPU)/float64(kernOffCPU), childCPU.Round(time.Millisecond), float64(childCPU)/float64(kernOffCPU)))
+		b.ReportMetric(kernOffCPU.Seconds(), "kernel-offload-off-CPU-s/GB")
+		b.ReportMetric(userCPU.Seconds(), "userstack-CPU-s/GB")
 		b.Log(fmt.Sprintf("1-byte RR: kernel p50 %v p99 %v, userstack p50 %v p99 %v", pct(krr, 0.5), pct(krr, 0.99), pct(urr, 0.5), pct(urr, 0.99)))
 		b.Log(fmt.Sprintf("application in its own process: goodput %.0f Mbit/s (%.2f of off), RR p50 %v p99 %v (%.1f× kernel)",
 			child/1e6, child/kernOff, pct(crr, 0.5), pct(crr, 0.99), float64(pct(crr, 0.5))/float64(pct(krr, 0.5))))

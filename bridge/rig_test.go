@@ -2,6 +2,7 @@ package bridge
 
 import (
 	"bytes"
+	"encoding/hex"
 	"fmt"
 	"log/slog"
 	"net"
@@ -16,6 +17,7 @@ import (
 
 	"github.com/fabricbridge/fabricbridge/classifier"
 	"github.com/fabricbridge/fabricbridge/fabric"
+	"github.com/fabricbridge/fabricbridge/internal/ippkt"
 	"github.com/fabricbridge/fabricbridge/internal/netns"
 	"github.com/fabricbridge/fabricbridge/internal/testenv"
 )
@@ -105,6 +107,24 @@ func (r *rig) eventually(cond func(Stats) bool) Stats {
 		time.Sleep(time.Millisecond)
 	}
 	return s
+}
+
+// parseDelivered parses a packet an application read from a stream. When it
+// does not parse, the failure shows the packet in hex next to the bridge's
+// path and stats, so that a rare failure (a corrupt frame, a packet nobody
+// sent) can be told apart afterwards from the log alone.
+func (r *rig) parseDelivered(what string, pkt []byte) ippkt.Parsed {
+	r.t.Helper()
+	p, err := ippkt.Parse(pkt)
+	if err != nil {
+		r.t.Fatalf("%s: %v\n%s", what, err, r.describe(pkt))
+	}
+	return p
+}
+
+// describe is pkt in hex and the bridge's state, for failure messages.
+func (r *rig) describe(pkt []byte) string {
+	return fmt.Sprintf("%d bytes:\n%sbridge on path %v: %+v", len(pkt), hex.Dump(pkt), r.b.Path(), r.b.Stats())
 }
 
 // standardTables installs the listeners described at udpPort1.

@@ -79,60 +79,88 @@ type Parsed struct {
 	ChecksumOK bool
 }
 
-// Parse decodes an IPv4 or IPv6 packet with a UDP or TCP header and checks
-// its checksums.
+// Parse decodes an IPv4 or IPv6 packet (IPv6 extension headers skipped)
+// with a UDP or TCP header and checks its checksums. It is an error if the
+// packet holds fewer bytes than its IP or UDP length says.
+//
+// Parse decodes no further than the transport header: the payload is
+// whatever follows it. (Decoding on by port, as gopacket does for a whole
+// packet, would fail on an ordinary datagram whose ephemeral port happens to
+// be a well-known one: 44818 is EtherNet/IP's and lies in Linux's ephemeral
+// range, and gopacket reports a short datagram from it as "ENIP packet data
+// truncated".)
 func Parse(pkt []byte) (Parsed, error) {
-	var first gopacket.Decoder = layers.LayerTypeIPv4
+	var (
+		v4  layers.IPv4
+		v6  layers.IPv6
+		ext layers.IPv6ExtensionSkipper
+		udp layers.UDP
+		tcp layers.TCP
+	)
+	first := layers.LayerTypeIPv4
 	if len(pkt) > 0 && pkt[0]>>4 == 6 {
 		first = layers.LayerTypeIPv6
 	}
-	p := gopacket.NewPacket(pkt, first, gopacket.Default)
-	if el := p.ErrorLayer(); el != nil {
-		return Parsed{}, el.Error()
+	parser := gopacket.NewDecodingLayerParser(first, &v4, &v6, &ext, &udp, &tcp)
+	// Stop quietly at the first layer past the transport header.
+	parser.IgnoreUnsupported = true
+	var decoded []gopacket.LayerType
+	if err := parser.DecodeLayers(pkt, &decoded); err != nil {
+		return Parsed{}, fmt.Errorf("ippkt: %w", err)
+	}
+	if parser.Truncated {
+		return Parsed{}, fmt.Errorf("ippkt: truncated: %d bytes hold less than the packet's lengths say", len(pkt))
 	}
 	var out Parsed
 	var src, dst netip.Addr
-	switch l := p.NetworkLayer().(type) {
-	case *layers.IPv4:
-		src, _ = netip.AddrFromSlice(l.SrcIP.To4())
-		dst, _ = netip.AddrFromSlice(l.DstIP.To4())
-		out.Proto = l.Protocol
-	case *layers.IPv6:
-		src, _ = netip.AddrFromSlice(l.SrcIP)
-		dst, _ = netip.AddrFromSlice(l.DstIP)
-		out.Proto = l.NextHeader
-	default:
+	var l4 []byte // the transport header and payload, as the checksum covers them
+	for _, lt := range decoded {
+		switch lt {
+		case layers.LayerTypeIPv4:
+			src, _ = netip.AddrFromSlice(v4.SrcIP.To4())
+			dst, _ = netip.AddrFromSlice(v4.DstIP.To4())
+		case layers.LayerTypeIPv6:
+			src, _ = netip.AddrFromSlice(v6.SrcIP)
+			dst, _ = netip.AddrFromSlice(v6.DstIP)
+		case layers.LayerTypeUDP:
+			out.Proto = layers.IPProtocolUDP
+			out.Src = netip.AddrPortFrom(src, uint16(udp.SrcPort))
+			out.Dst = netip.AddrPortFrom(dst, uint16(udp.DstPort))
+			out.Payload = udp.Payload
+			l4 = within(pkt, udp.Contents, len(udp.Contents)+len(udp.Payload))
+		case layers.LayerTypeTCP:
+			out.Proto = layers.IPProtocolTCP
+			out.Src = netip.AddrPortFrom(src, uint16(tcp.SrcPort))
+			out.Dst = netip.AddrPortFrom(dst, uint16(tcp.DstPort))
+			out.Payload = tcp.Payload
+			l4 = within(pkt, tcp.Contents, len(tcp.Contents)+len(tcp.Payload))
+		}
+	}
+	if !src.IsValid() {
 		return Parsed{}, fmt.Errorf("ippkt: not IP")
 	}
-	var l4off int
-	switch t := p.TransportLayer().(type) {
-	case *layers.UDP:
-		out.Src = netip.AddrPortFrom(src, uint16(t.SrcPort))
-		out.Dst = netip.AddrPortFrom(dst, uint16(t.DstPort))
-		out.Payload = t.Payload
-		l4off = len(pkt) - len(t.Contents) - len(t.Payload)
-	case *layers.TCP:
-		out.Src = netip.AddrPortFrom(src, uint16(t.SrcPort))
-		out.Dst = netip.AddrPortFrom(dst, uint16(t.DstPort))
-		out.Payload = t.Payload
-		l4off = len(pkt) - len(t.Contents) - len(t.Payload)
-	default:
+	if l4 == nil {
 		return Parsed{}, fmt.Errorf("ippkt: no UDP or TCP header")
 	}
-	out.ChecksumOK = checksumsOK(pkt, l4off, src, dst, uint8(out.Proto))
+	out.ChecksumOK = checksumsOK(pkt, l4, src, dst, uint8(out.Proto))
 	return out, nil
+}
+
+// within is the n bytes of pkt that start where sub, a slice of pkt, starts.
+func within(pkt, sub []byte, n int) []byte {
+	off := cap(pkt) - cap(sub)
+	return pkt[off : off+n]
 }
 
 // checksumsOK verifies the IPv4 header checksum and the L4 checksum over
 // the pseudo-header: a correct one sums to 0xffff.
-func checksumsOK(pkt []byte, l4off int, src, dst netip.Addr, proto uint8) bool {
+func checksumsOK(pkt, l4 []byte, src, dst netip.Addr, proto uint8) bool {
 	if src.Is4() {
 		ihl := int(pkt[0]&0xf) * 4
 		if fold(sum(pkt[:ihl], 0)) != 0xffff {
 			return false
 		}
 	}
-	l4 := pkt[l4off:]
 	var s uint32
 	s = sum(src.AsSlice(), s)
 	s = sum(dst.AsSlice(), s)

@@ -121,12 +121,14 @@ func (w *Waiter) block(r readier, timeout time.Duration, start time.Time) error 
 		}
 	}
 	for {
-		atomic.SwapUint32(w.flag, 1) // a full barrier before the re-check
-		// Empty the eventfd now, before sleeping, rather than after the
-		// wake-up, so the wake-up path makes one system call (poll), not
-		// two. A signal drained here was sent for data published before
-		// it, which the re-check below sees; one sent later wakes poll.
+		// Empty the eventfd before arming, not after the wake-up, so the
+		// wake-up path makes one system call (poll), not two. Before
+		// arming, never after: a producer that clears our flag once it is
+		// armed (even one late with a signal meant for an earlier round)
+		// writes its signal after that, so it cannot be drained here, and
+		// sleeping with the flag cleared always finds the signal pending.
 		eventfdDrain(w.fd, &w.buf)
+		atomic.SwapUint32(w.flag, 1) // a full barrier before the re-check
 		if r.ready() {
 			atomic.StoreUint32(w.flag, 0)
 			return nil

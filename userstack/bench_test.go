@@ -49,6 +49,9 @@ func rrServer(l net.Listener) {
 				if _, err := io.ReadFull(c, b); err != nil {
 					return
 				}
+				if l := benchLog.Load(); l != nil {
+					l.add(ptServerRead, monoNow())
+				}
 				if _, err := c.Write(b); err != nil {
 					return
 				}
@@ -317,15 +320,20 @@ func (c *benchClient) connsPerSecond(addr string, d time.Duration) (float64, err
 }
 
 // helperEnv names the control socket when the test binary runs as the
-// benchmark's application process.
-const helperEnv = "FB_USERSTACK_HELPER_CONTROL"
+// benchmark's application process; helperTraceEnv makes that process
+// record its hops (see BenchmarkRoundTripHops).
+const (
+	helperEnv      = "FB_USERSTACK_HELPER_CONTROL"
+	helperTraceEnv = "FB_USERSTACK_HELPER_TRACE"
+)
 
 // TestMain turns the test binary into one of the benchmark's processes:
 // the outside client when clientEnv is set (see runClient), or the
 // application when helperEnv is set: the application in a process of its
 // own, as in production. That one serves a sink on port 5005 and echoes
-// single bytes on 5006, says "ready", and exits when its standard input
-// closes.
+// single bytes on 5006, says "ready", answers "events" on its standard
+// input with the hops it recorded (one line of point and time pairs), and
+// exits when its standard input closes.
 func TestMain(m *testing.M) {
 	if os.Getenv(clientEnv) != "" {
 		runClient()
@@ -334,6 +342,9 @@ func TestMain(m *testing.M) {
 	path := os.Getenv(helperEnv)
 	if path == "" {
 		os.Exit(m.Run())
+	}
+	if os.Getenv(helperTraceEnv) != "" {
+		traceInto(new(eventLog))
 	}
 	s, err := Open(context.Background(), Options{App: "child", Control: path})
 	if err != nil {
@@ -353,13 +364,32 @@ func TestMain(m *testing.M) {
 		go srv.serve(l)
 	}
 	fmt.Println("ready")
-	io.Copy(io.Discard, os.Stdin)
+	sc := bufio.NewScanner(os.Stdin)
+	for sc.Scan() {
+		var sb strings.Builder
+		if l := benchLog.Load(); l != nil && sc.Text() == "events" {
+			for _, ev := range l.take() {
+				fmt.Fprint(&sb, ev.pt, " ", ev.t, " ")
+			}
+		}
+		fmt.Println(sb.String())
+	}
+}
+
+// helperProc is the application process.
+type helperProc struct {
+	pid int
+	in  io.Writer
+	out *bufio.Scanner
 }
 
 // startHelper runs the application process and waits until it serves.
-func startHelper(b *testing.B, path string) (pid int) {
+func startHelper(b *testing.B, path string, trace bool) *helperProc {
 	cmd := exec.Command(os.Args[0])
 	cmd.Env = append(os.Environ(), helperEnv+"="+path)
+	if trace {
+		cmd.Env = append(cmd.Env, helperTraceEnv+"=1")
+	}
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
 		b.Fatal(err)
@@ -377,14 +407,37 @@ func startHelper(b *testing.B, path string) (pid int) {
 		cmd.Wait()
 	})
 	sc := bufio.NewScanner(stdout)
+	sc.Buffer(nil, 64<<20)
 	for sc.Scan() {
 		if strings.TrimSpace(sc.Text()) == "ready" {
-			go io.Copy(io.Discard, stdout)
-			return cmd.Process.Pid
+			return &helperProc{pid: cmd.Process.Pid, in: stdin, out: sc}
 		}
 	}
 	b.Fatal("the application process did not start")
-	return 0
+	return nil
+}
+
+// events fetches (and clears) the hops the process recorded.
+func (h *helperProc) events() ([]event, error) {
+	if _, err := fmt.Fprintln(h.in, "events"); err != nil {
+		return nil, err
+	}
+	if !h.out.Scan() {
+		return nil, fmt.Errorf("application process: %v", h.out.Err())
+	}
+	f := strings.Fields(h.out.Text())
+	evs := make([]event, 0, len(f)/2)
+	for i := 0; i+1 < len(f); i += 2 {
+		var ev event
+		if _, err := fmt.Sscan(f[i], &ev.pt); err != nil {
+			return nil, err
+		}
+		if _, err := fmt.Sscan(f[i+1], &ev.t); err != nil {
+			return nil, err
+		}
+		evs = append(evs, ev)
+	}
+	return evs, nil
 }
 
 // BenchmarkEndToEnd compares the kernel's TCP with the user-space stack on
@@ -429,7 +482,7 @@ func BenchmarkEndToEnd(b *testing.B) {
 		}
 	}
 	const size = 256 << 20
-	helper := startHelper(b, e.path)
+	helper := startHelper(b, e.path, false).pid
 	client := startClient(b, e)
 	for b.Loop() {
 		offloads(true)

@@ -73,8 +73,7 @@ func timedRoundTrips(addr string, count int) ([][2]int64, error) {
 const (
 	ptClientWrite  = iota // the client process writes the request
 	ptXDP                 // the XDP program sees it (its timestamp)
-	ptBridgeRx            // the bridge put it into the stream and ran its hook (a woken app thread may preempt it in between)
-	ptRecv                // hopRecv
+	ptRecv                // hopRecv: the application's receive loop has it
 	ptDelivered           // hopDelivered
 	ptReadable            // hopReadable
 	ptServerRead          // the server's Read returns
@@ -84,41 +83,71 @@ const (
 	ptClientRead          // the client process has read the answer
 	ptWrite               // side line: the first WritePackets (gVisor's ACK)
 	ptBridgeTxAck         // side line: the bridge's TX loop has that ACK
+	ptBridgeRx            // side line: the bridge's RX hook ran, after it filled the stream (a woken application thread may run first)
 	ptCount
 )
 
-var ptNames = [ptCount]string{"client write", "XDP", "bridge RX hook ran", "app Recv", "app delivered",
+var ptNames = [ptCount]string{"client write", "XDP", "app Recv", "app delivered",
 	"gVisor readable", "server Read", "app WritePackets", "app in TX ring", "bridge TX loop", "client read",
-	"(ACK WritePackets)", "(ACK at bridge TX)"}
+	"(ACK WritePackets)", "(ACK at bridge TX)", "(bridge RX hook)"}
+
+// event is one point passed at time t (CLOCK_MONOTONIC ns).
+type event struct {
+	t  int64
+	pt uint8
+}
 
 // eventLog gathers timestamped points from any goroutine without locks.
 type eventLog struct {
 	n  atomic.Int64
-	ev [1 << 20]struct {
-		t  int64
-		pt uint8
-	}
+	ev [1 << 20]event
 }
 
 func (l *eventLog) add(pt int, t int64) {
 	i := l.n.Add(1) - 1
 	if i < int64(len(l.ev)) {
-		l.ev[i].t, l.ev[i].pt = t, uint8(pt)
+		l.ev[i] = event{t: t, pt: uint8(pt)}
 	}
 }
 
+// take returns what was logged and starts over. Call it while nothing is
+// being logged.
+func (l *eventLog) take() []event {
+	n := min(int(l.n.Load()), len(l.ev))
+	evs := slices.Clone(l.ev[:n])
+	l.n.Store(0)
+	return evs
+}
+
+// benchLog, when set, receives the points of this process: the
+// application's hops and rrServer's reads.
+var benchLog atomic.Pointer[eventLog]
+
+// appPoint maps the package's hops to points.
+var appPoint = [...]int{hopRecv: ptRecv, hopDelivered: ptDelivered, hopReadable: ptReadable,
+	hopWrite: ptWrite, hopWriteData: ptWriteData, hopSentData: ptSentData}
+
+// traceInto sends this process's points to l.
+func traceInto(l *eventLog) {
+	benchLog.Store(l)
+	trace := func(h hop) { l.add(appPoint[h], monoNow()) }
+	hopTrace.Store(&trace)
+}
+
 // BenchmarkRoundTripHops attributes the 1-byte round trip of
-// BenchmarkEndToEnd's userstack path hop by hop: for each exchange it takes
-// the first time each point was passed between the client's write and its
-// read, and prints each point's median offset and the median step from the
-// previous point. Run: go test -run '^$' -bench RoundTripHops -benchtime 1x ./userstack
+// BenchmarkEndToEnd's userstack path hop by hop, with the application in
+// the bridge's process and in a process of its own: for each exchange it
+// takes the first time each point was passed between the client's write
+// and its read, and prints each point's median offset and the median step
+// from the previous point.
+// Run: go test -run '^$' -bench RoundTripHops -benchtime 1x ./userstack
 func BenchmarkRoundTripHops(b *testing.B) {
 	log := new(eventLog)
-	appPoint := [...]int{hopRecv: ptRecv, hopDelivered: ptDelivered, hopReadable: ptReadable,
-		hopWrite: ptWrite, hopWriteData: ptWriteData, hopSentData: ptSentData}
-	trace := func(h hop) { log.add(appPoint[h], monoNow()) }
-	hopTrace.Store(&trace)
-	b.Cleanup(func() { hopTrace.Store(nil) })
+	traceInto(log)
+	b.Cleanup(func() {
+		hopTrace.Store(nil)
+		benchLog.Store(nil)
+	})
 
 	e := newE2E(b)
 	s := e.open(false)
@@ -126,121 +155,114 @@ func BenchmarkRoundTripHops(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
+	go rrServer(l)
+	helper := startHelper(b, e.path, true)
+	for _, app := range e.srv.Apps() {
+		if err := e.b.SetCapture(app.Stream, func(dir bridge.Direction, pkt []byte, ts time.Time) {
+			now := monoNow()
+			if dir == bridge.Inbound {
+				log.add(ptXDP, wallToMono(ts))
+				log.add(ptBridgeRx, now)
 				return
 			}
-			go func() {
-				defer c.Close()
-				buf := make([]byte, 1)
-				for {
-					if _, err := io.ReadFull(c, buf); err != nil {
-						return
-					}
-					log.add(ptServerRead, monoNow())
-					if _, err := c.Write(buf); err != nil {
-						return
-					}
-				}
-			}()
+			if tcpPayload(pkt) > 0 {
+				log.add(ptBridgeTxData, now)
+			} else {
+				log.add(ptBridgeTxAck, now)
+			}
+		}); err != nil {
+			b.Fatal(err)
 		}
-	}()
-	if err := e.b.SetCapture(e.srv.Apps()[0].Stream, func(dir bridge.Direction, pkt []byte, ts time.Time) {
-		now := monoNow()
-		if dir == bridge.Inbound {
-			log.add(ptXDP, wallToMono(ts))
-			log.add(ptBridgeRx, now)
-			return
-		}
-		if tcpPayload(pkt) > 0 {
-			log.add(ptBridgeTxData, now)
-		} else {
-			log.add(ptBridgeTxAck, now)
-		}
-	}); err != nil {
-		b.Fatal(err)
 	}
 	client := startClient(b, e)
 	const count = 3000
 	for b.Loop() {
-		log.n.Store(0)
-		line, err := client.do(fmt.Sprint("rrt ", netip.AddrPortFrom(e.local4, 5007), " ", count))
-		if err != nil {
-			b.Fatal(err)
-		}
-		var spans [][2]int64
-		f := strings.Fields(line)
-		for i := 0; i+1 < len(f); i += 2 {
-			var sp [2]int64
-			fmt.Sscan(f[i], &sp[0])
-			fmt.Sscan(f[i+1], &sp[1])
-			spans = append(spans, sp)
-		}
-		n := min(int(log.n.Load()), len(log.ev))
-		evs := slices.Clone(log.ev[:n])
-		slices.SortFunc(evs, func(a, b struct {
-			t  int64
-			pt uint8
-		}) int {
-			return int(a.t - b.t)
-		})
-		// at[p][i]: offset of point p in exchange i from its start, -1 if
-		// the point was not passed within the exchange.
-		var at [ptCount][]int64
-		j := 0
-		for _, sp := range spans {
-			for j < len(evs) && evs[j].t < sp[0] {
-				j++
+		for _, where := range []struct {
+			name string
+			port uint16
+		}{{"bridge's process", 5007}, {"own process", 5006}} {
+			log.take()
+			line, err := client.do(fmt.Sprint("rrt ", netip.AddrPortFrom(e.local4, where.port), " ", count))
+			if err != nil {
+				b.Fatal(err)
 			}
-			var first [ptCount]int64
-			for p := range first {
-				first[p] = -1
+			var spans [][2]int64
+			f := strings.Fields(line)
+			for i := 0; i+1 < len(f); i += 2 {
+				var sp [2]int64
+				fmt.Sscan(f[i], &sp[0])
+				fmt.Sscan(f[i+1], &sp[1])
+				spans = append(spans, sp)
 			}
-			first[ptClientWrite], first[ptClientRead] = 0, sp[1]-sp[0]
-			for k := j; k < len(evs) && evs[k].t <= sp[1]; k++ {
-				if p := evs[k].pt; first[p] < 0 {
-					first[p] = evs[k].t - sp[0]
+			evs := log.take()
+			if where.port == 5006 {
+				app, err := helper.events()
+				if err != nil {
+					b.Fatal(err)
 				}
+				evs = append(evs, app...)
 			}
-			for p := range at {
-				at[p] = append(at[p], first[p])
-			}
+			fmt.Printf("application in the %s: ", where.name)
+			fmt.Print(attribute(spans, evs))
 		}
-		med := func(v []int64) (float64, int) {
-			var ok []int64
-			for _, x := range v {
-				if x >= 0 {
-					ok = append(ok, x)
-				}
-			}
-			if len(ok) == 0 {
-				return 0, len(v)
-			}
-			slices.Sort(ok)
-			return float64(ok[len(ok)/2]) / 1e3, len(v) - len(ok)
-		}
-		var sb strings.Builder
-		fmt.Fprintf(&sb, "%d exchanges; offsets from the client's write, µs (median; step = median of this point minus the previous one per exchange)\n", len(spans))
-		for p := range ptCount {
-			off, missing := med(at[p])
-			var steps []int64
-			if p > 0 && p < ptWrite {
-				for i := range at[p] {
-					if at[p][i] >= 0 && at[p-1][i] >= 0 {
-						steps = append(steps, at[p][i]-at[p-1][i])
-					}
-				}
-			}
-			step, _ := med(steps)
-			fmt.Fprintf(&sb, "  %-20s %7.1f   step %6.1f   missing %d\n", ptNames[p], off, step, missing)
-			if p > 0 && p < ptWrite {
-				b.ReportMetric(step, "µs-to-"+strings.ReplaceAll(ptNames[p], " ", "-"))
-			}
-		}
-		fmt.Print(sb.String())
 	}
+}
+
+// attribute finds, for each exchange, the first time each point was passed
+// within it, and tabulates the medians.
+func attribute(spans [][2]int64, evs []event) string {
+	slices.SortFunc(evs, func(a, b event) int { return int(a.t - b.t) })
+	// at[p][i]: offset of point p in exchange i from its start, -1 if the
+	// point was not passed within the exchange.
+	var at [ptCount][]int64
+	j := 0
+	for _, sp := range spans {
+		for j < len(evs) && evs[j].t < sp[0] {
+			j++
+		}
+		var first [ptCount]int64
+		for p := range first {
+			first[p] = -1
+		}
+		first[ptClientWrite], first[ptClientRead] = 0, sp[1]-sp[0]
+		for k := j; k < len(evs) && evs[k].t <= sp[1]; k++ {
+			if p := evs[k].pt; first[p] < 0 {
+				first[p] = evs[k].t - sp[0]
+			}
+		}
+		for p := range at {
+			at[p] = append(at[p], first[p])
+		}
+	}
+	med := func(v []int64) (float64, int) {
+		var ok []int64
+		for _, x := range v {
+			if x >= 0 {
+				ok = append(ok, x)
+			}
+		}
+		if len(ok) == 0 {
+			return 0, len(v)
+		}
+		slices.Sort(ok)
+		return float64(ok[len(ok)/2]) / 1e3, len(v) - len(ok)
+	}
+	var sb strings.Builder
+	fmt.Fprintf(&sb, "%d exchanges; offsets from the client's write, µs (median; step = median over exchanges of this point minus the previous one)\n", len(spans))
+	for p := range ptCount {
+		off, missing := med(at[p])
+		var steps []int64
+		if p > 0 && p < ptWrite {
+			for i := range at[p] {
+				if at[p][i] >= 0 && at[p-1][i] >= 0 {
+					steps = append(steps, at[p][i]-at[p-1][i])
+				}
+			}
+		}
+		step, _ := med(steps)
+		fmt.Fprintf(&sb, "  %-20s %7.1f   step %6.1f   missing %d\n", ptNames[p], off, step, missing)
+	}
+	return sb.String()
 }
 
 // tcpPayload is the TCP payload length of an IPv4 or IPv6 packet without

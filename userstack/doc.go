@@ -32,6 +32,13 @@
 // on either side. The MTU is the smallest of the bridge's wire MTU, the
 // stream's slot payload and Options.MTU.
 //
+// One goroutine receives: it takes a batch from the stream, checks and
+// delivers it, then yields its P so that the TCP processor and the
+// application goroutines it woke run at once, instead of waiting behind a
+// loop that sleeps in poll(2) holding the P. By default it sleeps as soon
+// as the stream is empty (Options.Spin). Transmit runs inline on whichever
+// goroutine the stack sends from, straight into the stream.
+//
 // # Checksums
 //
 // Verified exactly once, on the application's side: the bridge and the XDP
@@ -53,7 +60,9 @@
 // # Defaults
 //
 // SACK on, CUBIC, no Nagle delay, 1 MB send and receive buffers growing to
-// 8 MB by receive-buffer moderation, reuse of TIME-WAIT ports when safe.
+// 8 MB by receive-buffer moderation, except that a receive window never
+// exceeds what the stream's RX ring holds (the bridge drops what does not
+// fit), and reuse of TIME-WAIT ports when safe.
 // ICMP is the kernel's: the stack processes ICMP errors the bridge
 // delivers (port unreachable ends a connected UDP socket's wait, packet
 // too big lowers the path MTU) but generates none.

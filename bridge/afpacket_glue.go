@@ -137,10 +137,14 @@ func (a *afpRx) frame(f []byte, rebuilt bool) {
 	}
 }
 
+// poll delivers one block. The dispatcher batches frames and copies them
+// into streams at d.end, so the block goes back to the kernel only after
+// that (as the XDP path refills only after d.end).
 func (a *afpRx) poll(d *dispatcher) int {
 	a.d = d
 	n := a.rx.Poll(a.onFrame)
 	d.end()
+	a.rx.Release()
 	a.d = nil
 	return n
 }

@@ -1,6 +1,7 @@
 package bridge
 
 import (
+	"bytes"
 	"net/netip"
 	"slices"
 	"strings"
@@ -18,8 +19,10 @@ import (
 	"github.com/fabricbridge/fabricbridge/internal/xdpgen"
 )
 
-// drain reads an application's stream until stop is closed, counting.
-func drain(app *fabric.Stream, n *atomic.Uint64, stop chan struct{}) chan struct{} {
+// drain reads an application's stream until stop is closed, counting, and
+// keeps the first packet valid rejects in bad (a corrupt frame, or one
+// nobody sent to this stream).
+func drain(app *fabric.Stream, n *atomic.Uint64, stop chan struct{}, valid func([]byte) bool, bad *atomic.Pointer[[]byte]) chan struct{} {
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
@@ -29,6 +32,11 @@ func drain(app *fabric.Stream, n *atomic.Uint64, stop chan struct{}) chan struct
 				bufs[i] = make([]byte, 2048)[:2048]
 			}
 			k, err := app.RecvTimeout(bufs, 20*time.Millisecond)
+			for _, p := range bufs[:k] {
+				if !valid(p) {
+					bad.CompareAndSwap(nil, &p)
+				}
+			}
 			n.Add(uint64(k))
 			select {
 			case <-stop:
@@ -74,10 +82,29 @@ func TestSlowStreamLosesOnlyItsOwn(t *testing.T) {
 		r.standardTables()
 		app1 := r.stream(1, r.ownership1(), fabric.Config{})
 		r.stream(2, Ownership{}, fabric.Config{RxSlots: 256}) // never read
+		// Stream 1 must get nothing but the packets sent to it, intact:
+		// the paced datagrams, and the generator's frame without its
+		// Ethernet header.
+		storm := ippkt.UDP(netip.AddrPortFrom(r.remote4, 40000), netip.AddrPortFrom(r.local4, udpPort1), make([]byte, 18))
+		valid := func(p []byte) bool {
+			if bytes.Equal(p, storm) {
+				return true
+			}
+			pp, err := ippkt.Parse(p)
+			return err == nil && pp.ChecksumOK && pp.Dst == netip.AddrPortFrom(r.local4, udpPort1) &&
+				(bytes.HasPrefix(pp.Payload, []byte("busy ")) || bytes.HasPrefix(pp.Payload, []byte("after ")))
+		}
 		var got1 atomic.Uint64
+		var bad atomic.Pointer[[]byte]
 		stop := make(chan struct{})
-		done := drain(app1, &got1, stop)
+		done := drain(app1, &got1, stop, valid, &bad)
 		defer func() { close(stop); <-done }()
+		checkIntact := func(when string) {
+			t.Helper()
+			if p := bad.Load(); p != nil {
+				t.Fatalf("%s: stream 1 got a packet that was not sent to it intact:\n%s", when, r.describe(*p))
+			}
+		}
 
 		c := udpSocket(t, r.out, netip.AddrPortFrom(r.remote4, 0))
 		const each = 1000
@@ -93,6 +120,7 @@ func TestSlowStreamLosesOnlyItsOwn(t *testing.T) {
 		if got1.Load() != each {
 			t.Fatalf("the reading stream got %d of %d", got1.Load(), each)
 		}
+		checkIntact("paced traffic")
 		s1, s2 := s.Streams[0], s.Streams[1]
 		if s1.RxRingFull != 0 || s1.RxPackets != each {
 			t.Fatalf("stream 1 %+v", s1)
@@ -110,7 +138,7 @@ func TestSlowStreamLosesOnlyItsOwn(t *testing.T) {
 		// goes.
 		const million = 1_000_000
 		frames := [][]byte{
-			ippkt.Ether(r.v.A.MAC, r.v.B.MAC, ippkt.UDP(netip.AddrPortFrom(r.remote4, 40000), netip.AddrPortFrom(r.local4, udpPort1), make([]byte, 18))),
+			ippkt.Ether(r.v.A.MAC, r.v.B.MAC, storm),
 			ippkt.Ether(r.v.A.MAC, r.v.B.MAC, ippkt.UDP(netip.AddrPortFrom(r.remote4, 40000), netip.AddrPortFrom(r.local4, udpPort2), make([]byte, 18))),
 		}
 		sent := generate(t, r.out, r.v.B.Index, frames, million)
@@ -134,6 +162,7 @@ func TestSlowStreamLosesOnlyItsOwn(t *testing.T) {
 			time.Sleep(2 * time.Millisecond)
 		}
 		r.settle()
+		checkIntact("a million frames")
 		for i, a := range r.b.accountUMEM() {
 			// Every frame accounted for, none in the kernel. (A frame used
 			// to go missing here: the fill ring, sized for exactly the RX

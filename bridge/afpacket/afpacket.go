@@ -54,7 +54,8 @@ type Rx struct {
 	ring    []byte
 	bsize   int
 	nblocks int
-	cur     int
+	cur     int // the next block to look at
+	held    int // the block the caller still reads (Poll to Release), or -1
 	pfd     [2]unix.PollFd
 	buf     [8]byte
 	scratch []byte
@@ -79,7 +80,7 @@ func NewRx(cfg RxConfig) (*Rx, error) {
 	if err != nil {
 		return nil, fmt.Errorf("afpacket: socket: %w", err)
 	}
-	r := &Rx{fd: fd, bsize: cfg.BlockSize, nblocks: cfg.BlockCount, scratch: make([]byte, 0, 65536)}
+	r := &Rx{fd: fd, bsize: cfg.BlockSize, nblocks: cfg.BlockCount, held: -1, scratch: make([]byte, 0, 65536)}
 	fail := func(what string, err error) (*Rx, error) {
 		r.Close()
 		return nil, fmt.Errorf("afpacket: %s: %w", what, err)
@@ -112,14 +113,20 @@ func (r *Rx) status(b int) *uint32 {
 	return (*uint32)(unsafe.Pointer(&r.ring[b*r.bsize+blockStatus]))
 }
 
-// Poll hands every frame of the next ready block to f, then returns the
-// block to the kernel. It returns how many frames it handed over; 0 means
-// no block was ready. A frame whose VLAN tag the kernel took off (it always
-// does for the outermost tag) gets it back, so f sees the frame as it was on
-// the wire; such a frame is rebuilt in a scratch buffer that the next
-// rebuilt frame overwrites, which f learns from rebuilt. Other frames stay
-// valid until Poll returns.
+// Poll hands every frame of the next ready block to f and returns how many
+// it handed over; 0 means no block was ready. The block stays the caller's,
+// and its frames stay valid, until Release (or the next Poll, which releases
+// it first): a caller may keep frames after f returns, for example to copy a
+// batch of them at once, as long as it is done before Release. (Once
+// released, the kernel may write new frames over them at once: when the ring
+// was full it has been waiting for exactly this block.)
+//
+// A frame whose VLAN tag the kernel took off (it always does for the
+// outermost tag) gets it back, so f sees the frame as it was on the wire;
+// such a frame is rebuilt in a scratch buffer that the next rebuilt frame
+// overwrites, which f learns from rebuilt.
 func (r *Rx) Poll(f func(frame []byte, rebuilt bool)) int {
+	r.Release()
 	base := r.cur * r.bsize
 	st := r.status(r.cur)
 	if atomic.LoadUint32(st)&unix.TP_STATUS_USER == 0 {
@@ -156,9 +163,18 @@ func (r *Rx) Poll(f func(frame []byte, rebuilt bool)) int {
 		}
 		off += next
 	}
-	atomic.StoreUint32(st, unix.TP_STATUS_KERNEL)
+	r.held = r.cur
 	r.cur = (r.cur + 1) % r.nblocks
 	return max(n, 1)
+}
+
+// Release returns the block of the last Poll to the kernel; its frames are
+// no longer valid. Without a block held it does nothing.
+func (r *Rx) Release() {
+	if r.held >= 0 {
+		atomic.StoreUint32(r.status(r.held), unix.TP_STATUS_KERNEL)
+		r.held = -1
+	}
 }
 
 // Wait sleeps until a block is ready or wakefd (an eventfd, or -1) is

@@ -154,6 +154,56 @@ func TestRxIgnoresOwnAndCountsDrops(t *testing.T) {
 	}
 }
 
+// TestRxHeldUntilRelease: the frames of a polled block stay intact after f
+// returns and while the kernel has more to write, until Release; then the
+// kernel writes into the block again. The bridge copies a batch of frames
+// into a stream after Poll returns; when Poll gave the block back itself,
+// a full ring let the kernel overwrite that batch first.
+func TestRxHeldUntilRelease(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	a, b, v := netns.Pair(t, netns.VethOptions{})
+	page := unix.Getpagesize()
+	rx := newRx(t, a, afpacket.RxConfig{Ifindex: v.A.Index, BlockSize: page, BlockCount: 2, RetireTimeoutMs: 1})
+	inj := rawSocket(t, b, v.B.Index)
+	src, dst := netip.MustParseAddrPort("198.18.0.2:4000"), netip.MustParseAddrPort("198.18.0.1:5000")
+	send := func(payload []byte) {
+		t.Helper()
+		if _, err := unix.Write(inj, ippkt.Ether(v.A.MAC, v.B.MAC, ippkt.UDP(src, dst, payload))); err != nil {
+			t.Fatal(err)
+		}
+	}
+	marker := []byte("afp-held")
+	send(marker)
+	// Poll until the block holding it is ours; keep the frame in place.
+	var held, kept []byte
+	for deadline := time.Now().Add(3 * time.Second); held == nil; {
+		if time.Now().After(deadline) {
+			t.Fatal("the frame never arrived")
+		}
+		if rx.Poll(func(f []byte, _ bool) {
+			if bytes.Contains(f, marker) {
+				held, kept = f, append([]byte(nil), f...)
+			}
+		}) == 0 {
+			rx.Wait(-1)
+		}
+	}
+	// Fill the other block and more, with frames of another size: the
+	// kernel fills it, then waits for ours.
+	for i := range 300 {
+		send(fmt.Appendf(nil, "afp-flood %d, longer than the held one", i))
+	}
+	time.Sleep(20 * time.Millisecond)
+	if !bytes.Equal(held, kept) {
+		t.Fatalf("the held frame changed before Release:\n%x\nwas\n%x", held, kept)
+	}
+	rx.Release()
+	send([]byte("afp-after"))
+	if f, _ := pollUntil(rx, []byte("afp-after"), 1, 3*time.Second); len(f) != 1 {
+		t.Fatal("the ring took nothing after Release")
+	}
+}
+
 // TestRxWaitWakes: Wait returns when the wake descriptor is signalled and
 // consumes the signal.
 func TestRxWaitWakes(t *testing.T) {

@@ -103,24 +103,26 @@
 //
 // Measured, not assumed (BenchmarkSlotsVsRecords; a record-ring prototype
 // with the same index discipline, same 2 MiB of ring memory): records move
-// packets 1.1 to 4.5 times faster, most at 64 bytes (2.3-3.5x in batches)
-// and least at 1500 (1.05-1.7x), because a 64-byte packet in a 2048-byte
-// slot costs two cache lines where a record costs 1.1 and because the same
+// packets 1.2 to 4.7 times faster, most for small packets (1.9-2.5x for
+// 64 bytes in batches, 3.7-4.7x for a mix sent one at a time) and least
+// at 1500 bytes (1.2-1.4x), because a 64-byte packet in a 2048-byte slot
+// costs two cache lines where a record costs 1.1 and because the same
 // memory holds 28 times more small records. Slots stay, for three reasons
 // that outweigh that here. The ring is not the bottleneck: slots run at
-// 15-35 M packets/s in batches, against the bridge's whole RX path at about
-// 0.4 M/s (BENCHMARKS.md), so a faster ring changes no end-to-end number.
-// A depth in packets is a contract: configuration (RxSlots, TxSlots), the
-// bridge's drop accounting and its tests, the exact drop counts promised
-// when the application stalls, and the remote transport's credits are all
-// counted in packets; with records the capacity would depend on sizes.
-// And a hostile peer is checked with one comparison per slot, where a
-// record needs three and a wrap marker. The price is paid where it shows:
-// single-packet sends reach about 7x the Unix socket, not the 10x goal,
-// and the prototype suggests records would (BENCHMARKS.md). Should a
-// consumer ever be ring-bound, records are the measured way forward, as
-// layout version 2, with Config keeping its meaning (room for at least
-// RxSlots packets of the largest size).
+// 19-34 M packets/s in batches, against the bridge's whole RX path at
+// about 0.4 M/s (BENCHMARKS.md), so a faster ring changes no end-to-end
+// number. A depth in packets is a contract: configuration (RxSlots,
+// TxSlots), the bridge's drop accounting and its tests, the exact drop
+// counts promised when the application stalls, and the remote transport's
+// credits are all counted in packets; with records the capacity would
+// depend on sizes. And a hostile peer is checked with one comparison per
+// slot, where a record needs three and a wrap marker. The price is paid
+// where it shows: single-packet sends reach about 5-8x the Unix socket,
+// not the 10x goal, and the prototype's single-packet rate suggests
+// records would (BENCHMARKS.md). Should a consumer ever be ring-bound,
+// records are the measured way forward, as layout version 2, with Config
+// keeping its meaning (room for at least RxSlots packets of the largest
+// size).
 //
 // # Remote transport
 //

@@ -32,7 +32,10 @@
 // (classifier.UnmarshalMeta), not from a second parse. Ethernet, VLAN tags
 // and padding are cut off, consecutive packets of one stream are copied into
 // its RX ring with one SendMeta (with the classifier's rule id as the slot's
-// metadata word), and the frames go back to the fill ring at once. A full
+// metadata word), and the frames go back to the fill ring at once, that is
+// after the batch is copied and never before: a batch points into the frames
+// until then. (On the AF_PACKET path the same holds for the ring's block,
+// which afpacket.Rx hands back only on Release.) A full
 // stream ring drops the newest packets and counts them against that stream
 // only; a packet longer than the stream's slots is dropped and counted as
 // too big.

@@ -39,31 +39,10 @@ const timeWaitHold = time.Second
 // "host:port" where host is empty (every address of the stack) or one of
 // the stack's addresses, and port 0 asks the bridge for a free one.
 func (s *Stack) Listen(network, address string) (net.Listener, error) {
-	k, err := parseNetwork(network)
-	if err == nil && k.proto != "tcp" {
-		err = net.UnknownNetworkError(network)
-	}
+	k, claimAddr, np, cl, l, err := s.announce(network, address, "tcp")
 	if err != nil {
-		return nil, opError("listen", netKind{proto: network}, nil, err)
+		return nil, err
 	}
-	a, port, err := parseAddr(address)
-	if err != nil {
-		return nil, opError("listen", k, nil, err)
-	}
-	if err := s.checkOpen(); err != nil {
-		return nil, opError("listen", k, nil, err)
-	}
-	claimAddr, np, err := s.localFor(k, a)
-	if err != nil {
-		return nil, opError("listen", k, nil, err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), controlTimeout)
-	defer cancel()
-	cl, err := s.claims.Listen(ctx, "tcp", claimAddr, port)
-	if err != nil {
-		return nil, opError("listen", k, tcpAddr(claimAddr, port), err)
-	}
-	l := s.newLease(cl.ID)
 	addr := tcpAddr(claimAddr, cl.Port)
 	var wq waiter.Queue
 	ep, terr := s.ns.NewEndpoint(tcp.ProtocolNumber, np, &wq)
@@ -80,6 +59,39 @@ func (s *Stack) Listen(network, address string) (net.Listener, error) {
 		return nil, opError("listen", k, addr, tcpipErr{terr})
 	}
 	return &tcpListener{ep: ep, wq: &wq, lease: l, addr: addr, done: make(chan struct{})}, nil
+}
+
+// announce is the common first half of Listen and ListenPacket: it checks
+// the network and address, and claims the local address and port (port 0:
+// any free one) with the bridge. The errors are ready to return.
+func (s *Stack) announce(network, address, proto string) (k netKind, claimAddr netip.Addr, np tcpip.NetworkProtocolNumber, cl control.Claim, l *lease, err error) {
+	k, err = parseNetwork(network)
+	if err == nil && k.proto != proto {
+		err = net.UnknownNetworkError(network)
+	}
+	if err != nil {
+		return k, claimAddr, np, cl, nil, opError("listen", netKind{proto: network}, nil, err)
+	}
+	a, port, err := parseAddr(address)
+	if err != nil {
+		return k, claimAddr, np, cl, nil, opError("listen", k, nil, err)
+	}
+	if err = s.checkOpen(); err != nil {
+		return k, claimAddr, np, cl, nil, opError("listen", k, nil, err)
+	}
+	if claimAddr, np, err = s.localFor(k, a); err != nil {
+		return k, claimAddr, np, cl, nil, opError("listen", k, nil, err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), controlTimeout)
+	defer cancel()
+	if cl, err = s.claims.Listen(ctx, proto, claimAddr, port); err != nil {
+		addr := net.Addr(tcpAddr(claimAddr, port))
+		if proto == "udp" {
+			addr = udpAddr(claimAddr, port)
+		}
+		return k, claimAddr, np, cl, nil, opError("listen", k, addr, err)
+	}
+	return k, claimAddr, np, cl, s.newLease(cl.ID), nil
 }
 
 // tcpListener is a listening endpoint; it and each connection it accepted
@@ -275,31 +287,10 @@ func (s *Stack) connect(ctx context.Context, k netKind, cl control.Claim, raddr 
 // ListenPacket announces a UDP endpoint: "udp", "udp4" or "udp6", and
 // "host:port" as for Listen (port 0: a free port from the bridge).
 func (s *Stack) ListenPacket(network, address string) (net.PacketConn, error) {
-	k, err := parseNetwork(network)
-	if err == nil && k.proto != "udp" {
-		err = net.UnknownNetworkError(network)
-	}
+	k, claimAddr, np, cl, l, err := s.announce(network, address, "udp")
 	if err != nil {
-		return nil, opError("listen", netKind{proto: network}, nil, err)
+		return nil, err
 	}
-	a, port, err := parseAddr(address)
-	if err != nil {
-		return nil, opError("listen", k, nil, err)
-	}
-	if err := s.checkOpen(); err != nil {
-		return nil, opError("listen", k, nil, err)
-	}
-	claimAddr, np, err := s.localFor(k, a)
-	if err != nil {
-		return nil, opError("listen", k, nil, err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), controlTimeout)
-	defer cancel()
-	cl, err := s.claims.Listen(ctx, "udp", claimAddr, port)
-	if err != nil {
-		return nil, opError("listen", k, udpAddr(claimAddr, port), err)
-	}
-	l := s.newLease(cl.ID)
 	var wq waiter.Queue
 	ep, terr := s.ns.NewEndpoint(udp.ProtocolNumber, np, &wq)
 	if terr == nil {

@@ -258,7 +258,11 @@ func FuzzClassify(f *testing.F) {
 	for _, s := range framegen.AllSpecs(rand.New(rand.NewPCG(9, 9)))[:40] {
 		f.Add(s.Build())
 	}
-	tables, err := classifier.Compile(framegen.RandomRuleSet(rand.New(rand.NewPCG(4, 4))))
+	rs := framegen.RandomRuleSet(rand.New(rand.NewPCG(4, 4)))
+	for _, s := range framegen.ICMPErrorSpecs(rand.New(rand.NewPCG(9, 9)), rs)[:20] {
+		f.Add(s.Build())
+	}
+	tables, err := classifier.Compile(rs)
 	if err != nil {
 		f.Fatal(err)
 	}

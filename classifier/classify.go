@@ -295,6 +295,9 @@ func (c *Classifier) Classify(frame []byte) Meta {
 			return m
 		}
 	default:
+		if m.Flags&FlagFragment == 0 {
+			c.icmpError(frame, proto, l4, end, &m)
+		}
 		return m
 	}
 
@@ -336,6 +339,78 @@ func (c *Classifier) laterFragment(m *Meta, key *fragKey) {
 	m.Verdict, m.StreamID, m.RuleID = e.verdict, e.stream, e.rule
 }
 
+// ICMP protocol numbers, and the fixed part of an ICMP error in front of the
+// packet it quotes.
+const (
+	protoICMPv4        = 1
+	protoICMPv6        = 58
+	icmpHdrLen         = 8
+	quotedL4Len        = 8 // the first 64 bits of the quoted L4 header, all RFC 792 promises
+	ipv4HdrLen         = 20
+	ipv6HdrLen         = 40
+	icmpv4Unreach      = 3
+	icmpv4TimeExceeded = 11
+	icmpv4ParamProblem = 12
+	icmpv6ParamProblem = 4 // types 1 to 4 are the ICMPv6 errors
+)
+
+// icmpError steers an ICMP error that quotes a TCP or UDP packet the local
+// side sent to the flow or listener that owns the quoted tuple, so that the
+// application's own stack learns of unreachable ports and path MTUs. The
+// quote is read as the application sent it (source local, destination
+// remote) and looked up reversed, as a reply from the remote would be.
+// Anything else leaves m as it is: VerdictPass with no rule, the kernel's.
+func (c *Classifier) icmpError(frame []byte, proto uint8, l4, end int, m *Meta) {
+	if l4+icmpHdrLen > end {
+		return
+	}
+	var pk packet
+	q := l4 + icmpHdrLen // the quoted IP header
+	if m.Flags&FlagIPv6 == 0 {
+		if proto != protoICMPv4 {
+			return
+		}
+		if t := frame[l4]; t != icmpv4Unreach && t != icmpv4TimeExceeded && t != icmpv4ParamProblem {
+			return
+		}
+		if q+ipv4HdrLen > end || frame[q]>>4 != 4 {
+			return
+		}
+		ihl := int(frame[q]&0x0f) * 4
+		// A later fragment quotes no L4 header.
+		if ihl < ipv4HdrLen || q+ihl+quotedL4Len > end || be16(frame[q+6:])&0x1fff != 0 {
+			return
+		}
+		pk.family = 4
+		pk.proto = frame[q+9]
+		copy(pk.src[:4], frame[q+16:q+20])
+		copy(pk.dst[:4], frame[q+12:q+16])
+		q += ihl
+	} else {
+		if proto != protoICMPv6 {
+			return
+		}
+		if t := frame[l4]; t == 0 || t > icmpv6ParamProblem {
+			return
+		}
+		if q+ipv6HdrLen+quotedL4Len > end || frame[q]>>4 != 6 {
+			return
+		}
+		pk.family = 6
+		pk.proto = frame[q+6] // extension headers in the quote are not followed
+		copy(pk.src[:], frame[q+24:q+40])
+		copy(pk.dst[:], frame[q+8:q+24])
+		q += ipv6HdrLen
+	}
+	if pk.proto != uint8(ProtoTCP) && pk.proto != uint8(ProtoUDP) {
+		return
+	}
+	pk.vlan = m.VLAN
+	pk.sport = be16(frame[q+2:])
+	pk.dport = be16(frame[q:])
+	c.tables.Load().steer(&pk, m)
+}
+
 type packet struct {
 	family, proto uint8
 	vlan          uint16
@@ -343,7 +418,9 @@ type packet struct {
 	src, dst      Addr16
 }
 
-func (t *Tables) lookup(p *packet, m *Meta) {
+// steer looks p up in the exact flows, then the listeners on its destination
+// address, then the wildcard listeners, and on a hit steers m to the stream.
+func (t *Tables) steer(p *packet, m *Meta) bool {
 	hit, ok := t.flows[FlowKey{Family: p.family, Proto: p.proto, SrcPort: p.sport, DstPort: p.dport, Src: p.src, Dst: p.dst}]
 	if !ok {
 		lk := ListenKey{Family: p.family, Proto: p.proto, Port: p.dport, Addr: p.dst}
@@ -354,6 +431,13 @@ func (t *Tables) lookup(p *packet, m *Meta) {
 	}
 	if ok {
 		m.Verdict, m.StreamID, m.RuleID = VerdictSteer, hit.Stream, hit.Rule
+	}
+	return ok
+}
+
+// lookup decides a TCP or UDP packet: flows and listeners, rules, default.
+func (t *Tables) lookup(p *packet, m *Meta) {
+	if t.steer(p, m) {
 		return
 	}
 	for i := range t.rules {

@@ -14,9 +14,10 @@
 // IPv4 headers may carry options. IPv6 headers may carry a chain of up to
 // [MaxExtHeaders] extension headers: hop-by-hop options (0), routing (43),
 // fragment (44), authentication (51) and destination options (60). A longer
-// chain is not classified ([VerdictPass]). Only TCP and UDP are classified;
-// every other protocol (ICMP, ICMPv6, ESP, ...) is [VerdictPass]: the kernel
-// stays the control plane.
+// chain is not classified ([VerdictPass]). Only TCP and UDP are classified,
+// and ICMP errors about them (see ICMP errors below); every other protocol,
+// and all other ICMP (ESP, echo, neighbour discovery, router adverts, ...),
+// is [VerdictPass]: the kernel stays the control plane.
 //
 // # Precedence
 //
@@ -33,6 +34,44 @@
 //
 // Flows and listeners always steer to their stream. Rules steer, ingest (UDP
 // only), pass or drop.
+//
+// # ICMP errors
+//
+// An application's own stack must hear of the errors its packets cause (port
+// unreachable, fragmentation needed, packet too big), so an ICMP error that
+// quotes a packet the application sent is steered to the application's
+// stream. An ICMP error is: in IPv4, ICMP (protocol 1) of type 3 (destination
+// unreachable, any code, including 4, fragmentation needed), 11 (time
+// exceeded) or 12 (parameter problem); in IPv6, ICMPv6 (next header 58, after
+// any extension headers the parser follows) of type 1 (destination
+// unreachable), 2 (packet too big), 3 (time exceeded) or 4 (parameter
+// problem). The packet carrying it must not be a fragment. Its quote starts
+// after the 8-byte ICMP header and must hold, inside the outer IP packet:
+//
+//   - for ICMP, an IPv4 header (version 4, IHL at least 5, options allowed)
+//     that is not a later fragment (offset 0), then 8 bytes of TCP or UDP;
+//   - for ICMPv6, a 40-byte IPv6 header (version 6) whose next header is TCP
+//     or UDP, then 8 bytes of it. A quote with extension headers is not
+//     followed: routers quote what the sender sent, and applications send
+//     none.
+//
+// The quoted length, checksum and payload fields are not checked: quotes are
+// cut short by design. The quoted packet went from the local side (its
+// source) to the remote (its destination), so it is looked up reversed, as
+// the remote's reply would be: the exact flow (remote = quoted destination,
+// local = quoted source), then a listener on the quoted source address and
+// port, then a wildcard listener on that port; the first hit steers, with
+// its stream and rule id, and the frame is counted under that id. The rules
+// do not apply: they match traffic by its headers, and an ICMP error's
+// headers are those of whoever reports it, so a steer, ingest, pass or drop
+// rule never decides an ICMP error. The metadata is that of any steered
+// frame: the L3 and L4 offsets are the outer IP header's and the ICMP
+// header's, the VLAN the outer frame's.
+//
+// Every other ICMP packet, and an ICMP error that is too short, quotes a
+// malformed or unfit header, quotes another family or protocol, or quotes a
+// tuple no flow or listener holds, is [VerdictPass] with rule id 0, exactly
+// as any unclaimed packet.
 //
 // # Fragments
 //

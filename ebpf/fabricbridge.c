@@ -320,8 +320,9 @@ static __always_inline void count_event(__u32 key)
 		(*c)++;
 }
 
-// lookup decides a TCP or UDP packet: flows, listeners, rules, default.
-static __always_inline void lookup(struct pkt *p, struct fb_meta *m)
+// steer looks p up in the flows, the listeners on its destination and the
+// wildcard listeners; on a hit it steers m to the stream and returns 1.
+static __always_inline int steer(struct pkt *p, struct fb_meta *m)
 {
 	struct fb_flow_key fk = {
 		.family = p->family,
@@ -335,7 +336,6 @@ static __always_inline void lookup(struct pkt *p, struct fb_meta *m)
 		.port = p->dport,
 	};
 	struct fb_target *t;
-	__u32 zero = 0;
 
 	fk.src[0] = p->src[0];
 	fk.src[1] = p->src[1];
@@ -350,12 +350,21 @@ static __always_inline void lookup(struct pkt *p, struct fb_meta *m)
 		__builtin_memset(lk.addr, 0, 16);
 		t = bpf_map_lookup_elem(&listeners, &lk);
 	}
-	if (t) {
-		m->verdict = FB_VERDICT_STEER;
-		m->stream_id = t->stream_id;
-		m->rule_id = t->rule_id;
+	if (!t)
+		return 0;
+	m->verdict = FB_VERDICT_STEER;
+	m->stream_id = t->stream_id;
+	m->rule_id = t->rule_id;
+	return 1;
+}
+
+// lookup decides a TCP or UDP packet: flows, listeners, rules, default.
+static __always_inline void lookup(struct pkt *p, struct fb_meta *m)
+{
+	__u32 zero = 0;
+
+	if (steer(p, m))
 		return;
-	}
 
 	void *inner = bpf_map_lookup_elem(&rulesets, &zero);
 	if (!inner)
@@ -400,6 +409,60 @@ static __always_inline void later_fragment(struct fb_frag_key *k, struct fb_meta
 	m->verdict = r->verdict;
 	m->stream_id = r->stream_id;
 	m->rule_id = r->rule_id;
+}
+
+// icmp_error mirrors classifier's icmpError: an ICMP error quoting a TCP or
+// UDP packet that the local side sent is steered to the flow or listener of
+// the quoted tuple, looked up reversed; anything else is left to the kernel.
+// p holds the outer family; its other fields are overwritten.
+static __always_inline void icmp_error(__u8 *data, __u8 *data_end, __u32 l4, __u32 end,
+				       __u8 proto, struct pkt *p, struct fb_meta *m)
+{
+	__u8 *icmp = data + l4;
+	__u32 q = l4 + 8; // the quoted IP header
+	__u8 *ip;
+
+	if (l4 + 8 > end || icmp + 8 > data_end)
+		return;
+	ip = data + q;
+	if (p->family == 4) {
+		__u32 ihl;
+
+		if (proto != 1)
+			return;
+		if (icmp[0] != 3 && icmp[0] != 11 && icmp[0] != 12)
+			return;
+		if (q + 20 > end || ip + 20 > data_end || (ip[0] >> 4) != 4)
+			return;
+		ihl = (ip[0] & 0x0f) * 4;
+		// A later fragment quotes no L4 header.
+		if (ihl < 20 || q + ihl + 8 > end || (load_be16(ip + 6) & 0x1fff))
+			return;
+		p->proto = ip[9];
+		__builtin_memcpy(p->src, ip + 16, 4);
+		__builtin_memcpy(p->dst, ip + 12, 4);
+		q += ihl;
+	} else {
+		if (proto != 58)
+			return;
+		if (icmp[0] == 0 || icmp[0] > 4)
+			return;
+		if (q + 48 > end || ip + 48 > data_end || (ip[0] >> 4) != 6)
+			return;
+		p->proto = ip[6];
+		__builtin_memcpy(p->src, ip + 24, 16);
+		__builtin_memcpy(p->dst, ip + 8, 16);
+		q += 40;
+	}
+	if (p->proto != 6 && p->proto != 17)
+		return;
+	__u8 *th = data + q;
+	if (th + 8 > data_end)
+		return;
+	p->vlan = m->vlan;
+	p->sport = load_be16(th + 2);
+	p->dport = load_be16(th);
+	steer(p, m);
 }
 
 // classify mirrors classifier.Classifier.Classify statement by statement.
@@ -551,6 +614,8 @@ static __always_inline void classify(struct xdp_md *ctx, struct fb_meta *m, stru
 		if (ulen < 8 || (!first && l4 + ulen > end))
 			goto malformed;
 	} else {
+		if (!(m->flags & FB_FLAG_FRAGMENT))
+			icmp_error(data, data_end, l4, end, proto, &p, m);
 		return;
 	}
 	p.proto = proto;

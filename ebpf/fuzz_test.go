@@ -23,7 +23,8 @@ func fuzzRuleSet(i int) *classifier.RuleSet {
 // FuzzEqual drives fuzzed frames through the XDP program and the Go
 // reference; ruleSet picks one of a few fixed random rule sets. The seed
 // corpus in testdata/fuzz/FuzzEqual holds one frame of every header mix
-// (mix-*) and frames that the rule sets ingest or refuse (ingest-*).
+// (mix-*), frames that the rule sets ingest or refuse (ingest-*), and ICMP
+// messages that they steer or pass (icmp-*).
 func FuzzEqual(f *testing.F) {
 	p := newPair(f)
 	const sets = fuzzRuleSets
@@ -52,6 +53,38 @@ func FuzzEqual(f *testing.F) {
 // seeds must be ingested (stripped whole and short, IPv4 and IPv6) and some
 // refused by an ingest rule under the rule sets FuzzEqual installs.
 func TestFuzzCorpusReachesIngest(t *testing.T) {
+	seen := map[string]int{}
+	for _, s := range readSeeds(t) {
+		m := s.classify()
+		switch {
+		case m.Verdict == classifier.VerdictIngest:
+			im, _, _ := classifier.Ingest(s.frame, &m)
+			seen[fmt.Sprintf("ingest v6=%v short=%v", im.Flags&classifier.FlagIPv6 != 0, im.PayloadOffset > 0)]++
+		case m.Verdict == classifier.VerdictMalformed && m.RuleID != 0:
+			seen["refused"]++
+		}
+	}
+	for _, k := range []string{"ingest v6=false short=false", "ingest v6=true short=false", "ingest v6=false short=true", "ingest v6=true short=true", "refused"} {
+		if seen[k] == 0 {
+			t.Errorf("no seed reaches %q; seen %v", k, seen)
+		}
+	}
+}
+
+// seed is one file of the FuzzEqual seed corpus.
+type seed struct {
+	name  string
+	set   *classifier.Classifier // the reference over the seed's rule set
+	frame []byte
+}
+
+func (s *seed) classify() classifier.Meta {
+	s.set.ResetFragments()
+	return s.set.Classify(s.frame)
+}
+
+// readSeeds reads the committed FuzzEqual corpus.
+func readSeeds(t *testing.T) []seed {
 	dir := filepath.Join("testdata", "fuzz", "FuzzEqual")
 	entries, err := os.ReadDir(dir)
 	if err != nil {
@@ -65,7 +98,7 @@ func TestFuzzCorpusReachesIngest(t *testing.T) {
 		}
 		rs[i] = classifier.New(tables, 0)
 	}
-	seen := map[string]int{}
+	var seeds []seed
 	for _, e := range entries {
 		b, err := os.ReadFile(filepath.Join(dir, e.Name()))
 		if err != nil {
@@ -83,20 +116,7 @@ func TestFuzzCorpusReachesIngest(t *testing.T) {
 		if err != nil {
 			t.Fatalf("%s: %v", e.Name(), err)
 		}
-		c := rs[set%fuzzRuleSets]
-		c.ResetFragments()
-		m := c.Classify([]byte(frame))
-		switch {
-		case m.Verdict == classifier.VerdictIngest:
-			im, _, _ := classifier.Ingest([]byte(frame), &m)
-			seen[fmt.Sprintf("ingest v6=%v short=%v", im.Flags&classifier.FlagIPv6 != 0, im.PayloadOffset > 0)]++
-		case m.Verdict == classifier.VerdictMalformed && m.RuleID != 0:
-			seen["refused"]++
-		}
+		seeds = append(seeds, seed{name: e.Name(), set: rs[set%fuzzRuleSets], frame: []byte(frame)})
 	}
-	for _, k := range []string{"ingest v6=false short=false", "ingest v6=true short=false", "ingest v6=false short=true", "ingest v6=true short=true", "refused"} {
-		if seen[k] == 0 {
-			t.Errorf("no seed reaches %q; seen %v", k, seen)
-		}
-	}
+	return seeds
 }

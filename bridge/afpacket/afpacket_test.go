@@ -114,7 +114,10 @@ func TestRxIgnoresOwnAndCountsDrops(t *testing.T) {
 	testenv.RequirePrivileged(t)
 	a, b, v := netns.Pair(t, netns.VethOptions{})
 	page := unix.Getpagesize()
-	rx := newRx(t, a, afpacket.RxConfig{Ifindex: v.A.Index, BlockSize: page, BlockCount: 2, RetireTimeoutMs: 1})
+	// A long retire timeout: with 1 ms, a slow writer (the race detector,
+	// a loaded machine) let both blocks retire holding only the outside's
+	// ICMP error and neighbour traffic, and every flood frame was dropped.
+	rx := newRx(t, a, afpacket.RxConfig{Ifindex: v.A.Index, BlockSize: page, BlockCount: 2, RetireTimeoutMs: 100})
 	own := rawSocket(t, a, v.A.Index)
 	inj := rawSocket(t, b, v.B.Index)
 	src, dst := netip.MustParseAddrPort("198.18.0.2:4000"), netip.MustParseAddrPort("198.18.0.1:5000")
@@ -130,7 +133,7 @@ func TestRxIgnoresOwnAndCountsDrops(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	time.Sleep(20 * time.Millisecond)
+	time.Sleep(150 * time.Millisecond) // past the retire timeout
 	var got int
 	for rx.Poll(func(f []byte, _ bool) {
 		if bytes.Equal(f, ownFrame) { // (the outside's ICMP error quotes it: that one is fine)

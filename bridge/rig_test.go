@@ -254,20 +254,7 @@ type capture struct {
 
 func newCapture(t *testing.T, ns *netns.NS, ifindex int) *capture {
 	t.Helper()
-	var fd int
-	if err := ns.Do(func() (err error) {
-		fd, err = unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, int(htons(unix.ETH_P_ALL)))
-		if err != nil {
-			return err
-		}
-		return unix.Bind(fd, &unix.SockaddrLinklayer{Ifindex: ifindex, Protocol: htons(unix.ETH_P_ALL)})
-	}); err != nil {
-		t.Fatal(err)
-	}
-	tv := unix.NsecToTimeval(int64(20 * time.Millisecond))
-	unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
-	t.Cleanup(func() { unix.Close(fd) })
-	return &capture{fd: fd}
+	return &capture{fd: ns.PacketSocket(t, ifindex)}
 }
 
 // until reads incoming frames until one satisfies stop or wait passes, and

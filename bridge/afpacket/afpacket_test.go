@@ -16,28 +16,6 @@ import (
 	"github.com/fabricbridge/fabricbridge/internal/testenv"
 )
 
-func htons(v uint16) uint16 { return v<<8 | v>>8 }
-
-// rawSocket is a plain packet socket on ifindex in ns (for injecting and
-// capturing on the other end).
-func rawSocket(t *testing.T, ns *netns.NS, ifindex int) int {
-	t.Helper()
-	var fd int
-	if err := ns.Do(func() (err error) {
-		fd, err = unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, int(htons(unix.ETH_P_ALL)))
-		if err != nil {
-			return err
-		}
-		return unix.Bind(fd, &unix.SockaddrLinklayer{Ifindex: ifindex, Protocol: htons(unix.ETH_P_ALL)})
-	}); err != nil {
-		t.Fatal(err)
-	}
-	tv := unix.NsecToTimeval(int64(20 * time.Millisecond))
-	unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
-	t.Cleanup(func() { unix.Close(fd) })
-	return fd
-}
-
 func tagged(frame []byte, tpid, vid uint16) []byte {
 	out := append([]byte(nil), frame[:12]...)
 	out = append(out, byte(tpid>>8), byte(tpid), byte(vid>>8), byte(vid))
@@ -77,7 +55,7 @@ func TestRxFramesAsOnTheWire(t *testing.T) {
 	testenv.RequirePrivileged(t)
 	a, b, v := netns.Pair(t, netns.VethOptions{})
 	rx := newRx(t, a, afpacket.RxConfig{Ifindex: v.A.Index})
-	inj := rawSocket(t, b, v.B.Index)
+	inj := b.PacketSocket(t, v.B.Index)
 	src, dst := netip.MustParseAddrPort("198.18.0.2:4000"), netip.MustParseAddrPort("198.18.0.1:5000")
 	eth := func(s string) []byte { return ippkt.Ether(v.A.MAC, v.B.MAC, ippkt.UDP(src, dst, []byte("afp-"+s))) }
 	want := [][]byte{
@@ -118,8 +96,8 @@ func TestRxIgnoresOwnAndCountsDrops(t *testing.T) {
 	// a loaded machine) let both blocks retire holding only the outside's
 	// ICMP error and neighbour traffic, and every flood frame was dropped.
 	rx := newRx(t, a, afpacket.RxConfig{Ifindex: v.A.Index, BlockSize: page, BlockCount: 2, RetireTimeoutMs: 100})
-	own := rawSocket(t, a, v.A.Index)
-	inj := rawSocket(t, b, v.B.Index)
+	own := a.PacketSocket(t, v.A.Index)
+	inj := b.PacketSocket(t, v.B.Index)
 	src, dst := netip.MustParseAddrPort("198.18.0.2:4000"), netip.MustParseAddrPort("198.18.0.1:5000")
 	ownFrame := ippkt.Ether(v.B.MAC, v.A.MAC, ippkt.UDP(dst, src, []byte("afp-own")))
 	if _, err := unix.Write(own, ownFrame); err != nil {
@@ -167,7 +145,7 @@ func TestRxHeldUntilRelease(t *testing.T) {
 	a, b, v := netns.Pair(t, netns.VethOptions{})
 	page := unix.Getpagesize()
 	rx := newRx(t, a, afpacket.RxConfig{Ifindex: v.A.Index, BlockSize: page, BlockCount: 2, RetireTimeoutMs: 1})
-	inj := rawSocket(t, b, v.B.Index)
+	inj := b.PacketSocket(t, v.B.Index)
 	src, dst := netip.MustParseAddrPort("198.18.0.2:4000"), netip.MustParseAddrPort("198.18.0.1:5000")
 	send := func(payload []byte) {
 		t.Helper()
@@ -253,7 +231,7 @@ func TestTxSendsInRingOrder(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer tx.Close()
-	capt := rawSocket(t, b, v.B.Index)
+	capt := b.PacketSocket(t, v.B.Index)
 	src, dst := netip.MustParseAddrPort("198.18.0.1:5000"), netip.MustParseAddrPort("198.18.0.2:4000")
 	var want [][]byte
 	for round := range 5 { // 5 × 10 frames through 16 slots

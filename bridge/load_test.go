@@ -379,19 +379,19 @@ func TestRefillKeepsWhatDoesNotFit(t *testing.T) {
 	if err := prog.XSKMap().Put(uint32(0), uint32(sock.FD())); err != nil {
 		t.Fatal(err)
 	}
-	x := &xdpRx{umem: umem, sock: sock, pending: make([]uint64, 0, 128)}
+	x := &xdpRx{umem: umem, sock: sock, fill: xsk.Refiller{Ring: sock.Fill, Pending: make([]uint64, 0, 128)}}
 	frames := make([]uint64, 96)
 	umem.Alloc(frames)
-	x.refill(frames) // 64 fit, 32 wait
-	if len(x.pending) != 32 {
-		t.Fatalf("pending %d, want 32", len(x.pending))
+	x.fill.Refill(frames) // 64 fit, 32 wait
+	if len(x.fill.Pending) != 32 {
+		t.Fatalf("pending %d, want 32", len(x.fill.Pending))
 	}
-	if a := umem.Account(x.pending); a.Fill != 64 || a.Held != 32 || a.Free != 32 || a.Err() != nil {
+	if a := umem.Account(x.fill.Pending); a.Fill != 64 || a.Held != 32 || a.Free != 32 || a.Err() != nil {
 		t.Fatalf("%+v %v", a, a.Err())
 	}
 	// Ten packets take ten frames from the ring; the next poll puts the ten
 	// oldest waiting frames in first, and the ten received ones wait.
-	waiting := slices.Clone(x.pending)
+	waiting := slices.Clone(x.fill.Pending)
 	c := udpSocket(t, out, netip.AddrPortFrom(v.B.Addr4.Addr(), 0))
 	sendTo(t, c, netip.AddrPortFrom(v.A.Addr4.Addr(), udpPort1), payloads(10, "refill"))
 	var d dispatcher
@@ -400,11 +400,11 @@ func TestRefillKeepsWhatDoesNotFit(t *testing.T) {
 	for deadline := time.Now().Add(3 * time.Second); got < 10 && time.Now().Before(deadline); {
 		got += x.poll(&d)
 	}
-	x.refill(nil)
-	if got != 10 || len(x.pending) != 32 || !slices.Equal(x.pending[:22], waiting[10:]) || slices.Contains(x.pending, waiting[0]) {
-		t.Fatalf("received %d; pending %v, was %v", got, x.pending, waiting)
+	x.fill.Refill(nil)
+	if got != 10 || len(x.fill.Pending) != 32 || !slices.Equal(x.fill.Pending[:22], waiting[10:]) || slices.Contains(x.fill.Pending, waiting[0]) {
+		t.Fatalf("received %d; pending %v, was %v", got, x.fill.Pending, waiting)
 	}
-	if a := umem.Account(x.pending); a.Fill+a.Held != 96 || a.Err() != nil {
+	if a := umem.Account(x.fill.Pending); a.Fill+a.Held != 96 || a.Err() != nil {
 		t.Fatalf("%+v %v", a, a.Err())
 	}
 }

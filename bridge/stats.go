@@ -110,7 +110,7 @@ func (b *Bridge) accountUMEM() []xsk.Accounting {
 			for _, d := range x.descs {
 				queued = append(queued, d.Addr)
 			}
-			out = append(out, x.umem.Account(x.free, q.rx.(*xdpRx).pending, queued))
+			out = append(out, x.umem.Account(x.free, q.rx.(*xdpRx).fill.Pending, queued))
 		}
 	}
 	return out

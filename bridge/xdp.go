@@ -93,7 +93,7 @@ func (b *Bridge) openXSK(id int, bind xsk.BindMode) (*xdpRx, *xdpTx, error) {
 		umem.Close()
 		return nil, nil, fmt.Errorf("queue %d: %w", id, err)
 	}
-	rx := &xdpRx{umem: umem, sock: sock, busyPoll: b.cfg.BusyPoll > 0, pending: make([]uint64, 0, half)}
+	rx := &xdpRx{umem: umem, sock: sock, busyPoll: b.cfg.BusyPoll > 0, fill: xsk.Refiller{Ring: sock.Fill, Pending: make([]uint64, 0, half)}}
 	rx.pfd = [2]unix.PollFd{{Fd: int32(sock.FD()), Events: unix.POLLIN}, {Events: unix.POLLIN}}
 	fill := make([]uint64, half)
 	if umem.Alloc(fill) != half || sock.Fill.Fill(fill) != half {
@@ -114,30 +114,12 @@ type xdpRx struct {
 	addrs    [xsk.MaxBatch]uint64
 	pfd      [2]unix.PollFd
 	buf      [8]byte
-	// pending are received frames the fill ring did not take yet (it
-	// cannot happen with the ring sizes openXSK uses; kept so that a
-	// frame is never dropped on the floor).
-	pending []uint64
-}
-
-// refill puts frames back into the fill ring, keeping what does not fit.
-func (x *xdpRx) refill(addrs []uint64) {
-	if len(x.pending) > 0 {
-		k := x.sock.Fill.Fill(x.pending)
-		x.pending = append(x.pending[:0], x.pending[k:]...)
-	}
-	if len(x.pending) > 0 {
-		x.pending = append(x.pending, addrs...)
-		return
-	}
-	if k := x.sock.Fill.Fill(addrs); k < len(addrs) {
-		x.pending = append(x.pending, addrs[k:]...)
-	}
+	fill     xsk.Refiller
 }
 
 func (x *xdpRx) poll(d *dispatcher) int {
-	if len(x.pending) > 0 {
-		x.refill(nil)
+	if len(x.fill.Pending) > 0 {
+		x.fill.Refill(nil)
 	}
 	n := x.sock.RX.Receive(x.descs[:])
 	if n == 0 {
@@ -158,7 +140,7 @@ func (x *xdpRx) poll(d *dispatcher) int {
 		d.frame(x.umem.Bytes(desc.Addr, int(desc.Len)), &m)
 	}
 	d.end() // the packets are copied into their streams: recycle the frames
-	x.refill(x.addrs[:n])
+	x.fill.Refill(x.addrs[:n])
 	if x.sock.Fill.NeedWakeup() {
 		x.sock.WakeRX()
 	}

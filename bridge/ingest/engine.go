@@ -88,6 +88,7 @@ type queue struct {
 	umem  *xsk.Umem
 	own   bool // the engine made umem
 	sock  *xsk.Socket
+	fill  xsk.Refiller
 	descs [xsk.MaxBatch]xsk.Desc
 	addrs [xsk.MaxBatch]uint64
 	pfd   [2]unix.PollFd
@@ -181,7 +182,8 @@ func (e *Engine) openQueue(id int) (*queue, error) {
 		n := e.cfg.FrameCount
 		sock, err := umem.Open(xsk.SocketConfig{
 			Ifindex: e.cfg.Ifindex, Queue: id, Bind: e.cfg.Bind,
-			RxSize: n, TxSize: -1, FillSize: n, CompletionSize: xsk.MaxBatch,
+			// Room for twice the frames: see xsk.Refiller.
+			RxSize: n, TxSize: -1, FillSize: 2 * n, CompletionSize: xsk.MaxBatch,
 			BusyPoll: e.cfg.BusyPoll,
 		})
 		if err != nil {
@@ -195,6 +197,7 @@ func (e *Engine) openQueue(id int) (*queue, error) {
 		}
 		q.umem, q.own, q.sock = umem, true, sock
 	}
+	q.fill = xsk.Refiller{Ring: q.sock.Fill, Pending: make([]uint64, 0, xsk.MaxBatch)}
 	q.pfd = [2]unix.PollFd{{Fd: int32(q.sock.FD()), Events: unix.POLLIN}, {Fd: int32(e.wakefd), Events: unix.POLLIN}}
 	return q, nil
 }
@@ -275,6 +278,9 @@ func (q *queue) loop() {
 
 // poll moves one batch from the socket into rings and returns its size.
 func (q *queue) poll() int {
+	if len(q.fill.Pending) > 0 {
+		q.fill.Refill(nil)
+	}
 	rx := q.sock.RX
 	n := rx.Receive(q.descs[:])
 	if n == 0 {
@@ -335,7 +341,7 @@ func (q *queue) poll() int {
 		cur.mu.Unlock()
 	}
 	// Payloads are copied into the rings: the frames go back at once.
-	q.sock.Fill.Fill(q.addrs[:n])
+	q.fill.Refill(q.addrs[:n])
 	if q.sock.Fill.NeedWakeup() {
 		q.sock.WakeRX()
 	}

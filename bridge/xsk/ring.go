@@ -203,3 +203,29 @@ func (x *TxRing) Pending() int {
 	_, n := x.r.inFlight()
 	return int(n)
 }
+
+// Refiller gives received frames back to a fill ring and keeps the ones the
+// ring refuses, offering them first on the next call, so that a frame is never
+// lost. The ring can refuse even when sized for every frame the caller owns:
+// the kernel publishes how far it consumed the ring only when it has used up
+// what it saw. One Refiller per receiving loop; not safe for concurrent use.
+type Refiller struct {
+	Ring *FillRing
+	// Pending are the frames waiting for room, oldest first.
+	Pending []uint64
+}
+
+// Refill offers the pending frames, then addrs (nil: only the pending ones).
+func (r *Refiller) Refill(addrs []uint64) {
+	if len(r.Pending) > 0 {
+		k := r.Ring.Fill(r.Pending)
+		r.Pending = append(r.Pending[:0], r.Pending[k:]...)
+	}
+	if len(r.Pending) > 0 {
+		r.Pending = append(r.Pending, addrs...)
+		return
+	}
+	if k := r.Ring.Fill(addrs); k < len(addrs) {
+		r.Pending = append(r.Pending, addrs[k:]...)
+	}
+}

@@ -5,9 +5,11 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
 )
 
@@ -17,7 +19,7 @@ import (
 func TestIngestThroughDaemon(t *testing.T) {
 	tp := newTopo(t)
 	c := tp.config(t, `ingest:
-  - {name: trigger, buffers: 16, buffer_size: 64K, window: 200us}
+  - {name: trigger, buffers: 64, buffer_size: 64K, window: 2ms}
 rules:
   - {id: 2, name: trigger, match: {protocol: udp, dst_port: 9000-9003}, action: ingest, ingest: trigger}
 `)
@@ -32,6 +34,11 @@ rules:
 		t.Errorf("buffer id %d, want 1", id)
 	}
 
+	// Resolve the neighbour first: while ARP is pending the kernel queues
+	// the burst and drops its oldest datagrams beyond unres_qlen_bytes.
+	if _, err := tp.outside.Ping(tp.v.A.Addr4.Addr(), 1, 3*time.Second); err != nil {
+		t.Fatal(err)
+	}
 	const perPort = 50
 	for p := range 2 {
 		err := tp.outside.Do(func() error {
@@ -67,7 +74,7 @@ rules:
 			}
 			port := src.DstPort
 			if want := fmt.Sprintf("port %d datagram %03d", port, next[port]); string(r.Payload) != want {
-				t.Fatalf("record %q, want %q", r.Payload, want)
+				t.Fatalf("record %q, want %q (%s)", r.Payload, want, tp.ingestDrops(t, d))
 			}
 			next[port]++
 			total++
@@ -75,7 +82,7 @@ rules:
 		cons.Release(&b)
 	}
 	if total != 2*perPort {
-		t.Fatalf("%d of %d datagrams reached the consumer", total, 2*perPort)
+		t.Fatalf("%d of %d datagrams reached the consumer (%s)", total, 2*perPort, tp.ingestDrops(t, d))
 	}
 	s := tp.scrape(t, d)
 	if v := value(t, s, "fabricbridge_ingest_records_total", "ring", "trigger"); v != 2*perPort {
@@ -87,4 +94,17 @@ rules:
 	if v := value(t, s, "fabricbridge_rule_packets_total", "id", "2"); v != 2*perPort {
 		t.Errorf("rule 2 counted %v", v)
 	}
+}
+
+// ingestDrops says where lost trigger datagrams went, for failure messages.
+func (tp *topo) ingestDrops(t *testing.T, d *Daemon) string {
+	s := tp.scrape(t, d)
+	var out []string
+	for _, x := range metrics.Find(s, "fabricbridge_ingest_drops_total") {
+		out = append(out, fmt.Sprintf("ring drops %v: %v", x.Labels, x.Value))
+	}
+	for _, x := range metrics.Find(s, "fabricbridge_ingest_engine_frames_total") {
+		out = append(out, fmt.Sprintf("engine %v: %v", x.Labels, x.Value))
+	}
+	return strings.Join(out, "; ")
 }

@@ -220,33 +220,77 @@ func (q *EventQueue) Wait(out []int, timeout time.Duration) (int, error) {
 			ms = int((left + time.Millisecond - 1) / time.Millisecond)
 		}
 		q.sleeps.Add(1)
-		k, err := unix.EpollWait(q.epfd, q.events[:], ms)
-		if err != nil && err != unix.EINTR {
+		var err error
+		if n, err = q.harvest(out, ms); err != nil {
 			return 0, err
 		}
-		for i := 0; i < k; i++ {
-			tok := int(q.events[i].Fd)
-			if tok < 0 || tok >= len(q.slots) || q.slots[tok] == nil {
-				continue
+	}
+	q.settle(out, n)
+	return n, nil
+}
+
+// harvest waits up to ms milliseconds (-1: forever) for signalled streams
+// and moves them to out (or pending, when out is full).
+func (q *EventQueue) harvest(out []int, ms int) (int, error) {
+	n := 0
+	k, err := unix.EpollWait(q.epfd, q.events[:], ms)
+	if err != nil && err != unix.EINTR {
+		return 0, err
+	}
+	for i := 0; i < k; i++ {
+		tok := int(q.events[i].Fd)
+		if tok < 0 || tok >= len(q.slots) || q.slots[tok] == nil {
+			continue
+		}
+		if isDead(q.slots[tok]) {
+			if !q.inPend[tok] && !q.inOut[tok] {
+				q.detach(tok)
 			}
-			if isDead(q.slots[tok]) {
-				if !q.inPend[tok] && !q.inOut[tok] {
-					q.detach(tok)
-				}
-				continue // a pending one goes in the next scan
-			}
-			eventfdDrain(q.slots[tok].fds[fdTxData], &q.buf)
-			if n < len(out) && !q.inPend[tok] {
-				n = q.emit(out, n, tok)
-			} else {
-				q.pend(tok)
-			}
+			continue // a pending one goes in the next scan
+		}
+		eventfdDrain(q.slots[tok].fds[fdTxData], &q.buf)
+		if n < len(out) && !q.inPend[tok] {
+			n = q.emit(out, n, tok)
+		} else {
+			q.pend(tok)
 		}
 	}
+	return n, nil
+}
+
+// settle puts the streams handed out this round on the pending list, to
+// be re-checked (and armed if empty) by the next round.
+func (q *EventQueue) settle(out []int, n int) {
 	for i := 0; i < n; i++ {
 		q.inOut[out[i]] = false
 		q.pend(out[i])
 	}
+}
+
+// Fd is the epoll descriptor behind the queue. It becomes readable when an
+// armed stream is signalled, so a caller that also waits for other
+// descriptors (the bridge's AF_XDP socket) can sleep in one poll(2) on all
+// of them. Sleep on it only after Poll returned 0: that arms every stream.
+// Reading is done by Poll and Wait; never read or modify it directly.
+func (q *EventQueue) Fd() int { return q.epfd }
+
+// Poll is Wait without spinning or sleeping: it reports the streams that
+// have packets now, collecting the signals already delivered. When it
+// returns 0 every stream is armed, so a publish from then on makes Fd
+// readable; the caller may sleep on Fd beside its other descriptors and
+// call Poll again when it wakes.
+func (q *EventQueue) Poll(out []int) (int, error) {
+	n := q.scan(out, 0, false)
+	if n == 0 {
+		n = q.scan(out, 0, true)
+	}
+	if n == 0 {
+		var err error
+		if n, err = q.harvest(out, 0); err != nil {
+			return 0, err
+		}
+	}
+	q.settle(out, n)
 	return n, nil
 }
 

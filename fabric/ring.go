@@ -101,6 +101,9 @@ func (c *Consumer) MaxPayload() int { return int(c.v.maxPayload) }
 // Depth is the number of slots in the ring.
 func (p *Producer) Depth() int { return int(p.v.count) }
 
+// Depth is the number of slots in the ring.
+func (c *Consumer) Depth() int { return int(c.v.count) }
+
 // refresh reloads the consumer's read index. It must lie between the last
 // value we accepted and our own write index; anything else is a peer
 // writing garbage, and trusting it would let us overwrite unread slots.

@@ -160,6 +160,13 @@ func (s *Stream) Side() Side { return s.side }
 // MaxPayload is the largest packet the outgoing ring accepts.
 func (s *Stream) MaxPayload() int { return s.send.MaxPayload() }
 
+// RecvDepth is how many packets the incoming ring holds: an application
+// sizes its receive buffering by it.
+func (s *Stream) RecvDepth() int { return s.recv.Depth() }
+
+// SendDepth is how many packets the outgoing ring holds.
+func (s *Stream) SendDepth() int { return s.send.Depth() }
+
 // RecvWaiter exposes the receive-side Waiter so callers can tune Spin.
 func (s *Stream) RecvWaiter() *Waiter { return s.recvWait }
 

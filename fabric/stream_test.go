@@ -2,6 +2,7 @@ package fabric
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"sync"
 	"sync/atomic"
@@ -265,6 +266,51 @@ func TestStreamZeroAlloc(t *testing.T) {
 // them all, every packet arrives in per-stream order, and the queue did
 // sleep (so wake-ups through epoll were exercised).
 func TestEventQueueManyStreams(t *testing.T) {
+	var q0 *EventQueue
+	manyStreams(t, func(q *EventQueue, toks []int) (int, error) {
+		q0 = q
+		return q.Wait(toks, time.Second)
+	})
+	if q0.Sleeps() == 0 {
+		t.Fatal("event queue never slept")
+	}
+}
+
+// The same through Poll and poll(2) on Fd beside another descriptor, the
+// way the bridge waits for its AF_XDP socket and its streams at once: a
+// publish to an armed stream must wake the poll, or the test stalls.
+func TestEventQueuePollOnFd(t *testing.T) {
+	other, err := unix.Eventfd(0, unix.EFD_NONBLOCK|unix.EFD_CLOEXEC)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(other)
+	sleeps := 0
+	manyStreams(t, func(q *EventQueue, toks []int) (int, error) {
+		n, err := q.Poll(toks)
+		if n > 0 || err != nil {
+			return n, err
+		}
+		sleeps++
+		fds := []unix.PollFd{{Fd: int32(other), Events: unix.POLLIN}, {Fd: int32(q.Fd()), Events: unix.POLLIN}}
+		k, err := unix.Poll(fds, 1000)
+		if err != nil && err != unix.EINTR {
+			return 0, err
+		}
+		if k == 0 { // the senders pause for 100 µs at most
+			return 0, fmt.Errorf("no wake-up in 1 s with packets outstanding")
+		}
+		if fds[0].Revents != 0 {
+			return 0, fmt.Errorf("the other descriptor woke up: %#x", fds[0].Revents)
+		}
+		return q.Poll(toks)
+	})
+	if sleeps == 0 {
+		t.Fatal("never slept in poll(2)")
+	}
+}
+
+func manyStreams(t *testing.T, wait func(q *EventQueue, toks []int) (int, error)) {
 	const streams, perStream = 12, 2000
 	q, err := NewEventQueue()
 	if err != nil {
@@ -315,7 +361,7 @@ func TestEventQueueManyStreams(t *testing.T) {
 			}
 			t.Fatalf("only %d of %d packets after 20 s", total, streams*perStream)
 		}
-		n, err := q.Wait(toks, time.Second)
+		n, err := wait(q, toks)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -339,9 +385,6 @@ func TestEventQueueManyStreams(t *testing.T) {
 		}
 	}
 	wg.Wait()
-	if q.Sleeps() == 0 {
-		t.Fatal("event queue never slept")
-	}
 }
 
 // openFDs counts this process's open descriptors.

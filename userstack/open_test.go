@@ -15,6 +15,9 @@ import (
 	"testing"
 	"time"
 
+	"gvisor.dev/gvisor/pkg/tcpip"
+	"gvisor.dev/gvisor/pkg/tcpip/transport/tcp"
+
 	"github.com/fabricbridge/fabricbridge/classifier"
 	"github.com/fabricbridge/fabricbridge/control"
 	"github.com/fabricbridge/fabricbridge/fabric"
@@ -34,12 +37,18 @@ var ephemeral = classifier.PortRange{Lo: 41000, Hi: 41999}
 
 func newWorld(t *testing.T) *world {
 	t.Helper()
+	return newWorldStreams(t, fabric.Config{RxSlots: 1024, TxSlots: 1024})
+}
+
+// newWorldStreams is newWorld whose streams take shape sc by default.
+func newWorldStreams(t *testing.T, sc fabric.Config) *world {
+	t.Helper()
 	fb := fakebridge.New()
 	srv, err := control.NewServer(control.Config{
 		Dataplane: fb,
 		Addrs:     addrA,
 		Ephemeral: ephemeral,
-		Stream:    fabric.Config{RxSlots: 1024, TxSlots: 1024},
+		Stream:    sc,
 		Apps:      map[string]control.Policy{"a": {Addrs: addrA}, "b": {Addrs: addrB}},
 		Logger:    slog.New(slog.NewTextHandler(io.Discard, nil)),
 	})
@@ -390,5 +399,30 @@ func TestAcceptedConnectionsOutliveTheirListener(t *testing.T) {
 	c.Close()
 	if !eventually(10*time.Second, func() bool { bi, _ := w.app("b"); return bi.Listeners == 0 }) {
 		t.Fatal("the port stayed claimed after the last connection closed")
+	}
+}
+
+// TestWindowsFollowTheStreamsDepth checks that a local stack sizes its TCP
+// receive windows by the RX ring the bridge actually made, whether the
+// application asked for a depth or took the bridge's default (which is
+// not 1024 here, so an assumed depth would show).
+func TestWindowsFollowTheStreamsDepth(t *testing.T) {
+	w := newWorldStreams(t, fabric.Config{RxSlots: 128, TxSlots: 128})
+	for _, c := range []struct {
+		app       string
+		ask, want int
+	}{{"a", 0, 128}, {"b", 512, 512}} {
+		s, err := Open(testCtx(t, 10*time.Second), Options{App: c.app, Control: w.path, RxSlots: c.ask})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { s.Close() })
+		var got tcpip.TCPReceiveBufferSizeRangeOption
+		if err := s.ns.TransportProtocolOption(tcp.ProtocolNumber, &got); err != nil {
+			t.Fatal(err)
+		}
+		if want := receiveBufferMax(c.want, int(s.ep.MTU())); got.Max != want {
+			t.Errorf("asked for %d slots: receive buffers up to %d bytes, want %d (a %d-slot ring)", c.ask, got.Max, want, c.want)
+		}
 	}
 }

@@ -66,11 +66,6 @@ type RemoteOptions struct {
 	Transport fabric.RemoteConfig
 }
 
-// defaultRxSlots is the RX ring depth a local stream is assumed to have
-// when the application does not ask for one: the bridge's default (fabric
-// and the appliance's configuration). A stream cannot tell its depth yet.
-const defaultRxSlots = 1024
-
 // resetGrace is how long Close waits for the bridge to send the resets of
 // aborted connections before the stream goes.
 const resetGrace = 20 * time.Millisecond
@@ -122,11 +117,8 @@ func Open(ctx context.Context, opts Options) (*Stack, error) {
 		return nil, err
 	}
 	st.RecvWaiter().Spin = opts.Spin
-	rxDepth := opts.RxSlots
-	if rxDepth == 0 {
-		rxDepth = defaultRxSlots
-	}
-	cfg := LinkConfig{MTU: mtuOf(reg.MTU, opts.MTU, st.MaxPayload()), MaxPacket: st.MaxPayload(), NoGRO: opts.NoGRO, RxDepth: rxDepth}
+	// The ring the bridge made, whatever was asked: windows must fit it.
+	cfg := LinkConfig{MTU: mtuOf(reg.MTU, opts.MTU, st.MaxPayload()), MaxPacket: st.MaxPayload(), NoGRO: opts.NoGRO, RxDepth: st.RecvDepth()}
 	s, err := newStack(st, cfg, reg.Addrs, c, c.Close, st.Close)
 	if err != nil {
 		st.Close()

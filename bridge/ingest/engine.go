@@ -9,6 +9,12 @@
 // (fabric/ingest) of that buffer id. One copy per datagram, from the UMEM
 // frame into the ring, and no allocation.
 //
+// Several receive queues may feed one ring: each queue's loop appends its
+// batch under the ring's lock, so the ring has one producer at a time and
+// a queue's datagrams stay in order. A source's datagrams stay in order
+// because its flow hashes to one queue (see "Several receive queues, one
+// ring" in fabric/ingest).
+//
 // Sockets come from bridge/xsk. On a queue that the bridge already serves,
 // the kernel allows one UMEM: pass the bridge's (Config.Umem) and the
 // engine's socket shares it and its fill ring.
@@ -110,6 +116,15 @@ type Stats struct {
 	// engine's sockets: frames lost because the RX ring was full (the
 	// engine fell behind), and times it found no frame to receive into.
 	KernelDrops, FillRingEmpty uint64
+	// Queues are the same counters per receive queue, in Config.Queues
+	// order (their Queues field is nil).
+	Queues []QueueStats
+}
+
+// QueueStats are one receive queue's counters.
+type QueueStats struct {
+	Queue int
+	Stats
 }
 
 // Start opens an ingest socket on every queue, registers it in the
@@ -387,17 +402,28 @@ func (q *queue) sleep() {
 func (e *Engine) Stats() Stats {
 	var s Stats
 	for _, q := range e.queues {
-		s.Received += q.c.received.Load()
-		s.Appended += q.c.appended.Load()
-		s.Dropped += q.c.dropped.Load()
-		s.NoRing += q.c.noRing.Load()
-		s.Malformed += q.c.malformed.Load()
+		qs := QueueStats{Queue: q.id, Stats: Stats{
+			Received: q.c.received.Load(), Appended: q.c.appended.Load(), Dropped: q.c.dropped.Load(),
+			NoRing: q.c.noRing.Load(), Malformed: q.c.malformed.Load(),
+		}}
 		if st, err := q.sock.Statistics(); err == nil {
-			s.KernelDrops += st.RxDropped + st.RxRingFull
-			s.FillRingEmpty += st.RxFillRingEmpty
+			qs.KernelDrops = st.RxDropped + st.RxRingFull
+			qs.FillRingEmpty = st.RxFillRingEmpty
 		}
+		s.add(&qs.Stats)
+		s.Queues = append(s.Queues, qs)
 	}
 	return s
+}
+
+func (s *Stats) add(o *Stats) {
+	s.Received += o.Received
+	s.Appended += o.Appended
+	s.Dropped += o.Dropped
+	s.NoRing += o.NoRing
+	s.Malformed += o.Malformed
+	s.KernelDrops += o.KernelDrops
+	s.FillRingEmpty += o.FillRingEmpty
 }
 
 // Close stops the loops, removes the sockets from the IngestXSKMap and

@@ -56,8 +56,13 @@ var standardRules = []classifier.Rule{
 // ring configuration; names are filled in) and the engine configured by
 // ecfg (Program and Ifindex are filled in).
 func newTopo(t testing.TB, rings map[uint32]fingest.Config, ecfg Config) *topo {
+	return newTopoWith(t, netns.VethOptions{}, rings, ecfg)
+}
+
+// newTopoWith is newTopo on a veth made with opts.
+func newTopoWith(t testing.TB, opts netns.VethOptions, rings map[uint32]fingest.Config, ecfg Config) *topo {
 	testenv.RequirePrivileged(t)
-	br, out, v := netns.Pair(t, netns.VethOptions{})
+	br, out, v := netns.Pair(t, opts)
 	tp := &topo{t: t, br: br, out: out, v: v, rings: map[uint32]*fingest.Ring{}}
 	prog, err := fbebpf.Load()
 	if err != nil {
@@ -251,6 +256,11 @@ func (r *reader) waitRecords(t testing.TB, n uint64, d time.Duration) {
 	t.Helper()
 	deadline := time.Now().Add(d)
 	for r.records.Load() < n {
+		select {
+		case <-r.done:
+			t.Fatalf("the consumer stopped after %d of %d records: %v (%v)", r.records.Load(), n, r.err, r.debug())
+		default:
+		}
 		if time.Now().After(deadline) {
 			t.Fatalf("the consumer saw %d of %d records (%v)", r.records.Load(), n, r.debug())
 		}

@@ -137,8 +137,8 @@ type Buffer struct {
 	Records   int    // records in the buffer
 	Bytes     int    // bytes of records
 	Flags     uint32 // BufWindow, BufFull, BufFlushed, BufContinued
-	FirstNs   uint64 // RX time of the first record (CLOCK_MONOTONIC)
-	LastNs    uint64 // RX time of the last record
+	FirstNs   uint64 // earliest RX time of its records (CLOCK_MONOTONIC)
+	LastNs    uint64 // latest RX time of its records
 	WindowNs  uint64 // start of its window
 	PublishNs uint64 // when the producer published it
 	WakeNs    uint64 // when Next returned it
@@ -146,8 +146,8 @@ type Buffer struct {
 	sources   uint32
 }
 
-// Latency is the buffer's wire-to-consumer latency: from its first record's
-// RX timestamp to the consumer's wake-up.
+// Latency is the buffer's wire-to-consumer latency: from its earliest
+// record's RX timestamp to the consumer's wake-up.
 func (b *Buffer) Latency() time.Duration {
 	if b.WakeNs < b.FirstNs {
 		return 0

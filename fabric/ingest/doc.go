@@ -16,10 +16,27 @@
 // ring already delivers them merged in arrival (RX time) order, which is
 // what NaNet-10's merger rebuilt from separate streams; one ring means one
 // place to poll and one event per window however many boards send;
-// memory is N×B whatever the number of sources; and per-source order is
-// kept because one producer appends in arrival order and a source's
-// datagrams arrive on one receive queue. Separate rings remain one
+// memory is N×B whatever the number of sources. Separate rings remain one
 // configuration away: give each source its own ingest rule and buffer id.
+//
+// # Several receive queues, one ring
+//
+// The NIC spreads flows over receive queues by hashing their addresses and
+// ports (RSS; on veth, the sender's transmit queue, itself chosen by flow
+// hash or XPS), so all datagrams of one source arrive on one queue, in
+// order. The engine runs a loop per queue and appends a queue's batch under
+// a per-ring lock, so each queue's datagrams keep their order and the ring
+// keeps one producer at a time: per-source order holds. Order across
+// sources is arrival order per queue, interleaved batch by batch between
+// queues; record RX times within a buffer are therefore not monotonic, and
+// first_ns/last_ns are the earliest and latest of them. A record is never
+// held back for its window: one that waited in a queue while another
+// queue's traffic opened a later window lands in the later buffer, and its
+// own rx_ns says where it belongs. A source whose flow moves to another
+// queue (the NIC's indirection table changed) may see one batch
+// reordered, which the per-source sequence cannot show (it is assigned
+// here); the sender's own sequence numbers do (Reference counts
+// SenderBackwards).
 // With Config.AlignWindows, windows are aligned on the RX clock
 // ([k·W, (k+1)·W)), so a buffer is exactly one time window of every source
 // and rings on different hosts cut time identically.
@@ -97,8 +114,8 @@
 //	  8    u64  seq           publication number; k = seq mod N
 //	  16   u32  bytes         bytes of records from the buffer's start, <= B
 //	  20   u32  flags         1 window closed, 2 full, 4 flushed, 8 window continues
-//	  24   u64  first_ns      RX time of the first record (CLOCK_MONOTONIC)
-//	  32   u64  last_ns       RX time of the last record
+//	  24   u64  first_ns      earliest RX time of its records (CLOCK_MONOTONIC)
+//	  32   u64  last_ns       latest RX time of its records
 //	  40   u64  window_ns     start of the buffer's window
 //	  48   u64  publish_ns    when it was published
 //	  56   u64  reserved

@@ -32,7 +32,8 @@ func (s Source) String() string { return fmt.Sprintf("%v->:%d", s.AddrPort(), s.
 
 // Ring is the producer's end of a CLOP: it packs datagrams into the open
 // buffer and publishes buffers when they fill or their window closes. One
-// goroutine (the offload engine's) calls Append, Tick and Flush; Stats is
+// goroutine at a time calls Append, Tick and Flush (the offload engine
+// serialises its per-queue loops with a lock per ring and batch); Stats is
 // safe from anywhere. It never reads back anything the consumer could have
 // written except a descriptor's state word, and only "free" makes a buffer
 // its own again: a consumer that scribbles can lose its own data, never make
@@ -191,7 +192,10 @@ func (r *Ring) Append(src Source, rxNs uint64, payload []byte) bool {
 	copy(b[RecordHeader:], payload)
 	r.off += size
 	r.records++
-	r.lastNs = rxNs
+	// Several receive queues feed one ring, a batch at a time: a record
+	// can be stamped before the one that opened the buffer.
+	r.firstNs = min(r.firstNs, rxNs)
+	r.lastNs = max(r.lastNs, rxNs)
 	r.st.records++
 	r.st.bytes += uint64(len(payload))
 	return true

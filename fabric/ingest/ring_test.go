@@ -604,3 +604,44 @@ func TestHistogram(t *testing.T) {
 		}
 	}
 }
+
+// TestInterleavedQueues: two receive queues' batches interleave, so a
+// buffer's records are not in RX time order; the descriptor spans the
+// earliest to the latest and the consumer accepts it (it once rejected
+// last_ns < first_ns as corruption).
+func TestInterleavedQueues(t *testing.T) {
+	r, c := newPair(t, Config{Window: time.Hour})
+	base := Now()
+	// Queue 1 stamped its batch first, but queue 0's was appended first.
+	stamps := []uint64{base + 500, base + 600, base + 100, base + 200, base + 700}
+	for i, ns := range stamps {
+		src := srcA
+		if ns < base+500 {
+			src = srcB
+		}
+		if !r.Append(src, ns, payloadOf(0, i, 8)) {
+			t.Fatal("append refused")
+		}
+	}
+	r.Flush()
+	b, err := c.Next(time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if b.FirstNs != base+100 || b.LastNs != base+700 || b.Records != len(stamps) {
+		t.Fatalf("buffer spans %d..%d with %d records, want %d..%d with %d",
+			b.FirstNs-base, b.LastNs-base, b.Records, 100, 700, len(stamps))
+	}
+	it := b.Iter()
+	for i := 0; it.Next(); i++ {
+		if rec := it.Record(); rec.RxNs != stamps[i] || !bytes.Equal(rec.Payload, payloadOf(0, i, 8)) {
+			t.Fatalf("record %d: %+v", i, rec)
+		}
+	}
+	if err := it.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Release(&b); err != nil {
+		t.Fatal(err)
+	}
+}

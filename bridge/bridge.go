@@ -93,9 +93,11 @@ type Config struct {
 	// TxBudget is how many packets one stream may send per round (fairness);
 	// default 32, at most 64.
 	TxBudget int
-	// Spin is how long an idle RX loop keeps polling (yielding the CPU
-	// between polls) before it sleeps in poll(2); default 20 µs. Waking from
-	// poll costs about as much on a VM, so the spin catches steady traffic.
+	// Spin is how long an idle loop keeps polling both directions
+	// (yielding the CPU between polls) before it sleeps in poll(2); default
+	// 20 µs, negative: sleep at once. Waking from poll costs about as much
+	// on a VM, so the spin catches steady traffic; on cores shared with the
+	// applications, not spinning can be faster.
 	Spin   time.Duration
 	Logger *slog.Logger
 
@@ -132,34 +134,34 @@ type Bridge struct {
 	wg         sync.WaitGroup
 }
 
-// queue is one receive queue: its RX loop and its TX loop, each on a
-// locked OS thread.
+// queue is one receive queue, served by one loop on a locked OS thread:
+// RX and TX of the queue, in turn.
 type queue struct {
-	id     int
-	b      *Bridge
-	rx     rxPort
-	tx     *txLoop
-	wakefd int // eventfd: wakes the RX loop (stop, park)
-	stop   atomic.Bool
-	park   atomic.Bool
-	parked chan struct{}
-	resume chan struct{}
-	ep     epoch
+	id      int
+	b       *Bridge
+	rx      rxPort
+	tx      *txSide
+	wakefd  int // eventfd: wakes the loop (stop, commands)
+	sleepfd int // epoll set of wakefd and the TX event queue: what the loop sleeps on beside its socket
+	stop    atomic.Bool
+	ep      epoch
 
 	rxPackets, rxBytes, rxRingFull, rxNoStream, rxMalformed, rxTooBig atomic.Uint64
-	rxBatches, rxSleeps                                               atomic.Uint64
-	rxTid                                                             atomic.Int32 // the RX loop's thread, for benchmarks' CPU accounting
+	rxBatches, sleeps                                                 atomic.Uint64
+	tid                                                               atomic.Int32 // the loop's thread, for benchmarks' CPU accounting
 	txPackets, txBytes, txKernel                                      atomic.Uint64
 	txRejects                                                         [numReasons]atomic.Uint64
 }
 
-// rxPort is where an RX loop takes frames from.
+// rxPort is where a queue's loop takes frames from.
 type rxPort interface {
 	// poll receives one batch and delivers the steered frames through d
 	// (begun by the caller, ended by poll before it recycles the frames).
 	// It returns how many frames it took.
 	poll(d *dispatcher) int
-	// wait sleeps until frames may be there or wakefd is signalled.
+	// wait sleeps until frames may be there or wakefd is readable. The
+	// loop passes its sleep set (an epoll descriptor), which wait may
+	// try to read: reading an epoll descriptor fails and changes nothing.
 	wait(wakefd int)
 	// kernelStats are the kernel's counters for the queue.
 	kernelStats() (fillEmpty, dropped uint64)
@@ -168,7 +170,8 @@ type rxPort interface {
 
 // Open starts the data plane on cfg.Interface: it loads and attaches the XDP
 // classifier and binds AF_XDP sockets on every queue (or, on the AF_PACKET
-// path, opens TPACKET_V3 rings), and starts one RX and one TX loop per queue.
+// path, opens TPACKET_V3 rings), and starts one loop per queue, which serves
+// both directions.
 // Call it on a thread in the interface's network namespace; everything it
 // opens belongs there. In ModeAuto it falls back path by path, each try on
 // fresh UMEMs, and logs each failure; Path reports where it ended.
@@ -232,14 +235,19 @@ func Open(cfg Config) (*Bridge, error) {
 		b.closeCommon()
 		return nil, fmt.Errorf("bridge: no usable path on %s (mode %v): %w", cfg.Interface, cfg.Mode, errors.Join(errs...))
 	}
+	for _, q := range b.queues {
+		if err := q.openSleepSet(); err != nil {
+			b.Close()
+			return nil, err
+		}
+	}
 	b.log.Info("bridge: running", "interface", cfg.Interface, "path", b.path.String(), "queues", len(b.queues))
 	for _, q := range b.queues {
 		if cfg.manual {
 			break
 		}
-		b.wg.Add(2)
-		go func() { defer b.wg.Done(); q.rxLoop() }()
-		go func() { defer b.wg.Done(); q.tx.run() }()
+		b.wg.Add(1)
+		go func() { defer b.wg.Done(); q.loop() }()
 	}
 	return b, nil
 }
@@ -308,12 +316,39 @@ func (b *Bridge) newQueue(id int, rx rxPort, tx txPort) (*queue, error) {
 	if err != nil {
 		return nil, fmt.Errorf("bridge: eventfd: %w", err)
 	}
-	q := &queue{id: id, b: b, rx: rx, wakefd: fd, parked: make(chan struct{}), resume: make(chan struct{})}
-	if q.tx, err = newTxLoop(b, q, tx); err != nil {
+	q := &queue{id: id, b: b, rx: rx, wakefd: fd, sleepfd: -1}
+	if q.tx, err = newTxSide(b, q, tx); err != nil {
 		unix.Close(fd)
 		return nil, err
 	}
 	return q, nil
+}
+
+// openSleepSet makes the one descriptor that is readable when the loop has
+// something to do besides receiving: a command or stop (wakefd), or a
+// packet in an armed stream (the event queue's epoll descriptor). The RX
+// ports' wait polls it beside their socket.
+func (q *queue) openSleepSet() error {
+	fd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
+	if err != nil {
+		return fmt.Errorf("bridge: epoll: %w", err)
+	}
+	q.sleepfd = fd
+	for _, wfd := range []int{q.wakefd, q.tx.eq.Fd()} {
+		ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(wfd)}
+		if err := unix.EpollCtl(fd, unix.EPOLL_CTL_ADD, wfd, &ev); err != nil {
+			return fmt.Errorf("bridge: epoll: %w", err)
+		}
+	}
+	return nil
+}
+
+// closeFds closes the queue's own descriptors (the ports close theirs).
+func (q *queue) closeFds() {
+	if q.sleepfd >= 0 {
+		unix.Close(q.sleepfd)
+	}
+	unix.Close(q.wakefd)
 }
 
 func (q *queue) wake() {
@@ -323,43 +358,52 @@ func (q *queue) wake() {
 
 func schedYield() { unix.Syscall(unix.SYS_SCHED_YIELD, 0, 0, 0) }
 
-// rxLoop receives on one queue until stopped.
-func (q *queue) rxLoop() {
+// loop serves one queue until stopped: an RX batch, then a TX round (a
+// fair batch from every ready stream, completions reaped), again and again
+// while either side finds work. When both are idle it polls for
+// Config.Spin, yielding the CPU between polls, then sleeps in one poll(2) on
+// the socket and the sleep set. That sleep is safe for TX because the TX
+// round that found nothing left every stream armed (fabric.EventQueue.Poll):
+// a packet from then on makes the event queue's descriptor readable.
+func (q *queue) loop() {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	q.rxTid.Store(int32(unix.Gettid()))
-	var d dispatcher
-	idleSince := time.Time{}
+	q.tid.Store(int32(unix.Gettid()))
+	var (
+		d         dispatcher
+		idleSince time.Time
+		drain     [8]byte
+	)
 	for !q.stop.Load() {
-		n := q.rxOnce(&d)
-		if n > 0 {
+		q.tx.commands()
+		rx := q.rxOnce(&d)
+		tx := q.txOnce()
+		if rx > 0 || tx > 0 {
 			idleSince = time.Time{}
 			continue
 		}
-		if q.park.Load() {
-			q.parked <- struct{}{}
-			<-q.resume
-			continue
+		if spin := q.b.cfg.Spin; spin > 0 {
+			if idleSince.IsZero() {
+				idleSince = time.Now()
+			}
+			if time.Since(idleSince) < spin {
+				// Poll again, but first let whatever else waits for this
+				// CPU run (the application, the softirq thread): a loop
+				// that spins without yielding starves them on a shared
+				// core and then finds packets one at a time. Alone on its
+				// core, the yield returns at once.
+				schedYield()
+				continue
+			}
 		}
-		if idleSince.IsZero() {
-			idleSince = time.Now()
-		}
-		if time.Since(idleSince) < q.b.cfg.Spin {
-			// Poll again, but first let whatever else waits for this CPU
-			// run (the application, the softirq thread): a loop that
-			// spins without yielding starves them on a shared core and
-			// then finds packets one at a time. Alone on its core, the
-			// yield returns at once.
-			schedYield()
-			continue
-		}
-		q.rxSleeps.Add(1)
-		q.rx.wait(q.wakefd)
+		q.sleeps.Add(1)
+		q.rx.wait(q.sleepfd)
+		unix.Read(q.wakefd, drain[:]) // non-blocking; the event queue's descriptor is read by Poll
 		idleSince = time.Time{}
 	}
 }
 
-// rxOnce is one batch of the RX loop.
+// rxOnce is one RX batch of the queue's loop.
 func (q *queue) rxOnce(d *dispatcher) int {
 	q.ep.enter()
 	d.begin(q.b.streams.Load(), q.b.clock)
@@ -370,6 +414,9 @@ func (q *queue) rxOnce(d *dispatcher) int {
 	}
 	return n
 }
+
+// txOnce is one TX round of the queue's loop; see txSide.once.
+func (q *queue) txOnce() int { return q.tx.once() }
 
 func (q *queue) addRx(c *rxCounters) {
 	q.rxBatches.Add(1)
@@ -415,10 +462,6 @@ func (b *Bridge) pause() {
 		done := make(chan struct{})
 		q.tx.command(txCmd{park: true, done: done})
 		<-done
-		q.park.Store(true)
-		q.wake()
-		<-q.parked
-		q.park.Store(false)
 	}
 }
 
@@ -427,8 +470,7 @@ func (b *Bridge) resume() {
 		return
 	}
 	for _, q := range b.queues {
-		q.resume <- struct{}{} // RX loop
-		q.resume <- struct{}{} // TX loop
+		q.tx.resume <- struct{}{}
 	}
 }
 
@@ -553,7 +595,7 @@ func (b *Bridge) RemoveStream(id uint32) error {
 	return nil
 }
 
-// quiesce waits until every RX loop has let go of any stream table loaded
+// quiesce waits until every loop's RX side has let go of any stream table loaded
 // before the call.
 func (b *Bridge) quiesce() {
 	for _, q := range b.queues {
@@ -582,13 +624,12 @@ func (b *Bridge) Close() error {
 	for _, q := range b.queues {
 		q.stop.Store(true)
 		q.wake()
-		q.tx.command(txCmd{})
 	}
 	b.wg.Wait()
 	for _, q := range b.queues {
 		errs = append(errs, q.rx.close())
 		q.tx.close()
-		unix.Close(q.wakefd)
+		q.closeFds()
 	}
 	if b.prog != nil {
 		errs = append(errs, b.prog.Close())

@@ -28,8 +28,8 @@ func (d Direction) String() string {
 // buffer (a UMEM frame or a ring slot) and is reused as soon as fn returns:
 // fn must copy what it keeps, must not modify pkt, and must be fast and never
 // block, since it runs on the data path (a slow consumer should drop, not
-// wait). It may run concurrently on several loops: RX loops of different
-// queues and the stream's TX loop.
+// wait). It may run concurrently on several loops: the loops of different
+// queues receive for the stream, and one of them also sends for it.
 type CaptureFunc func(dir Direction, pkt []byte, ts time.Time)
 
 // captureHook boxes a CaptureFunc so that streamEntry holds it in one
@@ -62,8 +62,8 @@ func (b *Bridge) SetCapture(id uint32, fn CaptureFunc) error {
 	}
 	e.capture.Store(h)
 	// Wait until no loop still works on a batch that loaded the old hook:
-	// RX loops through their epochs, the TX loop by a round trip through
-	// its commands (it serves streams and runs commands on one thread).
+	// the RX sides through their epochs, the stream's TX side by a round
+	// trip through its loop's commands (run between rounds, on the loop).
 	b.quiesce()
 	done := make(chan struct{})
 	b.queues[e.txQueue].tx.command(txCmd{done: done})

@@ -42,10 +42,10 @@ func newCPUMeter(tids ...int32) *cpuMeter {
 // used is the CPU time of thread i since newCPUMeter.
 func (m *cpuMeter) used(i int) time.Duration { return threadCPU(m.tids[i]) - m.start[i] }
 
-// rxTid is the RX loop thread of queue 0, once it has started.
+// rxTid is the loop thread of queue 0 (RX and TX), once it has started.
 func (r *rig) rxTid() int32 {
 	for deadline := time.Now().Add(time.Second); time.Now().Before(deadline); time.Sleep(time.Millisecond) {
-		if t := r.b.queues[0].rxTid.Load(); t != 0 {
+		if t := r.b.queues[0].tid.Load(); t != 0 {
 			return t
 		}
 	}

@@ -16,15 +16,17 @@
 //
 // # Threads
 //
-// Each receive queue has an RX loop and a TX loop, each on its own locked OS
-// thread. They are separate because they sleep on different things: the RX
-// loop in poll on the AF_XDP (or packet) socket, the TX loop in the
-// fabric.EventQueue of its streams, which offers no descriptor to poll
-// together with a socket. They share no ring: RX owns the RX and fill rings,
-// TX the TX and completion rings of the queue's socket. An idle RX loop
+// Each receive queue is served by one loop on a locked OS thread, both
+// directions in turn: an RX batch, then a TX round, then again, while
+// either finds work. RX owns the RX and fill rings, TX the TX and
+// completion rings of the queue's socket. When both sides are idle the loop
 // polls for Config.Spin, yielding the CPU between polls (on a shared core a
 // loop that spins without yielding starves the application and finds
-// packets one at a time), then sleeps in poll(2).
+// packets one at a time), then sleeps in one poll(2) on the socket and on a
+// sleep set (an epoll descriptor) holding the loop's eventfd (stop,
+// control-plane commands) and the descriptor of the fabric.EventQueue of
+// its streams. The TX round that found nothing (EventQueue.Poll returning
+// 0) left every stream armed, so a packet written after it wakes the loop.
 //
 // # RX
 //
@@ -66,7 +68,7 @@
 //
 // # TX
 //
-// Streams are assigned to TX loops by id. Each round takes at most
+// Streams are assigned to queues' loops by id. Each round takes at most
 // Config.TxBudget packets from every ready stream, straight into free frames
 // of the TX ring (one copy), so a busy application cannot starve the rest.
 // Every packet is verified before it leaves: IP version, header lengths, IP
@@ -77,7 +79,7 @@
 // (Ownership, replaced atomically by SetOwnership). Rejects are counted by
 // reason, per stream and per queue. The Ethernet header comes from the
 // kernel's route and neighbour tables, read over netlink and refreshed by
-// netlink notifications; each TX loop keeps a private cache that a change
+// netlink notifications; each loop keeps a private cache that a change
 // invalidates. A packet whose neighbour is not known yet is handed to the
 // kernel through a raw IP socket (counted as TxViaKernel): the kernel
 // resolves the neighbour, sends the packet, and the new neighbour entry

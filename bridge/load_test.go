@@ -290,11 +290,7 @@ func TestNoAllocations(t *testing.T) {
 		if _, err := app.Send(pkts); err != nil {
 			t.Fatal(err)
 		}
-		tl := q.tx
-		allocs = testing.AllocsPerRun(5, func() {
-			n, _ := tl.eq.Wait(tl.toks[:], 0)
-			tl.round(tl.toks[:n])
-		})
+		allocs = testing.AllocsPerRun(5, func() { q.txOnce() })
 		sent := r.b.Stats().Streams[0].TxPackets
 		if allocs != 0 || sent < 5*uint64(r.b.cfg.TxBudget) {
 			t.Fatalf("TX: %v allocations per round, %d packets sent", allocs, sent)
@@ -328,10 +324,9 @@ func TestTxFairness(t *testing.T) {
 		}
 		busy.Send(many)
 		quiet.Send(few)
-		tl := r.b.queues[0].tx
+		q := r.b.queues[0]
 		for round := 0; round < 5; round++ {
-			n, _ := tl.eq.Wait(tl.toks[:], 0)
-			tl.round(tl.toks[:n])
+			q.txOnce()
 			if r.b.Stats().Streams[1].TxPackets == 10 {
 				break
 			}

@@ -181,7 +181,7 @@ func (r *resolver) close() {
 	r.wg.Wait()
 }
 
-// l2cache is one TX loop's private view of the resolver: no lock, no
+// l2cache is one queue's TX side's private view of the resolver: no lock, no
 // allocation once a destination has been seen, emptied when the resolver's
 // generation moves.
 type l2cache struct {

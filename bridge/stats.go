@@ -40,9 +40,9 @@ type QueueStats struct {
 	// room (AF_XDP: RX ring full or other; AF_PACKET: ring drops).
 	FillRingEmpty uint64
 	KernelRxDrops uint64
-	// RxBatches counts the RX loop's non-empty batches (RxPackets/RxBatches
-	// is the mean batch), RxSleeps the times it found nothing for
-	// Config.Spin and slept in poll.
+	// RxBatches counts the loop's non-empty RX batches (RxPackets/RxBatches
+	// is the mean batch), RxSleeps the times the loop found nothing to do
+	// in either direction for Config.Spin and slept in poll.
 	RxBatches, RxSleeps uint64
 }
 
@@ -55,7 +55,7 @@ type StreamStats struct {
 	TxPackets, TxBytes uint64
 	TxViaKernel        uint64
 	TxRejects          Rejects
-	// Broken: the TX loop found the stream broken or closed and stopped
+	// Broken: the TX side found the stream broken or closed and stopped
 	// draining it; the control plane should remove it.
 	Broken bool
 }
@@ -69,7 +69,7 @@ func (b *Bridge) Stats() Stats {
 			RxPackets: q.rxPackets.Load(), RxBytes: q.rxBytes.Load(),
 			RxDrops:   RxDrops{RingFull: q.rxRingFull.Load(), NoStream: q.rxNoStream.Load(), Malformed: q.rxMalformed.Load(), TooBig: q.rxTooBig.Load()},
 			TxPackets: q.txPackets.Load(), TxBytes: q.txBytes.Load(), TxViaKernel: q.txKernel.Load(),
-			RxBatches: q.rxBatches.Load(), RxSleeps: q.rxSleeps.Load(),
+			RxBatches: q.rxBatches.Load(), RxSleeps: q.sleeps.Load(),
 		}
 		var rej [numReasons]uint64
 		for r := range rej {

@@ -8,9 +8,9 @@ import (
 	"github.com/fabricbridge/fabricbridge/fabric"
 )
 
-// streamEntry is the bridge's side of one stream. RX loops of every queue
-// deliver into it (fabric.Stream serialises its producers); exactly one TX
-// loop (txQueue) drains its TX ring.
+// streamEntry is the bridge's side of one stream. The loops of every queue
+// deliver into it (fabric.Stream serialises its producers); exactly one
+// queue's loop (txQueue) drains its TX ring.
 type streamEntry struct {
 	id      uint32
 	s       *fabric.Stream
@@ -27,10 +27,10 @@ type streamEntry struct {
 }
 
 // streamTable is an immutable id → stream map; changes copy it and swap the
-// pointer, so RX loops look streams up without a lock.
+// pointer, so loops look streams up without a lock.
 type streamTable map[uint32]*streamEntry
 
-// epoch tells a writer when every RX loop has stopped using an old stream
+// epoch tells a writer when every loop's RX side has stopped using an old stream
 // table: a loop is active while it holds a table it loaded, and bumps count
 // when it lets go.
 type epoch struct {
@@ -43,7 +43,7 @@ func (e *epoch) enter() { e.active.Store(true) }
 func (e *epoch) leave() { e.count.Add(1); e.active.Store(false) }
 
 // dispatcher delivers received frames into streams, batching consecutive
-// packets of one stream into one SendMeta. One per RX loop.
+// packets of one stream into one SendMeta. One per loop.
 type dispatcher struct {
 	table *streamTable
 	cur   *streamEntry
@@ -55,7 +55,7 @@ type dispatcher struct {
 	clock monoClock
 }
 
-// rxCounters are an RX loop's counts of one batch, added to the queue's
+// rxCounters are a loop's RX counts of one batch, added to the queue's
 // atomics once per batch.
 type rxCounters struct {
 	packets, bytes                uint64

@@ -1,7 +1,6 @@
 package bridge
 
 import (
-	"runtime"
 	"sync/atomic"
 	"time"
 
@@ -11,7 +10,7 @@ import (
 // ethHeader is the Ethernet header the bridge writes in front of packets.
 const ethHeader = 14
 
-// txPort is where a TX loop puts frames: an AF_XDP TX ring or an AF_PACKET
+// txPort is where a queue's TX side puts frames: an AF_XDP TX ring or an AF_PACKET
 // TX ring. Frames are lent out, filled in place (the stream's packet is read
 // straight into the frame after room for the Ethernet header), then sent or
 // handed back.
@@ -35,16 +34,17 @@ type txPort interface {
 	release()
 }
 
-// txCounters are a TX loop's counts, added to the queue's atomics per round.
+// txCounters are a TX side's counts, added to the queue's atomics per round.
 type txCounters struct {
 	packets, bytes, kernel uint64
 	rejects                [numReasons]uint64
 }
 
-// txLoop drains the TX rings of the streams assigned to one queue, fairly:
-// each ready stream gives at most budget packets per round, and the event
-// queue hands back streams that still have packets in the next round.
-type txLoop struct {
+// txSide is the TX half of a queue's loop. It drains the TX rings of the
+// streams assigned to the queue, fairly: each ready stream gives at most
+// budget packets per round, and the event queue hands back streams that
+// still have packets in the next round.
+type txSide struct {
 	b      *Bridge
 	q      *queue
 	port   txPort
@@ -61,85 +61,79 @@ type txLoop struct {
 	maxPacket int
 	c         txCounters
 
-	// Commands from the control plane arrive on cmds; the bell (a stream
-	// of its own in the event queue) wakes the loop for them.
+	// Commands from the control plane arrive on cmds; pending tells the
+	// loop to look (one atomic load per turn), the queue's wakefd wakes it.
 	cmds    chan txCmd
-	bell    *fabric.Stream
-	bellApp *fabric.Stream
-	bellTok int
-	rung    atomic.Bool
-	bellBuf [1][]byte
-	one     [1][]byte
+	pending atomic.Bool
+	resume  chan struct{} // releases a parked loop
 }
 
 type txCmd struct {
 	add, remove *streamEntry
-	park        bool // wait on q.resume until released
+	park        bool // wait on resume until released
 	done        chan struct{}
 }
 
-func newTxLoop(b *Bridge, q *queue, port txPort) (*txLoop, error) {
+func newTxSide(b *Bridge, q *queue, port txPort) (*txSide, error) {
 	eq, err := fabric.NewEventQueue()
 	if err != nil {
 		return nil, err
 	}
-	bell, bellApp, err := fabric.NewPair(fabric.Config{RxSlots: 2, TxSlots: 2, SlotSize: 64})
-	if err != nil {
-		eq.Close()
-		return nil, err
-	}
-	tok, err := eq.Add(bell)
-	if err != nil {
-		eq.Close()
-		bell.Close()
-		bellApp.Close()
-		return nil, err
-	}
-	t := &txLoop{
+	return &txSide{
 		b: b, q: q, port: port, eq: eq,
 		budget: b.cfg.TxBudget, l2: newL2cache(b.res), srcMAC: b.mac, maxPacket: port.maxFrame() - ethHeader,
-		cmds: make(chan txCmd, 16), bell: bell, bellApp: bellApp, bellTok: tok,
-	}
-	t.bellBuf[0] = make([]byte, 64)
-	t.one[0] = []byte{1}
-	t.byTok = make([]*streamEntry, tok+1)
-	return t, nil
+		cmds: make(chan txCmd, 16), resume: make(chan struct{}),
+	}, nil
 }
 
-// command queues c and wakes the loop.
-func (t *txLoop) command(c txCmd) {
+// command hands c to the queue's loop and wakes it; c.done, if set, is
+// closed once the loop has applied it.
+func (t *txSide) command(c txCmd) {
 	if t.b.cfg.manual {
 		t.apply(c)
 		return
 	}
 	t.cmds <- c
-	if t.rung.CompareAndSwap(false, true) {
-		t.bellApp.Send(t.one[:])
-	}
+	t.pending.Store(true)
+	t.q.wake()
 }
 
-func (t *txLoop) run() {
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	for !t.q.stop.Load() {
-		n, err := t.eq.Wait(t.toks[:], -1)
-		if err != nil {
-			t.b.log.Error("bridge: TX event queue", "queue", t.q.id, "err", err)
-			time.Sleep(10 * time.Millisecond)
-			continue
+// commands runs the queued commands. Clearing pending before draining
+// means a command queued after the drain sets it again.
+func (t *txSide) commands() {
+	if !t.pending.Load() {
+		return
+	}
+	t.pending.Store(false)
+	for {
+		select {
+		case c := <-t.cmds:
+			t.apply(c)
+		default:
+			return
 		}
-		t.round(t.toks[:n])
 	}
 }
 
-// round serves the streams of one Wait.
-func (t *txLoop) round(toks []int) {
+// once is one TX round of the queue's loop: the streams that have packets
+// now, each served with one budget. It returns how many streams it served;
+// when 0, every stream is armed (fabric.EventQueue.Poll) and the loop may
+// sleep on the event queue's descriptor.
+func (t *txSide) once() int {
+	n, err := t.eq.Poll(t.toks[:])
+	if err != nil {
+		t.b.log.Error("bridge: TX event queue", "queue", t.q.id, "err", err)
+		time.Sleep(10 * time.Millisecond)
+		return 0
+	}
+	t.round(t.toks[:n])
+	return n
+}
+
+// round serves the streams of one Poll.
+func (t *txSide) round(toks []int) {
 	out := false
 	for _, tok := range toks {
-		if tok == t.bellTok {
-			t.serveBell()
-			continue
-		}
 		if tok >= len(t.byTok) || t.byTok[tok] == nil {
 			continue
 		}
@@ -157,7 +151,7 @@ func (t *txLoop) round(toks []int) {
 
 // serve takes up to budget packets from one stream. It reports whether
 // anything was queued for the wire.
-func (t *txLoop) serve(tok int, e *streamEntry) bool {
+func (t *txSide) serve(tok int, e *streamEntry) bool {
 	k := t.port.lend(t.bufs[:t.budget])
 	if k == 0 {
 		t.port.flush() // reclaims completions
@@ -239,34 +233,12 @@ func (t *txLoop) serve(tok int, e *streamEntry) bool {
 	return queued
 }
 
-// serveBell drains the bell, then runs the queued commands. Draining before
-// clearing rung means a command queued after the drain finds rung clear and
-// rings again, or, queued before the clear, is in the channel already.
-func (t *txLoop) serveBell() {
-	for {
-		n, _ := t.bell.TryRecv(t.bellBuf[:])
-		t.bellBuf[0] = t.bellBuf[0][:cap(t.bellBuf[0])]
-		if n == 0 {
-			break
-		}
-	}
-	t.rung.Store(false)
-	for {
-		select {
-		case c := <-t.cmds:
-			t.apply(c)
-		default:
-			return
-		}
-	}
-}
-
-func (t *txLoop) apply(c txCmd) {
+func (t *txSide) apply(c txCmd) {
 	switch {
 	case c.add != nil:
 		tok, err := t.eq.Add(c.add.s)
 		if err != nil {
-			t.b.log.Error("bridge: add stream to TX loop", "stream", c.add.id, "err", err)
+			t.b.log.Error("bridge: add stream to a queue's TX side", "stream", c.add.id, "err", err)
 			c.add.dead.Store(true)
 			break
 		}
@@ -283,7 +255,7 @@ func (t *txLoop) apply(c txCmd) {
 		}
 	case c.park:
 		close(c.done)
-		<-t.q.resume
+		<-t.resume
 		return
 	}
 	if c.done != nil {
@@ -291,9 +263,7 @@ func (t *txLoop) apply(c txCmd) {
 	}
 }
 
-func (t *txLoop) close() {
+func (t *txSide) close() {
 	t.port.release()
 	t.eq.Close()
-	t.bell.Close()
-	t.bellApp.Close()
 }

@@ -48,7 +48,7 @@ func (b *Bridge) openXDP(p Path) (err error) {
 			for _, q := range qs {
 				q.rx.close()
 				q.tx.close()
-				unix.Close(q.wakefd)
+				q.closeFds()
 			}
 		}
 	}()
@@ -74,7 +74,7 @@ func (b *Bridge) openXDP(p Path) (err error) {
 }
 
 // openXSK makes one queue's UMEM and socket: half the frames go to the fill
-// ring, half to the TX loop's free list. The fill and TX rings have room for
+// ring, half to the TX side's free list. The fill and TX rings have room for
 // twice the frames they carry: the kernel publishes how far it consumed them
 // only when it has used up what it saw (see package xsk), so a ring sized
 // exactly would look full while the kernel has in fact taken frames.
@@ -113,7 +113,6 @@ type xdpRx struct {
 	descs    [xsk.MaxBatch]xsk.Desc
 	addrs    [xsk.MaxBatch]uint64
 	pfd      [2]unix.PollFd
-	buf      [8]byte
 	fill     xsk.Refiller
 }
 
@@ -150,12 +149,7 @@ func (x *xdpRx) poll(d *dispatcher) int {
 func (x *xdpRx) wait(wakefd int) {
 	x.pfd[1].Fd = int32(wakefd)
 	x.pfd[0].Revents, x.pfd[1].Revents = 0, 0
-	if _, err := unix.Poll(x.pfd[:], -1); err != nil {
-		return
-	}
-	if x.pfd[1].Revents != 0 {
-		unix.Read(wakefd, x.buf[:])
-	}
+	unix.Poll(x.pfd[:], -1) // EINTR: the loop looks again
 }
 
 func (x *xdpRx) kernelStats() (fillEmpty, dropped uint64) {

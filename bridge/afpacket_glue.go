@@ -2,11 +2,15 @@ package bridge
 
 import (
 	"errors"
+	"sync/atomic"
+	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/fabricbridge/fabricbridge/bridge/afpacket"
+	bingest "github.com/fabricbridge/fabricbridge/bridge/ingest"
 	"github.com/fabricbridge/fabricbridge/classifier"
+	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
 )
 
 // afpShared is the AF_PACKET path's classifiers (one per queue: each keeps
@@ -14,6 +18,7 @@ import (
 // from the kernel; SetTables feeds them all.
 type afpShared struct {
 	cls  []*classifier.Classifier
+	rxs  []*afpRx // per queue, for SetIngest
 	hide *kernelHider
 	offl *afpacket.Offloads // merging offloads turned off, restored on close
 }
@@ -69,6 +74,7 @@ func (b *Bridge) openAFPacket() (err error) {
 	var (
 		qs  []*queue
 		rxs []*afpacket.Rx
+		ars []*afpRx
 		cls []*classifier.Classifier
 	)
 	defer func() {
@@ -97,7 +103,7 @@ func (b *Bridge) openAFPacket() (err error) {
 			tx.Close()
 			return errors.New("MTU too large for the AF_PACKET TX ring")
 		}
-		ar := &afpRx{rx: rx, cls: classifier.New(empty, 0)}
+		ar := &afpRx{rx: rx, cls: classifier.New(empty, 0), queue: id}
 		ar.onFrame = ar.frame
 		q, err := b.newQueue(id, ar, &afpTx{tx: tx})
 		if err != nil {
@@ -107,43 +113,85 @@ func (b *Bridge) openAFPacket() (err error) {
 		}
 		qs = append(qs, q)
 		rxs = append(rxs, rx)
+		ars = append(ars, ar)
 		cls = append(cls, ar.cls)
 	}
 	if err := afpacket.FanoutByQueue(rxs); err != nil {
 		return err
 	}
 	b.queues = qs
-	b.afp = &afpShared{cls: cls, hide: hide, offl: offl}
+	b.afp = &afpShared{cls: cls, rxs: ars, hide: hide, offl: offl}
 	return nil
 }
 
 // afpRx classifies each frame of the RX ring with the reference classifier
-// and delivers the steered ones.
+// and delivers the steered ones, and ingest datagrams to the ingest
+// engine's feeder if SetIngest gave one.
 type afpRx struct {
 	rx      *afpacket.Rx
 	cls     *classifier.Classifier
+	queue   int
 	d       *dispatcher
-	onFrame func([]byte, bool) // frame, bound once: no allocation per poll
+	onFrame func([]byte, bool, int64) // frame, bound once: no allocation per poll
+
+	feed    atomic.Pointer[bingest.Feeder]
+	fd      *bingest.Feeder // feed, loaded for one poll
+	clockOK bool            // realToMono is set for this poll
+	// realToMono turns the packet socket's CLOCK_REALTIME stamps into the
+	// CLOCK_MONOTONIC ones of ingest records (as the XDP program stamps).
+	realToMono int64
 }
 
-func (a *afpRx) frame(f []byte, rebuilt bool) {
+func (a *afpRx) frame(f []byte, rebuilt bool, rxNs int64) {
 	m := a.cls.Classify(f)
-	if m.Verdict != classifier.VerdictSteer {
-		return // the kernel has it already
+	switch m.Verdict {
+	case classifier.VerdictSteer:
+		a.d.frame(f, &m)
+		if rebuilt {
+			a.d.end() // the scratch buffer is reused by the next rebuilt frame
+		}
+	case classifier.VerdictIngest:
+		if a.fd != nil {
+			a.ingest(f, &m, rxNs)
+		}
+	case classifier.VerdictMalformed:
+		if a.fd != nil {
+			a.fd.Refused()
+		}
 	}
-	a.d.frame(f, &m)
-	if rebuilt {
-		a.d.end() // the scratch buffer is reused by the next rebuilt frame
+	// Anything else the kernel has already.
+}
+
+// ingest strips the frame as the XDP program would and hands it to the
+// feeder, which copies the payload at once (a rebuilt frame's scratch
+// buffer may be reused after this).
+func (a *afpRx) ingest(f []byte, m *classifier.Meta, rxNs int64) {
+	im, strip, ok := classifier.Ingest(f, m)
+	if !ok {
+		a.fd.Refused()
+		return
 	}
+	if !a.clockOK {
+		a.realToMono = time.Now().UnixNano() - int64(fingest.Now())
+		a.clockOK = true
+	}
+	im.RxTimestampNs = uint64(rxNs - a.realToMono)
+	a.fd.Add(&im, f[strip:])
 }
 
 // poll delivers one block. The dispatcher batches frames and copies them
 // into streams at d.end, so the block goes back to the kernel only after
-// that (as the XDP path refills only after d.end).
+// that (as the XDP path refills only after d.end); the ingest feeder
+// copies as it goes, and its batch ends before the block goes back too.
 func (a *afpRx) poll(d *dispatcher) int {
 	a.d = d
+	a.fd = a.feed.Load()
 	n := a.rx.Poll(a.onFrame)
 	d.end()
+	if a.fd != nil {
+		a.fd.End()
+		a.fd, a.clockOK = nil, false
+	}
 	a.rx.Release()
 	a.d = nil
 	return n

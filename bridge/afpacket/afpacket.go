@@ -23,6 +23,8 @@ const (
 	blockNumPkts     = 12
 	blockFirstPkt    = 16
 	hdrNextOffset    = 0
+	hdrSec           = 4
+	hdrNsec          = 8
 	hdrSnapLen       = 12
 	hdrLen           = 16
 	hdrStatus        = 20
@@ -125,7 +127,11 @@ func (r *Rx) status(b int) *uint32 {
 // outermost tag) gets it back, so f sees the frame as it was on the wire;
 // such a frame is rebuilt in a scratch buffer that the next rebuilt frame
 // overwrites, which f learns from rebuilt.
-func (r *Rx) Poll(f func(frame []byte, rebuilt bool)) int {
+//
+// rxNs is when the kernel received the frame, in nanoseconds of
+// CLOCK_REALTIME (the packet socket's software timestamp: packet sockets
+// offer no other clock).
+func (r *Rx) Poll(f func(frame []byte, rebuilt bool, rxNs int64)) int {
 	r.Release()
 	base := r.cur * r.bsize
 	st := r.status(r.cur)
@@ -154,7 +160,9 @@ func (r *Rx) Poll(f func(frame []byte, rebuilt bool)) int {
 				s = append(s, byte(tpid>>8), byte(tpid), byte(tci>>8), byte(tci))
 				frame = append(s, frame[12:]...)
 			}
-			f(frame, rebuilt)
+			sec := *(*uint32)(unsafe.Pointer(&h[hdrSec]))
+			nsec := *(*uint32)(unsafe.Pointer(&h[hdrNsec]))
+			f(frame, rebuilt, int64(sec)*1e9+int64(nsec))
 		}
 		next := int(*(*uint32)(unsafe.Pointer(&h[hdrNextOffset])))
 		if next == 0 {

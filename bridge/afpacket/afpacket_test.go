@@ -34,18 +34,19 @@ func newRx(t *testing.T, ns *netns.NS, cfg afpacket.RxConfig) *afpacket.Rx {
 
 // pollUntil polls rx until n frames of ours (carrying marker) arrived or
 // wait passed; it copies them.
-func pollUntil(rx *afpacket.Rx, marker []byte, n int, wait time.Duration) (frames [][]byte, rebuilt []bool) {
+func pollUntil(rx *afpacket.Rx, marker []byte, n int, wait time.Duration) (frames [][]byte, rebuilt []bool, stamps []int64) {
 	for deadline := time.Now().Add(wait); len(frames) < n && time.Now().Before(deadline); {
-		if rx.Poll(func(f []byte, r bool) {
+		if rx.Poll(func(f []byte, r bool, ns int64) {
 			if bytes.Contains(f, marker) {
 				frames = append(frames, append([]byte(nil), f...))
 				rebuilt = append(rebuilt, r)
+				stamps = append(stamps, ns)
 			}
 		}) == 0 {
 			rx.Wait(-1)
 		}
 	}
-	return frames, rebuilt
+	return frames, rebuilt, stamps
 }
 
 // TestRxFramesAsOnTheWire: the RX ring hands over every frame as it was
@@ -65,12 +66,19 @@ func TestRxFramesAsOnTheWire(t *testing.T) {
 		tagged(tagged(eth("qinq"), 0x8100, 30), 0x88a8, 40),
 		eth("last"),
 	}
+	before := time.Now().UnixNano()
 	for _, f := range want {
 		if _, err := unix.Write(inj, f); err != nil {
 			t.Fatal(err)
 		}
 	}
-	got, rebuilt := pollUntil(rx, []byte("afp-"), len(want), 3*time.Second)
+	got, rebuilt, stamps := pollUntil(rx, []byte("afp-"), len(want), 3*time.Second)
+	after := time.Now().UnixNano()
+	for i, ns := range stamps {
+		if ns < before || ns > after || i > 0 && ns < stamps[i-1] {
+			t.Fatalf("frame %d stamped %d ns after the first send (received by %d): stamps %v", i, ns-before, after-before, stamps)
+		}
+	}
 	if len(got) != len(want) {
 		t.Fatalf("got %d of %d frames", len(got), len(want))
 	}
@@ -113,7 +121,7 @@ func TestRxIgnoresOwnAndCountsDrops(t *testing.T) {
 	}
 	time.Sleep(150 * time.Millisecond) // past the retire timeout
 	var got int
-	for rx.Poll(func(f []byte, _ bool) {
+	for rx.Poll(func(f []byte, _ bool, _ int64) {
 		if bytes.Equal(f, ownFrame) { // (the outside's ICMP error quotes it: that one is fine)
 			t.Error("received a frame the host sent")
 		}
@@ -130,7 +138,7 @@ func TestRxIgnoresOwnAndCountsDrops(t *testing.T) {
 		t.Fatalf("drops went from %d to %d: not a running sum", d1, d2)
 	}
 	unix.Write(inj, ippkt.Ether(v.A.MAC, v.B.MAC, ippkt.UDP(src, dst, []byte("afp-after"))))
-	if f, _ := pollUntil(rx, []byte("afp-after"), 1, 3*time.Second); len(f) != 1 {
+	if f, _, _ := pollUntil(rx, []byte("afp-after"), 1, 3*time.Second); len(f) != 1 {
 		t.Fatal("the ring took nothing after the drops")
 	}
 }
@@ -161,7 +169,7 @@ func TestRxHeldUntilRelease(t *testing.T) {
 		if time.Now().After(deadline) {
 			t.Fatal("the frame never arrived")
 		}
-		if rx.Poll(func(f []byte, _ bool) {
+		if rx.Poll(func(f []byte, _ bool, _ int64) {
 			if bytes.Contains(f, marker) {
 				held, kept = f, append([]byte(nil), f...)
 			}
@@ -180,7 +188,7 @@ func TestRxHeldUntilRelease(t *testing.T) {
 	}
 	rx.Release()
 	send([]byte("afp-after"))
-	if f, _ := pollUntil(rx, []byte("afp-after"), 1, 3*time.Second); len(f) != 1 {
+	if f, _, _ := pollUntil(rx, []byte("afp-after"), 1, 3*time.Second); len(f) != 1 {
 		t.Fatal("the ring took nothing after Release")
 	}
 }
@@ -197,7 +205,7 @@ func TestRxWaitWakes(t *testing.T) {
 	}
 	defer unix.Close(efd)
 	for range 10 {
-		for rx.Poll(func([]byte, bool) {}) > 0 { // whatever the kernel sent
+		for rx.Poll(func([]byte, bool, int64) {}) > 0 { // whatever the kernel sent
 		}
 		done := make(chan struct{})
 		go func() { rx.Wait(efd); close(done) }()

@@ -68,14 +68,18 @@ type Config struct {
 
 // Engine moves ingest frames from AF_XDP sockets into rings.
 type Engine struct {
-	cfg    Config
-	queues []*queue
-	rings  atomic.Pointer[map[uint32]*attached]
-	mu     sync.Mutex // serialises Attach, Detach, Close
-	wakefd int
-	stop   atomic.Bool
-	wg     sync.WaitGroup
-	closed bool
+	cfg     Config
+	queues  []*queue
+	rings   atomic.Pointer[map[uint32]*attached]
+	mu      sync.Mutex // serialises Attach, Detach, NewFeeder, Close
+	feeders []*Feeder  // fed engines only; under mu
+	fed     bool
+	kick    chan struct{} // fed: a feeder appended, a window may have opened
+	done    chan struct{} // closed by Close
+	wakefd  int
+	stop    atomic.Bool
+	wg      sync.WaitGroup
+	closed  bool
 }
 
 // attached is a ring in the engine. Loops hold mu while they append to or
@@ -102,7 +106,7 @@ type queue struct {
 }
 
 type counters struct {
-	received, appended, dropped, noRing, malformed atomic.Uint64
+	received, appended, dropped, noRing, malformed, refused atomic.Uint64
 }
 
 // Stats are the engine's counters summed over queues.
@@ -112,6 +116,13 @@ type Stats struct {
 	Dropped   uint64 // refused by their ring (no free buffer, too big, too many sources: see the ring's Stats)
 	NoRing    uint64 // no ring attached for their buffer id
 	Malformed uint64 // metadata missing, not ingest metadata, or inconsistent with the frame
+	// Refused counts, on a fed engine, the frames its feeders' classifiers
+	// judged malformed (classifier.VerdictMalformed: bad UDP length,
+	// truncated, a fragment an ingest rule matched), which never reach a
+	// ring. On the XDP path the program counts them
+	// (ebpf.Counters.Verdicts[VerdictMalformed]) and the engine never sees
+	// them.
+	Refused uint64
 	// KernelDrops and FillRingEmpty are the kernel's counters for the
 	// engine's sockets: frames lost because the RX ring was full (the
 	// engine fell behind), and times it found no frame to receive into.
@@ -147,7 +158,7 @@ func Start(cfg Config) (*Engine, error) {
 	if err != nil {
 		return nil, fmt.Errorf("ingest: eventfd: %w", err)
 	}
-	e := &Engine{cfg: cfg, wakefd: wakefd}
+	e := &Engine{cfg: cfg, wakefd: wakefd, done: make(chan struct{})}
 	empty := map[uint32]*attached{}
 	e.rings.Store(&empty)
 	for _, id := range cfg.Queues {
@@ -276,7 +287,7 @@ func (q *queue) loop() {
 		// the application's other work) runs between polls instead of
 		// waiting for the scheduler to preempt this loop.
 		runtime.Gosched()
-		if q.e.tick() {
+		if _, open := q.e.tick(); open {
 			continue
 		}
 		if idleSince.IsZero() {
@@ -304,90 +315,122 @@ func (q *queue) poll() int {
 		}
 		return 0
 	}
-	rings := *q.e.rings.Load()
-	var (
-		cur                       *attached
-		curID                     uint32
-		appended, dropped, noRing uint64
-		malformed                 uint64
-	)
+	var a appender
+	a.begin(q.e)
 	for i := range n {
 		d := &q.descs[i]
 		q.addrs[i] = d.Addr
-		mb := q.umem.Meta(d.Addr, classifier.IngestMetaSize)
-		if mb == nil || classifier.Verdict(mb[classifier.IngestMetaSize-2]) != classifier.VerdictIngest {
-			malformed++
-			continue
-		}
-		m := classifier.UnmarshalIngestMeta(mb)
-		end := int(m.PayloadOffset) + int(m.PayloadLen)
-		if end > int(d.Len) {
-			malformed++
-			continue
-		}
-		if cur == nil || m.BufferID != curID {
-			if cur != nil {
-				cur.mu.Unlock()
-			}
-			a := rings[m.BufferID]
-			if a == nil {
-				cur = nil
-				noRing++
-				continue
-			}
-			a.mu.Lock()
-			if a.gone {
-				a.mu.Unlock()
-				cur = nil
-				noRing++
-				continue
-			}
-			cur, curID = a, m.BufferID
-		}
-		frame := q.umem.Bytes(d.Addr, int(d.Len))
-		src := fingest.Source{Addr: m.Src, SrcPort: m.SrcPort, DstPort: m.DstPort}
-		if cur.ring.Append(src, m.RxTimestampNs, frame[m.PayloadOffset:end]) {
-			appended++
-		} else {
-			dropped++
-		}
+		a.frame(q.umem.Meta(d.Addr, classifier.IngestMetaSize), q.umem.Bytes(d.Addr, int(d.Len)))
 	}
-	if cur != nil {
-		cur.mu.Unlock()
-	}
+	a.end()
 	// Payloads are copied into the rings: the frames go back at once.
 	q.fill.Refill(q.addrs[:n])
 	if q.sock.Fill.NeedWakeup() {
 		q.sock.WakeRX()
 	}
-	q.c.received.Add(uint64(n))
-	q.c.appended.Add(appended)
-	if dropped != 0 {
-		q.c.dropped.Add(dropped)
-	}
-	if noRing != 0 {
-		q.c.noRing.Add(noRing)
-	}
-	if malformed != 0 {
-		q.c.malformed.Add(malformed)
-	}
+	q.c.add(&a.c)
 	return n
 }
 
+// appender moves one batch of ingest frames into rings. It keeps the ring
+// of the last buffer id locked until the id changes or the batch ends, so a
+// ring takes a queue's batch whole: one lock per batch, not per datagram,
+// and several queues' loops never append to one ring at once.
+type appender struct {
+	rings map[uint32]*attached
+	cur   *attached
+	curID uint32
+	c     batchCounts
+}
+
+type batchCounts struct{ received, appended, dropped, noRing, malformed, refused uint64 }
+
+func (a *appender) begin(e *Engine) { a.rings = *e.rings.Load() }
+
+// frame takes one frame as the XDP program leaves it: meta is the
+// metadata area in front of it (nil if there is none), frame the stripped
+// datagram.
+func (a *appender) frame(meta, frame []byte) {
+	a.c.received++
+	if meta == nil || classifier.Verdict(meta[classifier.IngestMetaSize-2]) != classifier.VerdictIngest {
+		a.c.malformed++
+		return
+	}
+	m := classifier.UnmarshalIngestMeta(meta)
+	a.add(&m, frame)
+}
+
+// add appends the payload m describes in frame to the ring of m.BufferID.
+func (a *appender) add(m *classifier.IngestMeta, frame []byte) {
+	end := int(m.PayloadOffset) + int(m.PayloadLen)
+	if m.Verdict != classifier.VerdictIngest || end > len(frame) {
+		a.c.malformed++
+		return
+	}
+	if a.cur == nil || m.BufferID != a.curID {
+		a.end()
+		r := a.rings[m.BufferID]
+		if r == nil {
+			a.c.noRing++
+			return
+		}
+		r.mu.Lock()
+		if r.gone {
+			r.mu.Unlock()
+			a.c.noRing++
+			return
+		}
+		a.cur, a.curID = r, m.BufferID
+	}
+	src := fingest.Source{Addr: m.Src, SrcPort: m.SrcPort, DstPort: m.DstPort}
+	if a.cur.ring.Append(src, m.RxTimestampNs, frame[m.PayloadOffset:end]) {
+		a.c.appended++
+	} else {
+		a.c.dropped++
+	}
+}
+
+// end lets go of the ring the batch holds.
+func (a *appender) end() {
+	if a.cur != nil {
+		a.cur.mu.Unlock()
+		a.cur = nil
+	}
+}
+
+func (c *counters) add(b *batchCounts) {
+	c.received.Add(b.received)
+	c.appended.Add(b.appended)
+	if b.dropped != 0 {
+		c.dropped.Add(b.dropped)
+	}
+	if b.noRing != 0 {
+		c.noRing.Add(b.noRing)
+	}
+	if b.malformed != 0 {
+		c.malformed.Add(b.malformed)
+	}
+	if b.refused != 0 {
+		c.refused.Add(b.refused)
+	}
+	*b = batchCounts{}
+}
+
 // tick closes the windows that are due on every ring and reports whether
-// a buffer is still open somewhere.
-func (e *Engine) tick() (open bool) {
+// a buffer is still open somewhere, and the earliest time one closes.
+func (e *Engine) tick() (next uint64, open bool) {
 	now := fingest.Now()
 	for _, a := range *e.rings.Load() {
 		a.mu.Lock()
 		if !a.gone {
 			a.ring.Tick(now)
-			_, o := a.ring.Deadline()
-			open = open || o
+			if d, o := a.ring.Deadline(); o && (!open || d < next) {
+				next, open = d, true
+			}
 		}
 		a.mu.Unlock()
 	}
-	return open
+	return next, open
 }
 
 // sleep waits, with no buffer open, until a frame arrives or Close. The
@@ -402,10 +445,7 @@ func (q *queue) sleep() {
 func (e *Engine) Stats() Stats {
 	var s Stats
 	for _, q := range e.queues {
-		qs := QueueStats{Queue: q.id, Stats: Stats{
-			Received: q.c.received.Load(), Appended: q.c.appended.Load(), Dropped: q.c.dropped.Load(),
-			NoRing: q.c.noRing.Load(), Malformed: q.c.malformed.Load(),
-		}}
+		qs := QueueStats{Queue: q.id, Stats: q.c.stats()}
 		if st, err := q.sock.Statistics(); err == nil {
 			qs.KernelDrops = st.RxDropped + st.RxRingFull
 			qs.FillRingEmpty = st.RxFillRingEmpty
@@ -413,7 +453,21 @@ func (e *Engine) Stats() Stats {
 		s.add(&qs.Stats)
 		s.Queues = append(s.Queues, qs)
 	}
+	e.mu.Lock()
+	for _, f := range e.feeders {
+		qs := QueueStats{Queue: f.queue, Stats: f.c.stats()}
+		s.add(&qs.Stats)
+		s.Queues = append(s.Queues, qs)
+	}
+	e.mu.Unlock()
 	return s
+}
+
+func (c *counters) stats() Stats {
+	return Stats{
+		Received: c.received.Load(), Appended: c.appended.Load(), Dropped: c.dropped.Load(),
+		NoRing: c.noRing.Load(), Malformed: c.malformed.Load(), Refused: c.refused.Load(),
+	}
 }
 
 func (s *Stats) add(o *Stats) {
@@ -422,13 +476,15 @@ func (s *Stats) add(o *Stats) {
 	s.Dropped += o.Dropped
 	s.NoRing += o.NoRing
 	s.Malformed += o.Malformed
+	s.Refused += o.Refused
 	s.KernelDrops += o.KernelDrops
 	s.FillRingEmpty += o.FillRingEmpty
 }
 
 // Close stops the loops, removes the sockets from the IngestXSKMap and
 // closes them (and the engine's own UMEMs). Attached rings stay open: they
-// belong to the caller, who may close them once Close returns.
+// belong to the caller, who may close them once Close returns; from then
+// on no loop and no feeder touches them.
 func (e *Engine) Close() error {
 	e.mu.Lock()
 	if e.closed {
@@ -438,16 +494,31 @@ func (e *Engine) Close() error {
 	e.closed = true
 	e.mu.Unlock()
 	e.stop.Store(true)
-	var one = [8]byte{1}
-	unix.Write(e.wakefd, one[:])
+	close(e.done)
+	if e.wakefd >= 0 {
+		var one = [8]byte{1}
+		unix.Write(e.wakefd, one[:])
+	}
 	e.wg.Wait()
+	// A feeder may still be in a batch: taking each ring's lock waits for
+	// it, and gone keeps it and every later one out.
+	for _, a := range *e.rings.Load() {
+		a.mu.Lock()
+		a.gone = true
+		a.mu.Unlock()
+	}
 	e.unregister()
 	err := e.closeQueues()
-	unix.Close(e.wakefd)
+	if e.wakefd >= 0 {
+		unix.Close(e.wakefd)
+	}
 	return err
 }
 
 func (e *Engine) unregister() {
+	if e.fed {
+		return
+	}
 	xm := e.cfg.Program.IngestXSKMap()
 	for _, q := range e.queues {
 		_ = xm.Delete(uint32(q.id))

@@ -2,7 +2,6 @@ package ingest
 
 import (
 	"bytes"
-	"encoding/binary"
 	"testing"
 	"time"
 
@@ -10,7 +9,7 @@ import (
 
 	"github.com/fabricbridge/fabricbridge/classifier"
 	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
-	"github.com/fabricbridge/fabricbridge/internal/framegen"
+	"github.com/fabricbridge/fabricbridge/internal/ingesttest"
 )
 
 // TestKernelSenders: kernel UDP senders on several source ports (IPv4 and
@@ -23,7 +22,7 @@ func TestKernelSenders(t *testing.T) {
 	}, Config{})
 	rd := tp.reader(bufTrigger, checkTrigger)
 	other := tp.reader(bufOther, checkTrigger)
-	senders := []*sender{
+	senders := []*ingesttest.Sender{
 		tp.sender(false, 5001, portTrigger),
 		tp.sender(false, 5002, portTrigger+1),
 		tp.sender(false, 5003, portTrigger+3),
@@ -34,50 +33,50 @@ func TestKernelSenders(t *testing.T) {
 	for base := 0; base < perSender; base += chunk {
 		for _, s := range senders {
 			for seq := base; seq < base+chunk; seq++ {
-				if err := s.send(triggerPayload(buf[:], s.port, uint32(seq))); err != nil {
+				if err := s.Send(triggerPayload(buf[:], s.Port, uint32(seq))); err != nil {
 					t.Fatal(err)
 				}
 			}
 		}
 		// Pace the senders by the consumer: this test is about
 		// correctness, the overload test about drops.
-		rd.waitRecords(t, uint64(len(senders)*(base+chunk)), 10*time.Second)
+		rd.WaitRecords(t, uint64(len(senders)*(base+chunk)), 10*time.Second)
 	}
 	o := tp.sender(false, 5005, portOther)
 	for seq := range 50 {
-		o.send(triggerPayload(buf[:], o.port, uint32(seq)))
+		o.Send(triggerPayload(buf[:], o.Port, uint32(seq)))
 		if seq%10 == 9 {
-			other.waitRecords(t, uint64(seq+1), 10*time.Second)
+			other.WaitRecords(t, uint64(seq+1), 10*time.Second)
 		}
 	}
-	other.waitRecords(t, 50, 5*time.Second)
+	other.WaitRecords(t, 50, 5*time.Second)
 	nr := tp.sender(false, 5006, portNoRing)
 	for seq := range 7 {
-		nr.send(triggerPayload(buf[:], nr.port, uint32(seq)))
+		nr.Send(triggerPayload(buf[:], nr.Port, uint32(seq)))
 	}
 	deadline := time.Now().Add(5 * time.Second)
 	for tp.eng.Stats().NoRing < 7 && time.Now().Before(deadline) {
 		time.Sleep(time.Millisecond)
 	}
 
-	rd.close()
-	other.close()
-	if rd.err != nil || other.err != nil {
-		t.Fatal(rd.err, other.err)
+	rd.Close()
+	other.Close()
+	if rd.Err != nil || other.Err != nil {
+		t.Fatal(rd.Err, other.Err)
 	}
-	if len(rd.bad) > 0 {
-		t.Fatalf("payloads differ: %v", rd.bad)
+	if len(rd.Bad) > 0 {
+		t.Fatalf("payloads differ: %v", rd.Bad)
 	}
-	if got := len(rd.ref.Sources); got != len(senders) {
+	if got := len(rd.Ref.Sources); got != len(senders) {
 		t.Fatalf("%d sources in the ring, want %d", got, len(senders))
 	}
-	for i, s := range rd.ref.Sources {
-		src, _ := rd.c.Source(uint16(i))
+	for i, s := range rd.Ref.Sources {
+		src, _ := rd.C.Source(uint16(i))
 		if s.Records != perSender || s.FirstSeq != 0 || s.LastSeq != perSender-1 || s.SenderGaps != 0 || s.SenderBackwards != 0 || s.DroppedHere != 0 {
 			t.Errorf("source %d (%v): %+v", i, src, s)
 		}
 	}
-	if s := other.ref.Sources; len(s) != 1 || s[0].Records != 50 || s[0].SenderGaps != 0 {
+	if s := other.Ref.Sources; len(s) != 1 || s[0].Records != 50 || s[0].SenderGaps != 0 {
 		t.Errorf("the second ring: %+v", s)
 	}
 	st := tp.eng.Stats()
@@ -93,7 +92,7 @@ func TestKernelSenders(t *testing.T) {
 		t.Errorf("program: %d ingest verdicts (want %d), %d failed redirects, %d failed strips",
 			cs.Verdicts[classifier.VerdictIngest].Packets, want+7, cs.RedirectFailed, cs.StripFailed)
 	}
-	lat := rd.c.Stats().Latency
+	lat := rd.C.Stats().Latency
 	t.Logf("%d buffers; latency p50 %v p99 %v", lat.Count, time.Duration(lat.Quantile(0.5)), time.Duration(lat.Quantile(0.99)))
 }
 
@@ -106,30 +105,30 @@ func TestSenderGap(t *testing.T) {
 	var buf [1500]byte
 	sent := 0
 	for seq := range uint32(300) {
-		a.send(triggerPayload(buf[:], a.port, seq))
+		a.Send(triggerPayload(buf[:], a.Port, seq))
 		sent++
 		if seq >= 100 && seq < 110 || seq == 200 {
 			continue // b skips 100..109 and 200
 		}
-		b.send(triggerPayload(buf[:], b.port, seq))
+		b.Send(triggerPayload(buf[:], b.Port, seq))
 		sent++
 		if seq%10 == 9 {
-			rd.waitRecords(t, uint64(sent), 10*time.Second)
+			rd.WaitRecords(t, uint64(sent), 10*time.Second)
 		}
 	}
-	rd.waitRecords(t, uint64(sent), 10*time.Second)
-	rd.close()
-	if rd.err != nil || len(rd.bad) > 0 {
-		t.Fatal(rd.err, rd.bad)
+	rd.WaitRecords(t, uint64(sent), 10*time.Second)
+	rd.Close()
+	if rd.Err != nil || len(rd.Bad) > 0 {
+		t.Fatal(rd.Err, rd.Bad)
 	}
-	sa, sb := rd.ref.Sources[0], rd.ref.Sources[1]
+	sa, sb := rd.Ref.Sources[0], rd.Ref.Sources[1]
 	if sa.SenderGaps != 0 || sa.Records != 300 {
 		t.Errorf("source a: %+v", sa)
 	}
 	if sb.SenderGaps != 11 || sb.Records != 289 || sb.DroppedHere != 0 {
 		t.Errorf("source b: %+v", sb)
 	}
-	gaps := rd.ref.Gaps
+	gaps := rd.Ref.Gaps
 	if len(gaps) != 2 || gaps[0] != (fingest.Gap{Source: 1, Sender: true, Want: 100, Got: 110}) || gaps[1] != (fingest.Gap{Source: 1, Sender: true, Want: 200, Got: 201}) {
 		t.Errorf("gaps %v", gaps)
 	}
@@ -155,7 +154,7 @@ func TestOverload(t *testing.T) {
 	var snapshots [][]byte
 	for len(held) < 4 {
 		for range 20 {
-			s.send(triggerPayload(buf[:], s.port, seq))
+			s.Send(triggerPayload(buf[:], s.Port, seq))
 			seq++
 		}
 		for {
@@ -175,7 +174,7 @@ func TestOverload(t *testing.T) {
 	}
 	dropsBefore := tp.eng.Stats().Dropped
 	for range 500 {
-		s.send(triggerPayload(buf[:], s.port, seq))
+		s.Send(triggerPayload(buf[:], s.Port, seq))
 		seq++
 	}
 	deadline := time.Now().Add(5 * time.Second)
@@ -202,7 +201,7 @@ func TestOverload(t *testing.T) {
 	// After release the ring takes data again: three datagrams, which
 	// fit the four buffers even if each lands in a window of its own.
 	for range 3 {
-		s.send(triggerPayload(buf[:], s.port, seq))
+		s.Send(triggerPayload(buf[:], s.Port, seq))
 		seq++
 	}
 	total := uint64(0)
@@ -214,7 +213,7 @@ func TestOverload(t *testing.T) {
 		}
 		it := b.Iter()
 		for it.Next() {
-			if err := checkTrigger(fingest.Source{SrcPort: s.port}, it.Record().Payload); err != nil {
+			if err := checkTrigger(fingest.Source{SrcPort: s.Port}, it.Record().Payload); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -249,42 +248,16 @@ func TestOverload(t *testing.T) {
 func TestMalformedNeverReachesBuffer(t *testing.T) {
 	tp := newTopo(t, map[uint32]fingest.Config{bufTrigger: {Buffers: 8, BufferSize: 64 << 10}}, Config{})
 	rd := tp.reader(bufTrigger, checkTrigger)
-	src4, dst4 := tp.v.B.Addr4.Addr(), tp.v.A.Addr4.Addr()
-	src6, dst6 := tp.v.B.Addr6.Addr(), tp.v.A.Addr6.Addr()
-	spec := func(v6 bool, payload int) framegen.Spec {
-		s := framegen.Spec{L3: 4, L4: 17, Src: src4, Dst: dst4, SrcPort: 6001, DstPort: portTrigger, Payload: payload}
-		if v6 {
-			s.L3, s.Src, s.Dst = 6, src6, dst6
-		}
-		return s
-	}
-	edit := func(b []byte, f func([]byte)) []byte { f(b); return b }
-	be := binary.BigEndian
-	var bad [][]byte
-	for _, v6 := range []bool{false, true} {
-		l4 := 34
-		if v6 {
-			l4 = 54
-		}
-		whole := spec(v6, 100)
-		first, later := whole, whole
-		first.Frag, first.FragID = 1, 77
-		later.Frag, later.FragID = 2, 77
-		bad = append(bad,
-			edit(whole.Build(), func(b []byte) { be.PutUint16(b[l4+4:], 8+99) }),  // UDP length short of the IP payload
-			edit(whole.Build(), func(b []byte) { be.PutUint16(b[l4+4:], 8+101) }), // beyond it
-			edit(whole.Build(), func(b []byte) { be.PutUint16(b[l4+4:], 7) }),     // under the header
-			whole.Build()[:l4+8+50],      // truncated: IP length beyond the frame
-			first.Build(), later.Build(), // a fragmented datagram
-		)
-	}
+	bad := ingesttest.MalformedFrames(ingesttest.Endpoints{
+		Src4: tp.v.B.Addr4.Addr(), Dst4: tp.v.A.Addr4.Addr(), Src6: tp.v.B.Addr6.Addr(), Dst6: tp.v.A.Addr6.Addr(),
+	}, 6001, portTrigger)
 	before, err := tp.prog.Counters()
 	if err != nil {
 		t.Fatal(err)
 	}
 	s := tp.sender(false, 5001, portTrigger)
 	var buf [1500]byte
-	s.send(triggerPayload(buf[:], s.port, 0))
+	s.Send(triggerPayload(buf[:], s.Port, 0))
 	raw := tp.packetSocket()
 	for _, f := range bad {
 		copy(f[0:6], tp.v.A.MAC)
@@ -296,22 +269,22 @@ func TestMalformedNeverReachesBuffer(t *testing.T) {
 	// The kernel fragments a 3000-byte datagram into three frames.
 	big := make([]byte, 3000)
 	fingest.PutTriggerPayload(big, 999, nil)
-	if err := s.send(big); err != nil {
+	if err := s.Send(big); err != nil {
 		t.Fatal(err)
 	}
-	s.send(triggerPayload(buf[:], s.port, 1))
-	rd.waitRecords(t, 2, 5*time.Second)
+	s.Send(triggerPayload(buf[:], s.Port, 1))
+	rd.WaitRecords(t, 2, 5*time.Second)
 	time.Sleep(50 * time.Millisecond) // anything else that would arrive
-	rd.close()
+	rd.Close()
 	after, err := tp.prog.Counters()
 	if err != nil {
 		t.Fatal(err)
 	}
-	if rd.err != nil || len(rd.bad) > 0 {
-		t.Fatal(rd.err, rd.bad)
+	if rd.Err != nil || len(rd.Bad) > 0 {
+		t.Fatal(rd.Err, rd.Bad)
 	}
-	if n := rd.records.Load(); n != 2 || rd.ref.Sources[0].LastSeq != 1 {
-		t.Fatalf("%d records reached the ring (%+v), want the 2 whole datagrams", n, rd.ref.Sources)
+	if n := rd.Records.Load(); n != 2 || rd.Ref.Sources[0].LastSeq != 1 {
+		t.Fatalf("%d records reached the ring (%+v), want the 2 whole datagrams", n, rd.Ref.Sources)
 	}
 	wantMalformed := uint64(len(bad) + 3)
 	if n := after.Verdicts[classifier.VerdictMalformed].Packets - before.Verdicts[classifier.VerdictMalformed].Packets; n != wantMalformed {
@@ -350,7 +323,7 @@ func TestNoAllocationsPerPacket(t *testing.T) {
 	var buf [1500]byte
 	const n = 22 * 64
 	for seq := range uint32(n) {
-		s.send(triggerPayload(buf[:], s.port, seq))
+		s.Send(triggerPayload(buf[:], s.Port, seq))
 	}
 	q := tp.eng.queues[0]
 	// The frames are in the RX ring once the program counted them.

@@ -5,6 +5,7 @@ import (
 	"time"
 
 	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/internal/ingesttest"
 	"github.com/fabricbridge/fabricbridge/internal/netns"
 )
 
@@ -21,7 +22,7 @@ func TestSeveralQueues(t *testing.T) {
 	// the frame to the same receive queue here: with 16 flows all landing
 	// on one queue of two has a chance of 2^-15.
 	const flows, perSender, chunk = 16, 400, 20
-	var senders []*sender
+	var senders []*ingesttest.Sender
 	for i := range flows {
 		senders = append(senders, tp.sender(i%4 == 3, uint16(6000+i), portTrigger+uint16(i%4)))
 	}
@@ -29,25 +30,25 @@ func TestSeveralQueues(t *testing.T) {
 	for base := 0; base < perSender; base += chunk {
 		for _, s := range senders {
 			for seq := base; seq < base+chunk; seq++ {
-				if err := s.send(triggerPayload(buf[:], s.port, uint32(seq))); err != nil {
+				if err := s.Send(triggerPayload(buf[:], s.Port, uint32(seq))); err != nil {
 					t.Fatal(err)
 				}
 			}
 		}
-		rd.waitRecords(t, uint64(flows*(base+chunk)), 10*time.Second)
+		rd.WaitRecords(t, uint64(flows*(base+chunk)), 10*time.Second)
 	}
-	rd.close()
-	if rd.err != nil {
-		t.Fatal(rd.err)
+	rd.Close()
+	if rd.Err != nil {
+		t.Fatal(rd.Err)
 	}
-	if len(rd.bad) > 0 {
-		t.Fatalf("payloads differ: %v", rd.bad)
+	if len(rd.Bad) > 0 {
+		t.Fatalf("payloads differ: %v", rd.Bad)
 	}
-	if got := len(rd.ref.Sources); got != flows {
+	if got := len(rd.Ref.Sources); got != flows {
 		t.Fatalf("%d sources in the ring, want %d", got, flows)
 	}
-	for i, s := range rd.ref.Sources {
-		src, _ := rd.c.Source(uint16(i))
+	for i, s := range rd.Ref.Sources {
+		src, _ := rd.C.Source(uint16(i))
 		if s.Records != perSender || s.FirstSeq != 0 || s.LastSeq != perSender-1 || s.SenderGaps != 0 || s.SenderBackwards != 0 || s.DroppedHere != 0 {
 			t.Errorf("source %d (%v): %+v", i, src, s)
 		}

@@ -1,21 +1,15 @@
 package ingest
 
 import (
-	"bytes"
-	"encoding/binary"
-	"errors"
 	"fmt"
-	"net"
 	"net/netip"
 	"path/filepath"
-	"sync"
-	"sync/atomic"
 	"testing"
-	"time"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
 	fbebpf "github.com/fabricbridge/fabricbridge/ebpf"
 	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/internal/ingesttest"
 	"github.com/fabricbridge/fabricbridge/internal/netns"
 	"github.com/fabricbridge/fabricbridge/internal/testenv"
 )
@@ -122,162 +116,27 @@ func (tp *topo) describe() string {
 	return s
 }
 
-// sender is a kernel UDP socket in the outside namespace, bound to one
-// source port.
-type sender struct {
-	c    *net.UDPConn
-	to   netip.AddrPort
-	port uint16
-}
-
-func (tp *topo) sender(v6 bool, sport, dport uint16) *sender {
+// sender opens a kernel UDP sender in the outside namespace, from source
+// port sport to dport on end A.
+func (tp *topo) sender(v6 bool, sport, dport uint16) *ingesttest.Sender {
 	tp.t.Helper()
 	local, dst := tp.v.B.Addr4.Addr(), tp.v.A.Addr4.Addr()
 	if v6 {
 		local, dst = tp.v.B.Addr6.Addr(), tp.v.A.Addr6.Addr()
 	}
-	var c *net.UDPConn
-	if err := tp.out.Do(func() (err error) {
-		c, err = net.ListenUDP("udp", net.UDPAddrFromAddrPort(netip.AddrPortFrom(local, sport)))
-		return err
-	}); err != nil {
-		tp.t.Fatal(err)
-	}
-	tp.t.Cleanup(func() { c.Close() })
-	return &sender{c: c, to: netip.AddrPortFrom(dst, dport), port: sport}
+	return ingesttest.NewSender(tp.t, tp.out, local, sport, netip.AddrPortFrom(dst, dport))
 }
 
-func (s *sender) send(p []byte) error {
-	_, err := s.c.WriteToUDPAddrPort(p, s.to)
-	return err
-}
-
-// triggerPayload is what source port sport sends as datagram seq: a
-// trigger payload whose length and energies depend on both, so that any
-// mix-up shows. Every 50th is the bare 4-byte sequence number, shorter than
-// an Ethernet header: the XDP program cannot strip those whole.
-func triggerPayload(buf []byte, sport uint16, seq uint32) []byte {
-	n := int(seq*7+uint32(sport)) % 700
-	if seq%50 == 0 {
-		n = 0
-	}
-	var e [700]uint16
-	for i := range n {
-		e[i] = uint16(seq) ^ uint16(sport)*uint16(i+1)
-	}
-	return buf[:fingest.PutTriggerPayload(buf, seq, e[:n])]
-}
-
-// reader drains a ring's consumer in the background: it checks every
-// record's payload with check (if set), feeds the reference consumer, and
-// releases each buffer unless hold says to keep it.
-type reader struct {
-	c       *fingest.Consumer
-	ref     fingest.Reference
-	mu      sync.Mutex
-	records atomic.Uint64
-	bad     []string
-	stop    atomic.Bool
-	done    chan struct{}
-	err     error
-
-	describe func() string
-}
-
-func (tp *topo) reader(id uint32, check func(src fingest.Source, payload []byte) error) *reader {
+// reader drains the ring of buffer id in the background (see
+// ingesttest.Reader); failures describe the topology's counters.
+func (tp *topo) reader(id uint32, check func(src fingest.Source, payload []byte) error) *ingesttest.Reader {
 	tp.t.Helper()
-	c, err := fingest.Open(tp.rings[id].Name(), fingest.ConsumerOptions{Spin: 200 * time.Microsecond})
-	if err != nil {
-		tp.t.Fatal(err)
-	}
-	r := &reader{c: c, done: make(chan struct{}), describe: tp.describe}
-	tp.t.Cleanup(func() { r.close(); c.Close() })
-	go r.run(check)
+	r := ingesttest.NewReader(tp.t, tp.rings[id].Name(), check)
+	r.Describe = tp.describe
 	return r
 }
 
-func (r *reader) run(check func(src fingest.Source, payload []byte) error) {
-	defer close(r.done)
-	for !r.stop.Load() {
-		b, err := r.c.Next(20 * time.Millisecond)
-		if errors.Is(err, fingest.ErrTimeout) {
-			continue
-		}
-		if err != nil {
-			if !errors.Is(err, fingest.ErrClosed) {
-				r.err = err
-			}
-			return
-		}
-		r.mu.Lock()
-		if check != nil {
-			it := b.Iter()
-			for it.Next() {
-				rec := it.Record()
-				src, _ := r.c.Source(rec.Source)
-				if err := check(src, rec.Payload); err != nil && len(r.bad) < 10 {
-					r.bad = append(r.bad, err.Error())
-				}
-			}
-		}
-		if err := r.ref.Process(&b); err != nil {
-			r.err = err
-			r.mu.Unlock()
-			return
-		}
-		r.mu.Unlock()
-		r.records.Add(uint64(b.Records))
-		if err := r.c.Release(&b); err != nil {
-			r.err = err
-			return
-		}
-	}
-}
-
-// debug is set by the topology to describe the engine and rings when a
-// wait fails.
-func (r *reader) debug() string {
-	if r.describe == nil {
-		return ""
-	}
-	return r.describe()
-}
-
-// close stops the reader (the consumer stays open for inspection).
-func (r *reader) close() {
-	if r.stop.Swap(true) {
-		return
-	}
-	<-r.done
-}
-
-// waitRecords waits until the reader has seen n records.
-func (r *reader) waitRecords(t testing.TB, n uint64, d time.Duration) {
-	t.Helper()
-	deadline := time.Now().Add(d)
-	for r.records.Load() < n {
-		select {
-		case <-r.done:
-			t.Fatalf("the consumer stopped after %d of %d records: %v (%v)", r.records.Load(), n, r.err, r.debug())
-		default:
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the consumer saw %d of %d records (%v)", r.records.Load(), n, r.debug())
-		}
-		time.Sleep(200 * time.Microsecond)
-	}
-}
-
-// checkTrigger verifies a payload byte for byte against what its source
-// port sends under the sequence number it carries.
-func checkTrigger(src fingest.Source, p []byte) error {
-	if len(p) < 4 {
-		return fmt.Errorf("%v: %d-byte payload", src, len(p))
-	}
-	var buf [1500]byte
-	want := triggerPayload(buf[:], src.SrcPort, binary.BigEndian.Uint32(p))
-	if !bytes.Equal(p, want) {
-		return fmt.Errorf("%v: payload % x, want % x", src, p[:min(len(p), 16)], want[:min(len(want), 16)])
-	}
-	return nil
-}
+var (
+	triggerPayload = ingesttest.TriggerPayload
+	checkTrigger   = ingesttest.CheckTrigger
+)

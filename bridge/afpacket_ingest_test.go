@@ -1,0 +1,69 @@
+package bridge
+
+import (
+	"net/netip"
+	"path/filepath"
+	"testing"
+	"time"
+
+	bingest "github.com/fabricbridge/fabricbridge/bridge/ingest"
+	"github.com/fabricbridge/fabricbridge/classifier"
+	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+)
+
+// TestAFPacketIngestNoAllocations drives the AF_PACKET RX loop by hand
+// over blocks of ingest datagrams: classifying, stripping and appending
+// them to a ring through the feeder allocates nothing.
+func TestAFPacketIngestNoAllocations(t *testing.T) {
+	r := newRig(t, Config{Path: PathAFPacket, Mode: ModeStrict, manual: true})
+	const buffer, port = 10, 9000
+	r.setTables(&classifier.RuleSet{Rules: []classifier.Rule{
+		{ID: 1, Protocol: classifier.ProtoUDP, DstPorts: classifier.Port(port), Action: classifier.ActionIngest, Stream: buffer},
+	}})
+	ring, err := fingest.Create(fingest.Config{Name: filepath.Join(t.TempDir(), "r.sock"), Buffers: 64, BufferSize: 1 << 20, Window: time.Hour, BufferID: buffer})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ring.Close()
+	eng := bingest.StartFed()
+	defer eng.Close() // before the ring closes
+	if err := eng.Attach(buffer, ring); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.b.SetIngest(eng); err != nil {
+		t.Fatal(err)
+	}
+	// Bursts 5 ms apart: a retired block each.
+	c := udpSocket(t, r.out, netip.AddrPortFrom(r.remote4, 0))
+	for range 8 {
+		sendTo(t, c, netip.AddrPortFrom(r.local4, port), payloads(48, "ingest"))
+		time.Sleep(5 * time.Millisecond)
+	}
+	time.Sleep(20 * time.Millisecond)
+	q := r.b.queues[0]
+	var d dispatcher
+	var frames int
+	allocs := testing.AllocsPerRun(5, func() {
+		for try := 0; try < 1000; try++ {
+			if n := q.rxOnce(&d); n > 0 {
+				frames += n
+				return
+			}
+		}
+	})
+	st := eng.Stats()
+	if allocs != 0 || frames < 6 || st.Appended < 4*48 || st.Appended != st.Received {
+		t.Fatalf("%v allocations per block over %d frames; engine %+v", allocs, frames, st)
+	}
+}
+
+// TestSetIngestOnlyOnAFPacket: on an XDP path the engine reads its own
+// sockets, and SetIngest says so.
+func TestSetIngestOnlyOnAFPacket(t *testing.T) {
+	r := newRig(t, Config{Path: PathGeneric, Mode: ModeStrict})
+	eng := bingest.StartFed()
+	defer eng.Close()
+	if err := r.b.SetIngest(eng); err == nil {
+		t.Fatal("SetIngest accepted on the generic XDP path")
+	}
+}

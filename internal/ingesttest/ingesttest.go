@@ -1,0 +1,228 @@
+// Package ingesttest holds what the UDP offload tests share, whichever path
+// fills the ring (the XDP engine or the bridge's AF_PACKET path): kernel
+// UDP senders in a namespace, a trigger payload that depends on its source
+// port and sequence number so that any mix-up shows, a consumer that
+// drains a ring in the background and checks every record, and the
+// malformed datagrams that must never reach a ring.
+package ingesttest
+
+import (
+	"bytes"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/internal/framegen"
+	"github.com/fabricbridge/fabricbridge/internal/netns"
+)
+
+// Sender is a kernel UDP socket in a namespace, bound to one source port,
+// sending to one destination (unconnected, so ICMP errors the receiving
+// kernel may send back do not fail later sends).
+type Sender struct {
+	c    *net.UDPConn
+	to   netip.AddrPort
+	Port uint16
+}
+
+// NewSender binds local:sport in ns.
+func NewSender(tb testing.TB, ns *netns.NS, local netip.Addr, sport uint16, to netip.AddrPort) *Sender {
+	tb.Helper()
+	var c *net.UDPConn
+	if err := ns.Do(func() (err error) {
+		c, err = net.ListenUDP("udp", net.UDPAddrFromAddrPort(netip.AddrPortFrom(local, sport)))
+		return err
+	}); err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { c.Close() })
+	return &Sender{c: c, to: to, Port: sport}
+}
+
+// Send sends one datagram.
+func (s *Sender) Send(p []byte) error {
+	_, err := s.c.WriteToUDPAddrPort(p, s.to)
+	return err
+}
+
+// TriggerPayload is what source port sport sends as datagram seq: a
+// trigger payload whose length and energies depend on both. Every 50th is
+// the bare 4-byte sequence number, shorter than an Ethernet header: the
+// XDP program cannot strip those whole.
+func TriggerPayload(buf []byte, sport uint16, seq uint32) []byte {
+	n := int(seq*7+uint32(sport)) % 700
+	if seq%50 == 0 {
+		n = 0
+	}
+	var e [700]uint16
+	for i := range n {
+		e[i] = uint16(seq) ^ uint16(sport)*uint16(i+1)
+	}
+	return buf[:fingest.PutTriggerPayload(buf, seq, e[:n])]
+}
+
+// CheckTrigger verifies a payload byte for byte against what its source
+// port sends under the sequence number it carries.
+func CheckTrigger(src fingest.Source, p []byte) error {
+	if len(p) < 4 {
+		return fmt.Errorf("%v: %d-byte payload", src, len(p))
+	}
+	var buf [1500]byte
+	want := TriggerPayload(buf[:], src.SrcPort, binary.BigEndian.Uint32(p))
+	if !bytes.Equal(p, want) {
+		return fmt.Errorf("%v: payload % x, want % x", src, p[:min(len(p), 16)], want[:min(len(want), 16)])
+	}
+	return nil
+}
+
+// Reader drains a ring's consumer in the background: it checks every
+// record's payload with a check function (if set), feeds the reference
+// consumer, and releases each buffer. After Close, Ref, Bad and Err are the
+// results; Records counts records as they come.
+type Reader struct {
+	C       *fingest.Consumer
+	Ref     fingest.Reference
+	Records atomic.Uint64
+	Bad     []string // the first ten payloads that failed the check
+	Err     error    // what stopped the reader early
+
+	// Describe, if set, adds the producer side's counters to failures.
+	Describe func() string
+
+	mu   sync.Mutex
+	stop atomic.Bool
+	done chan struct{}
+}
+
+// NewReader opens the ring by name and starts draining it.
+func NewReader(tb testing.TB, name string, check func(src fingest.Source, payload []byte) error) *Reader {
+	tb.Helper()
+	c, err := fingest.Open(name, fingest.ConsumerOptions{Spin: 200 * time.Microsecond})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	r := &Reader{C: c, done: make(chan struct{})}
+	tb.Cleanup(func() { r.Close(); c.Close() })
+	go r.run(check)
+	return r
+}
+
+func (r *Reader) run(check func(src fingest.Source, payload []byte) error) {
+	defer close(r.done)
+	for !r.stop.Load() {
+		b, err := r.C.Next(20 * time.Millisecond)
+		if errors.Is(err, fingest.ErrTimeout) {
+			continue
+		}
+		if err != nil {
+			if !errors.Is(err, fingest.ErrClosed) {
+				r.Err = err
+			}
+			return
+		}
+		r.mu.Lock()
+		if check != nil {
+			it := b.Iter()
+			for it.Next() {
+				rec := it.Record()
+				src, _ := r.C.Source(rec.Source)
+				if err := check(src, rec.Payload); err != nil && len(r.Bad) < 10 {
+					r.Bad = append(r.Bad, err.Error())
+				}
+			}
+		}
+		if err := r.Ref.Process(&b); err != nil {
+			r.Err = err
+			r.mu.Unlock()
+			return
+		}
+		r.mu.Unlock()
+		r.Records.Add(uint64(b.Records))
+		if err := r.C.Release(&b); err != nil {
+			r.Err = err
+			return
+		}
+	}
+}
+
+func (r *Reader) describe() string {
+	if r.Describe == nil {
+		return ""
+	}
+	return r.Describe()
+}
+
+// Close stops the reader (the consumer stays open for inspection).
+func (r *Reader) Close() {
+	if r.stop.Swap(true) {
+		return
+	}
+	<-r.done
+}
+
+// WaitRecords waits until the reader has seen n records; it fails the test
+// if the reader stopped or d passed first.
+func (r *Reader) WaitRecords(tb testing.TB, n uint64, d time.Duration) {
+	tb.Helper()
+	deadline := time.Now().Add(d)
+	for r.Records.Load() < n {
+		select {
+		case <-r.done:
+			tb.Fatalf("the consumer stopped after %d of %d records: %v (%v)", r.Records.Load(), n, r.Err, r.describe())
+		default:
+		}
+		if time.Now().After(deadline) {
+			tb.Fatalf("the consumer saw %d of %d records (%v)", r.Records.Load(), n, r.describe())
+		}
+		time.Sleep(200 * time.Microsecond)
+	}
+}
+
+// Endpoints are the addresses of a veth's outside end (Src) and inside
+// end (Dst), for building frames by hand.
+type Endpoints struct {
+	Src4, Dst4, Src6, Dst6 netip.Addr
+}
+
+// MalformedFrames are UDP frames to dport, from sport, that an ingest rule
+// matches but must refuse, for IPv4 and IPv6: a UDP length short of the IP
+// payload, beyond it, under the header, an IP packet truncated by the
+// frame, and a first and a later fragment. Their MAC addresses are left
+// for the caller to fill in.
+func MalformedFrames(ep Endpoints, sport, dport uint16) [][]byte {
+	spec := func(v6 bool, payload int) framegen.Spec {
+		s := framegen.Spec{L3: 4, L4: 17, Src: ep.Src4, Dst: ep.Dst4, SrcPort: sport, DstPort: dport, Payload: payload}
+		if v6 {
+			s.L3, s.Src, s.Dst = 6, ep.Src6, ep.Dst6
+		}
+		return s
+	}
+	edit := func(b []byte, f func([]byte)) []byte { f(b); return b }
+	be := binary.BigEndian
+	var bad [][]byte
+	for _, v6 := range []bool{false, true} {
+		l4 := 34
+		if v6 {
+			l4 = 54
+		}
+		whole := spec(v6, 100)
+		first, later := whole, whole
+		first.Frag, first.FragID = 1, 77
+		later.Frag, later.FragID = 2, 77
+		bad = append(bad,
+			edit(whole.Build(), func(b []byte) { be.PutUint16(b[l4+4:], 8+99) }),  // UDP length short of the IP payload
+			edit(whole.Build(), func(b []byte) { be.PutUint16(b[l4+4:], 8+101) }), // beyond it
+			edit(whole.Build(), func(b []byte) { be.PutUint16(b[l4+4:], 7) }),     // under the header
+			whole.Build()[:l4+8+50],      // truncated: IP length beyond the frame
+			first.Build(), later.Build(), // a fragmented datagram
+		)
+	}
+	return bad
+}

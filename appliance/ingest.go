@@ -16,10 +16,14 @@ import (
 )
 
 // ingestPlane is the UDP offload path: one persistent buffer ring per
-// configured ingest entry, and the engine that fills them from the ingest
-// AF_XDP sockets, beside the bridge on the same queues.
+// configured ingest entry, and the engine that fills them: from the ingest
+// AF_XDP sockets, beside the bridge on the same queues, or, when the bridge
+// runs on AF_PACKET, from the bridge's own receive loops (a fed engine).
+// Consumers see the same rings either way.
 type ingestPlane struct {
+	b      *bridge.Bridge
 	engine *bingest.Engine
+	fed    bool // the bridge's AF_PACKET loops feed the engine
 	rings  []*ingestRing
 }
 
@@ -43,11 +47,7 @@ func openIngest(cfg *config.Config, b *bridge.Bridge, log *slog.Logger) (_ *inge
 	if len(cfg.Ingest) == 0 {
 		return nil, nil
 	}
-	prog := b.Program()
-	if prog == nil {
-		return nil, fmt.Errorf("interface %s: ingest needs the XDP path, and the bridge runs on %s", cfg.Interfaces[0].Name, b.Mode())
-	}
-	p := &ingestPlane{}
+	p := &ingestPlane{b: b}
 	defer func() {
 		if err != nil {
 			p.Close()
@@ -72,20 +72,30 @@ func openIngest(cfg *config.Config, b *bridge.Bridge, log *slog.Logger) (_ *inge
 		log.Info("ingest ring", "name", g.Name, "buffer_id", cfg.IngestID(g.Name), "socket", path,
 			"bytes", r.Size(), "hugetlb", st.Hugetlb, "locked", st.Locked, "lock_error", r.LockError())
 	}
-	ifc, err := net.InterfaceByName(cfg.Interfaces[0].Name)
-	if err != nil {
-		return nil, err
-	}
-	p.engine, err = bingest.Start(bingest.Config{
-		Program: prog, Ifindex: ifc.Index, Queues: cfg.Interfaces[0].Queues, Umem: b.Umem,
-		BusyPoll: time.Duration(cfg.Interfaces[0].BusyPoll),
-	})
-	if err != nil {
-		return nil, fmt.Errorf("ingest engine: %w", err)
+	if prog := b.Program(); prog != nil {
+		ifc, err := net.InterfaceByName(cfg.Interfaces[0].Name)
+		if err != nil {
+			return nil, err
+		}
+		p.engine, err = bingest.Start(bingest.Config{
+			Program: prog, Ifindex: ifc.Index, Queues: cfg.Interfaces[0].Queues, Umem: b.Umem,
+			BusyPoll: time.Duration(cfg.Interfaces[0].BusyPoll),
+		})
+		if err != nil {
+			return nil, fmt.Errorf("ingest engine: %w", err)
+		}
+	} else {
+		p.engine, p.fed = bingest.StartFed(), true
+		log.Warn("ingest runs on the bridge's AF_PACKET path: RX times from the packet socket, latency floor of its block timeout", "path", b.Mode())
 	}
 	for _, r := range p.rings {
 		if err := p.engine.Attach(r.id, r.ring); err != nil {
 			return nil, fmt.Errorf("ingest ring %s: %w", r.name, err)
+		}
+	}
+	if p.fed {
+		if err := b.SetIngest(p.engine); err != nil {
+			return nil, fmt.Errorf("ingest engine: %w", err)
 		}
 	}
 	return p, nil
@@ -98,6 +108,9 @@ func (p *ingestPlane) Close() error {
 		return nil
 	}
 	var errs []error
+	if p.fed {
+		errs = append(errs, p.b.SetIngest(nil))
+	}
 	if p.engine != nil {
 		errs = append(errs, p.engine.Close())
 	}
@@ -114,7 +127,7 @@ var (
 	famIngestDrops     = metrics.Family{Name: "fabricbridge_ingest_drops_total", Type: metrics.Counter, Help: "Datagrams an ingest ring dropped, by reason (no_buffer: the consumer holds every buffer; too_big; source_full)."}
 	famIngestSources   = metrics.Family{Name: "fabricbridge_ingest_sources", Type: metrics.Gauge, Help: "Distinct sources an ingest ring has seen."}
 	famIngestConsumer  = metrics.Family{Name: "fabricbridge_ingest_consumer_attached", Type: metrics.Gauge, Help: "1 when a consumer is attached to the ingest ring."}
-	famEngine          = metrics.Family{Name: "fabricbridge_ingest_engine_frames_total", Type: metrics.Counter, Help: "Frames the ingest engine handled, by outcome (received, appended, dropped, no_ring, malformed, kernel_drop)."}
+	famEngine          = metrics.Family{Name: "fabricbridge_ingest_engine_frames_total", Type: metrics.Counter, Help: "Frames the ingest engine handled, by outcome (received, appended, dropped, no_ring, malformed, refused: judged malformed on the AF_PACKET path, kernel_drop)."}
 	famEngineFillEmpty = metrics.Family{Name: "fabricbridge_ingest_engine_fill_ring_empty_total", Type: metrics.Counter, Help: "Times the kernel found an ingest socket's fill ring empty."}
 )
 
@@ -145,7 +158,7 @@ func (p *ingestPlane) Collect(w *metrics.Writer) {
 	for _, o := range []struct {
 		outcome string
 		n       uint64
-	}{{"received", es.Received}, {"appended", es.Appended}, {"dropped", es.Dropped}, {"no_ring", es.NoRing}, {"malformed", es.Malformed}, {"kernel_drop", es.KernelDrops}} {
+	}{{"received", es.Received}, {"appended", es.Appended}, {"dropped", es.Dropped}, {"no_ring", es.NoRing}, {"malformed", es.Malformed}, {"refused", es.Refused}, {"kernel_drop", es.KernelDrops}} {
 		w.AddUint(famEngine, o.n, metrics.L("outcome", o.outcome)...)
 	}
 	w.AddUint(famEngineFillEmpty, es.FillRingEmpty)

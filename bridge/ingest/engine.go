@@ -15,6 +15,15 @@
 // because its flow hashes to one queue (see "Several receive queues, one
 // ring" in fabric/ingest).
 //
+// Where XDP cannot attach, the bridge runs on AF_PACKET and classifies
+// frames itself; an engine made by StartFed then takes its ingest
+// datagrams through Feeders (bridge.Bridge.SetIngest), stripped by
+// classifier.Ingest into the same IngestMeta and payload, so that the
+// rings, and their consumers, cannot tell the paths apart — except by
+// latency: the packet socket hands frames over a block at a time (a 1 ms
+// block timeout), and RX times are its CLOCK_REALTIME stamps moved onto
+// CLOCK_MONOTONIC.
+//
 // Sockets come from bridge/xsk. On a queue that the bridge already serves,
 // the kernel allows one UMEM: pass the bridge's (Config.Umem) and the
 // engine's socket shares it and its fill ring.

@@ -129,7 +129,8 @@
 //	  0    u32  size          bytes to the next record: 24 + payload, rounded up to 8
 //	  4    u16  payload_len
 //	  6    u16  source        index into the source table
-//	  8    u64  rx_ns         RX timestamp (CLOCK_MONOTONIC, from XDP)
+//	  8    u64  rx_ns         RX timestamp (CLOCK_MONOTONIC: from XDP, or the
+//	                          packet socket's stamp on the AF_PACKET path)
 //	  16   u32  seq           per-source sequence: every datagram of the source
 //	                          that reached the producer, stored or dropped
 //	  20   u32  reserved 0

@@ -95,3 +95,33 @@ func check(p []byte) verdict {
 	}
 	return verified
 }
+
+// isICMPError tells whether p is an ICMP error (destination unreachable,
+// time exceeded, parameter problem; for IPv6 also packet too big) directly
+// after the IP header, the kind the bridge steers to the application whose
+// packet it quotes.
+func isICMPError(p []byte) bool {
+	if len(p) < header.IPv4MinimumSize {
+		return false
+	}
+	switch p[0] >> 4 {
+	case 4:
+		ihl := int(p[0]&0xf) * 4
+		if p[9] != uint8(header.ICMPv4ProtocolNumber) || len(p) <= ihl {
+			return false
+		}
+		switch header.ICMPv4Type(p[ihl]) {
+		case header.ICMPv4DstUnreachable, header.ICMPv4TimeExceeded, header.ICMPv4ParamProblem:
+			return true
+		}
+	case 6:
+		if len(p) <= header.IPv6MinimumSize || p[6] != uint8(header.ICMPv6ProtocolNumber) {
+			return false
+		}
+		switch header.ICMPv6Type(p[header.IPv6MinimumSize]) {
+		case header.ICMPv6DstUnreachable, header.ICMPv6PacketTooBig, header.ICMPv6TimeExceeded, header.ICMPv6ParamProblem:
+			return true
+		}
+	}
+	return false
+}

@@ -158,6 +158,19 @@ type tcpConn struct {
 	once  sync.Once
 }
 
+// Read implements net.Conn; errors the peer or the network caused are
+// the kernel's errnos (see sysErr).
+func (c *tcpConn) Read(b []byte) (int, error) {
+	n, err := c.TCPConn.Read(b)
+	return n, connErr(err)
+}
+
+// Write implements net.Conn, with errors as for Read.
+func (c *tcpConn) Write(b []byte) (int, error) {
+	n, err := c.TCPConn.Write(b)
+	return n, connErr(err)
+}
+
 // Close implements net.Conn.
 func (c *tcpConn) Close() error {
 	err := c.TCPConn.Close()
@@ -241,6 +254,9 @@ func (s *Stack) Dial(ctx context.Context, network, address string) (net.Conn, er
 		if errors.Is(terr, context.Canceled) || errors.Is(terr, context.DeadlineExceeded) {
 			return nil, opError("dial", k, na, ctx.Err())
 		}
+		if errors.As(terr, &te) {
+			terr = sysErr("connect", te.e)
+		}
 		return nil, opError("dial", k, na, terr)
 	}
 }
@@ -279,7 +295,7 @@ func (s *Stack) connect(ctx context.Context, k netKind, cl control.Claim, raddr 
 		return nil, tcpipErr{terr}
 	}
 	if k.proto == "udp" {
-		return &udpConn{UDPConn: gonet.NewUDPConn(&wq, ep), lease: l}, nil
+		return s.newUDPConn(&wq, ep, l), nil
 	}
 	return &tcpConn{TCPConn: gonet.NewTCPConn(&wq, ep), ep: ep, lease: l}, nil
 }
@@ -302,20 +318,55 @@ func (s *Stack) ListenPacket(network, address string) (net.PacketConn, error) {
 		l.drop()
 		return nil, opError("listen", k, udpAddr(claimAddr, cl.Port), tcpipErr{terr})
 	}
-	return &udpConn{UDPConn: gonet.NewUDPConn(&wq, ep), lease: l}, nil
+	return s.newUDPConn(&wq, ep, l), nil
 }
 
 // udpConn is a UDP endpoint (connected or not); closing it gives its
 // claim back at once.
 type udpConn struct {
 	*gonet.UDPConn
+	s     *Stack
+	wq    *waiter.Queue
 	lease *lease
 	once  sync.Once
+}
+
+func (s *Stack) newUDPConn(wq *waiter.Queue, ep tcpip.Endpoint, l *lease) *udpConn {
+	s.addDatagramQueue(wq)
+	return &udpConn{UDPConn: gonet.NewUDPConn(wq, ep), s: s, wq: wq, lease: l}
+}
+
+// Read implements net.Conn; errors the peer or the network caused (an
+// ICMP port unreachable: ECONNREFUSED) are the kernel's errnos.
+func (c *udpConn) Read(b []byte) (int, error) {
+	n, err := c.UDPConn.Read(b)
+	return n, connErr(err)
+}
+
+// ReadFrom implements net.PacketConn, with errors as for Read.
+func (c *udpConn) ReadFrom(b []byte) (int, net.Addr, error) {
+	n, from, err := c.UDPConn.ReadFrom(b)
+	return n, from, connErr(err)
+}
+
+// Write implements net.Conn, with errors as for Read.
+func (c *udpConn) Write(b []byte) (int, error) {
+	n, err := c.UDPConn.Write(b)
+	return n, connErr(err)
+}
+
+// WriteTo implements net.PacketConn, with errors as for Read.
+func (c *udpConn) WriteTo(b []byte, to net.Addr) (int, error) {
+	n, err := c.UDPConn.WriteTo(b, to)
+	return n, connErr(err)
 }
 
 // Close implements net.Conn and net.PacketConn.
 func (c *udpConn) Close() error {
 	err := c.UDPConn.Close()
-	c.once.Do(c.lease.drop)
+	c.once.Do(func() {
+		c.s.removeDatagramQueue(c.wq)
+		c.lease.drop()
+	})
 	return err
 }

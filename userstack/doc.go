@@ -63,7 +63,27 @@
 // 8 MB by receive-buffer moderation, except that a receive window never
 // exceeds what the stream's RX ring holds (the bridge drops what does not
 // fit), and reuse of TIME-WAIT ports when safe.
-// ICMP is the kernel's: the stack processes ICMP errors the bridge
-// delivers (port unreachable ends a connected UDP socket's wait, packet
-// too big lowers the path MTU) but generates none.
+//
+// # ICMP errors
+//
+// ICMP is the kernel's: the stack generates none. The bridge's classifier
+// steers an ICMP or ICMPv6 error to the stream of the flow or listener
+// whose packet it quotes, and the stack acts on it as a kernel would:
+// fragmentation needed and packet too big lower the connection's segment
+// size (path MTU discovery; the stack sets DF), a port unreachable fails a
+// TCP dial and the next read or write of a connected UDP socket, a host
+// unreachable or administratively prohibited (IPv4) fails a TCP dial. A
+// read already waiting on a UDP socket wakes with the error, as on Linux
+// (gVisor alone would leave it asleep). gVisor ignores the other ICMPv6
+// destination unreachable codes (administratively prohibited among them),
+// so such a dial times out instead.
+//
+// # Errors
+//
+// Errors that a peer or the network caused are the kernel's errnos inside
+// the usual *net.OpError, so errors.Is(err, syscall.ECONNREFUSED) (and
+// ECONNRESET, EHOSTUNREACH, ENETUNREACH, ETIMEDOUT, ...) holds as for
+// kernel sockets: "dial tcp 198.18.0.1:9: connect: connection refused".
+// gonet, gVisor's adapter underneath, passes on only gVisor's text
+// ("connection was refused"); the translation is in errors.go.
 package userstack

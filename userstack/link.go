@@ -92,6 +92,11 @@ type LinkEndpoint struct {
 	// checksums the stack must verify itself.
 	stackChecks atomic.Bool
 
+	// afterICMPError, if set before the stack attaches, runs after a batch
+	// that carried an ICMP or ICMPv6 error, once the stack has taken it
+	// (see Stack.wakeDatagramReaders).
+	afterICMPError func()
+
 	mu         sync.RWMutex
 	dispatcher stack.NetworkDispatcher
 	started    bool
@@ -347,10 +352,12 @@ func (r *receiver) deliver(n int) {
 	e.mu.RUnlock()
 	r.gro.Dispatcher = d
 	var bytes uint64
+	icmpErrors := false
 	for i := 0; i < n; i++ {
 		v := r.views[i]
 		size := len(r.bufs[i])
 		bytes += uint64(size)
+		icmpErrors = icmpErrors || isICMPError(r.bufs[i])
 		var proto tcpip.NetworkProtocolNumber
 		if size > 0 {
 			switch r.bufs[i][0] >> 4 {
@@ -396,6 +403,9 @@ func (r *receiver) deliver(n int) {
 		}
 	}
 	r.gro.Flush()
+	if icmpErrors && e.afterICMPError != nil && d != nil {
+		e.afterICMPError()
+	}
 	e.stats.rxPackets.Add(uint64(n))
 	e.stats.rxBytes.Add(bytes)
 	e.stats.rxBatches.Add(1)

@@ -17,6 +17,7 @@ import (
 	"gvisor.dev/gvisor/pkg/tcpip/network/ipv4"
 	"gvisor.dev/gvisor/pkg/tcpip/network/ipv6"
 	"gvisor.dev/gvisor/pkg/tcpip/stack"
+	"gvisor.dev/gvisor/pkg/waiter"
 
 	"github.com/fabricbridge/fabricbridge/control"
 	"github.com/fabricbridge/fabricbridge/fabric"
@@ -91,6 +92,9 @@ type Stack struct {
 	ep     *LinkEndpoint
 	addrs  []netip.Addr
 	claims claimer
+
+	datagramsMu sync.Mutex
+	datagrams   map[*waiter.Queue]struct{} // UDP endpoints' queues (wakeDatagramReaders)
 
 	closeOnce sync.Once
 	closed    atomic.Bool
@@ -204,11 +208,40 @@ func newStack(link Link, cfg LinkConfig, addrs []netip.Addr, claims claimer, clo
 	if err != nil {
 		return nil, err
 	}
-	ns, err := newNetstack(ep, addrs, receiveBufferMax(cfg.RxDepth, int(ep.MTU())))
-	if err != nil {
+	s := &Stack{ep: ep, addrs: slices.Clone(addrs), claims: claims, closers: closers, datagrams: make(map[*waiter.Queue]struct{})}
+	ep.afterICMPError = s.wakeDatagramReaders
+	if s.ns, err = newNetstack(ep, addrs, receiveBufferMax(cfg.RxDepth, int(ep.MTU()))); err != nil {
 		return nil, err
 	}
-	return &Stack{ns: ns, ep: ep, addrs: slices.Clone(addrs), claims: claims, closers: closers}, nil
+	return s, nil
+}
+
+// wakeDatagramReaders wakes every UDP endpoint's readers after an ICMP
+// error reached the stack. gVisor records the error on the connected
+// endpoint it concerns (a Read then returns it, ECONNREFUSED for a port
+// unreachable) but does not wake a Read already waiting, which would
+// sleep on until data or its deadline came; a kernel socket's waiting
+// read returns the error at once. Readers with nothing pending read
+// again and go back to sleep. ICMP errors are rare, and each costs one
+// wake-up per open UDP endpoint.
+func (s *Stack) wakeDatagramReaders() {
+	s.datagramsMu.Lock()
+	defer s.datagramsMu.Unlock()
+	for wq := range s.datagrams {
+		wq.Notify(waiter.ReadableEvents)
+	}
+}
+
+func (s *Stack) addDatagramQueue(wq *waiter.Queue) {
+	s.datagramsMu.Lock()
+	s.datagrams[wq] = struct{}{}
+	s.datagramsMu.Unlock()
+}
+
+func (s *Stack) removeDatagramQueue(wq *waiter.Queue) {
+	s.datagramsMu.Lock()
+	delete(s.datagrams, wq)
+	s.datagramsMu.Unlock()
 }
 
 // Addrs are the addresses the stack sends from.

@@ -383,12 +383,10 @@ func TestMTUFollowsLink(t *testing.T) {
 }
 
 // TestOtherDeviceViaKernel: the bridge writes Ethernet headers only for
-// its own interface (untagged). A packet a stream sends to a destination the
-// kernel routes through another device (another link, or a VLAN device on
-// top of the bridge's interface) is handed to the kernel, which sends it
-// with that device's framing: nothing is lost, each is counted as
-// TxViaKernel. (This kernel has no 802.1Q devices, so another link stands in
-// for one.)
+// its own interface and the VLAN devices on it (TestVLANTagged). A packet a
+// stream sends to a destination the kernel routes through another device
+// is handed to the kernel, which sends it with that device's framing:
+// nothing is lost, each is counted as TxViaKernel.
 func TestOtherDeviceViaKernel(t *testing.T) {
 	forEachPath(t, func(t *testing.T, cfg Config) {
 		r := newRig(t, cfg)

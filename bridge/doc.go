@@ -102,12 +102,15 @@
 //
 // # VLANs
 //
-// The bridge serves one interface and writes that interface's Ethernet
-// header: untagged. Frames that arrive tagged are classified by their inner
-// headers and steered like any other. A packet to a destination the kernel
-// routes through another device — a VLAN device on top of the served
-// interface, say — is not framed by the bridge: it goes through the kernel
-// (TxViaKernel), which tags it: correct, but a system call per packet.
-// Writing tags itself, for direct TX to tagged destinations, the bridge does
-// not do.
+// Frames that arrive tagged are classified by their inner headers and
+// steered like any other, their tags cut off with the Ethernet header. On
+// transmit, a destination the kernel routes through a VLAN device stacked
+// directly on the served interface (netlink link type vlan, parent the
+// served interface; 802.1Q or 802.1ad) is framed by the bridge with that
+// device's tag, to the neighbour the kernel knows on that device; the
+// packet must fit the VLAN device's MTU as well as the interface's, and
+// the tagged frame a TX frame (rejected as MTU otherwise). VLAN devices are
+// followed through link notifications like the MTU. A destination routed
+// through any other device (another link, a VLAN device on a VLAN device)
+// goes through the kernel (TxViaKernel).
 package bridge

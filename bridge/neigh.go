@@ -14,11 +14,17 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// resolver answers "which Ethernet address does a packet to dst go to" from
-// the kernel's route and neighbour tables, read over netlink and kept fresh
-// by netlink notifications. Every change bumps gen, which empties the TX
-// loops' private caches (l2cache), so the hot path takes no lock and makes no
-// system call while nothing changes.
+// resolver answers "which Ethernet header does a packet to dst get" from
+// the kernel's route, link and neighbour tables, read over netlink and kept
+// fresh by netlink notifications. Every change bumps gen, which empties the
+// loops' private caches (l2cache), so the hot path takes no lock and makes
+// no system call while nothing changes.
+//
+// A destination is the bridge's when the kernel routes it through the
+// served interface (untagged) or through a VLAN device stacked directly on
+// it (link type vlan, parent the served interface): then the frame carries
+// that device's tag, 802.1Q or 802.1ad, and the packet must fit that
+// device's MTU.
 type resolver struct {
 	h       *netlink.Handle
 	ifindex int
@@ -27,17 +33,41 @@ type resolver struct {
 	// mtu is the interface's MTU, kept current from link notifications:
 	// the TX check reads it once per round.
 	mtu atomic.Int32
+	// routeGet is the kernel's route lookup (netlink RTM_GETROUTE); tests
+	// replace it where the kernel lacks a device they need.
+	routeGet func(dst net.IP) ([]netlink.Route, error)
 
 	mu     sync.Mutex
-	neigh  map[netip.Addr]net.HardwareAddr // usable entries on our interface
-	routes map[netip.Addr]nextHop          // dst → next hop, emptied on any route change
+	neigh  map[neighKey]net.HardwareAddr // usable entries, on any link
+	vlans  map[int]vlanLink              // VLAN devices on our interface, by ifindex
+	routes map[netip.Addr]nextHop        // dst → next hop, emptied on any route change
 	done   chan struct{}
 	wg     sync.WaitGroup
 }
 
+type neighKey struct {
+	link int
+	addr netip.Addr
+}
+
+// vlanLink is a VLAN device stacked on the served interface.
+type vlanLink struct {
+	tpid, vid uint16 // 0x8100 (802.1Q) or 0x88a8 (802.1ad); VLAN id
+	mtu       int
+}
+
 type nextHop struct {
 	addr netip.Addr
-	ours bool // leaves through our interface
+	link int // the device the route leaves through
+}
+
+// l2 is how a frame to one destination is framed.
+type l2 struct {
+	mac [6]byte
+	// tag is the VLAN tag to insert (TPID in the high 16 bits, TCI in the
+	// low), 0 for none; mtu is then the VLAN device's MTU.
+	tag uint32
+	mtu int32
 }
 
 // usableNUD are neighbour states whose link-layer address may be used.
@@ -48,8 +78,9 @@ const usableNUD = netlink.NUD_REACHABLE | netlink.NUD_STALE | netlink.NUD_DELAY 
 // is the interface's MTU now.
 func newResolver(h *netlink.Handle, ns netns.NsHandle, ifindex, mtu int, log *slog.Logger) (*resolver, error) {
 	r := &resolver{
-		h: h, ifindex: ifindex, log: log,
-		neigh:  map[netip.Addr]net.HardwareAddr{},
+		h: h, ifindex: ifindex, log: log, routeGet: h.RouteGet,
+		neigh:  map[neighKey]net.HardwareAddr{},
+		vlans:  map[int]vlanLink{},
 		routes: map[netip.Addr]nextHop{},
 		done:   make(chan struct{}),
 	}
@@ -80,9 +111,16 @@ func newResolver(h *netlink.Handle, ns netns.NsHandle, ifindex, mtu int, log *sl
 	if l, err := h.LinkByIndex(ifindex); err == nil {
 		r.mtu.Store(int32(l.Attrs().MTU))
 	}
+	// VLAN devices on our interface, after subscribing: notifications
+	// repeat what the listing saw, never miss what came after it.
+	if links, err := h.LinkList(); err == nil {
+		for _, l := range links {
+			r.applyLink(unix.RTM_NEWLINK, l)
+		}
+	}
 	// Load the table now, so that the first packets find their neighbours;
 	// the subscription's listing will repeat it.
-	if list, err := h.NeighList(ifindex, netlink.FAMILY_ALL); err == nil {
+	if list, err := h.NeighList(0, netlink.FAMILY_ALL); err == nil {
 		for i := range list {
 			r.apply(unix.RTM_NEWNEIGH, &list[i])
 		}
@@ -109,6 +147,12 @@ func newResolver(h *netlink.Handle, ns netns.NsHandle, ifindex, mtu int, log *sl
 						log.Info("bridge: interface MTU changed", "interface", a.Name, "from", old, "to", a.MTU)
 					}
 				}
+				r.mu.Lock()
+				changed := r.applyLink(u.Header.Type, u.Link)
+				r.mu.Unlock()
+				if changed {
+					r.gen.Add(1)
+				}
 			case _, ok := <-routes:
 				if !ok {
 					return
@@ -126,34 +170,53 @@ func newResolver(h *netlink.Handle, ns netns.NsHandle, ifindex, mtu int, log *sl
 }
 
 func (r *resolver) apply(typ uint16, n *netlink.Neigh) {
-	if n.LinkIndex != r.ifindex {
-		return
-	}
 	a, ok := netip.AddrFromSlice(n.IP)
 	if !ok {
 		return
 	}
-	a = a.Unmap()
+	k := neighKey{n.LinkIndex, a.Unmap()}
 	if typ == unix.RTM_DELNEIGH || n.State&usableNUD == 0 || len(n.HardwareAddr) != 6 {
-		delete(r.neigh, a)
+		delete(r.neigh, k)
 		return
 	}
-	r.neigh[a] = append(net.HardwareAddr(nil), n.HardwareAddr...)
+	r.neigh[k] = append(net.HardwareAddr(nil), n.HardwareAddr...)
+}
+
+// applyLink follows VLAN devices on our interface: created, changed (id,
+// protocol, MTU) or deleted. It reports whether the set changed.
+func (r *resolver) applyLink(typ uint16, l netlink.Link) bool {
+	a := l.Attrs()
+	if a == nil {
+		return false
+	}
+	old, had := r.vlans[a.Index]
+	v, isVLAN := l.(*netlink.Vlan)
+	if typ == unix.RTM_DELLINK || !isVLAN || a.ParentIndex != r.ifindex {
+		delete(r.vlans, a.Index)
+		return had
+	}
+	tpid := uint16(0x8100)
+	if v.VlanProtocol == netlink.VLAN_PROTOCOL_8021AD {
+		tpid = 0x88a8
+	}
+	nv := vlanLink{tpid: tpid, vid: uint16(v.VlanId) & 0xfff, mtu: a.MTU}
+	r.vlans[a.Index] = nv
+	return !had || old != nv
 }
 
 // resolve is the slow path: the next hop from the route table (asked once
 // per destination until routes change), then its neighbour entry. ok is false
 // when the packet should go to the kernel instead: no route through our
-// interface, or no usable neighbour yet.
-func (r *resolver) resolve(dst netip.Addr) (mac [6]byte, ok bool) {
+// interface or a VLAN device on it, or no usable neighbour yet.
+func (r *resolver) resolve(dst netip.Addr) (out l2, ok bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	hop, known := r.routes[dst]
 	if !known {
 		hop = nextHop{}
-		if rs, err := r.h.RouteGet(dst.AsSlice()); err == nil && len(rs) > 0 {
+		if rs, err := r.routeGet(dst.AsSlice()); err == nil && len(rs) > 0 && rs[0].Type != unix.RTN_LOCAL {
 			rt := rs[0]
-			hop.ours = rt.LinkIndex == r.ifindex && rt.Type != unix.RTN_LOCAL
+			hop.link = rt.LinkIndex
 			hop.addr = dst
 			if gw, ok := netip.AddrFromSlice(rt.Gw); ok && rt.Gw != nil {
 				hop.addr = gw.Unmap()
@@ -161,15 +224,23 @@ func (r *resolver) resolve(dst netip.Addr) (mac [6]byte, ok bool) {
 		}
 		r.routes[dst] = hop
 	}
-	if !hop.ours {
-		return mac, false
+	if hop.link == 0 {
+		return out, false
 	}
-	hw, ok := r.neigh[hop.addr]
+	if hop.link != r.ifindex {
+		v, ok := r.vlans[hop.link]
+		if !ok {
+			return out, false
+		}
+		out.tag = uint32(v.tpid)<<16 | uint32(v.vid)
+		out.mtu = int32(v.mtu)
+	}
+	hw, ok := r.neigh[neighKey{hop.link, hop.addr}]
 	if !ok {
-		return mac, false
+		return out, false
 	}
-	copy(mac[:], hw)
-	return mac, true
+	copy(out.mac[:], hw)
+	return out, true
 }
 
 func (r *resolver) close() {
@@ -191,25 +262,25 @@ type l2cache struct {
 }
 
 type l2entry struct {
-	mac [6]byte
-	ok  bool
+	l2 l2
+	ok bool
 }
 
 func newL2cache(r *resolver) *l2cache {
 	return &l2cache{r: r, gen: r.gen.Load(), m: make(map[netip.Addr]l2entry, 64)}
 }
 
-func (c *l2cache) lookup(dst netip.Addr) ([6]byte, bool) {
+func (c *l2cache) lookup(dst netip.Addr) (l2, bool) {
 	if g := c.r.gen.Load(); g != c.gen {
 		clear(c.m)
 		c.gen = g
 	}
 	if e, ok := c.m[dst]; ok {
-		return e.mac, e.ok
+		return e.l2, e.ok
 	}
-	mac, ok := c.r.resolve(dst)
-	c.m[dst] = l2entry{mac, ok}
-	return mac, ok
+	h, ok := c.r.resolve(dst)
+	c.m[dst] = l2entry{h, ok}
+	return h, ok
 }
 
 // kernelPath hands packets whose neighbour is unknown (or that route

@@ -7,8 +7,12 @@ import (
 	"github.com/fabricbridge/fabricbridge/fabric"
 )
 
-// ethHeader is the Ethernet header the bridge writes in front of packets.
-const ethHeader = 14
+// ethHeader is the Ethernet header the bridge writes in front of packets;
+// vlanHeader the same with one VLAN tag.
+const (
+	ethHeader  = 14
+	vlanHeader = ethHeader + 4
+)
 
 // txPort is where a queue's TX side puts frames: an AF_XDP TX ring or an AF_PACKET
 // TX ring. Frames are lent out, filled in place (the stream's packet is read
@@ -185,10 +189,16 @@ func (t *txSide) serve(tok int, e *streamEntry) bool {
 			sc.rejects[r]++
 			continue
 		}
+		h, ok := t.l2.lookup(dstAddr(p))
+		if ok && h.tag != 0 && (len(p) > int(h.mtu) || vlanHeader+len(p) > len(t.bufs[i])) {
+			// A VLAN device's destination: the packet must fit that
+			// device's MTU and, with the 4-byte tag, the frame.
+			sc.rejects[rejMTU]++
+			continue
+		}
 		if hook != nil {
 			hook.fn(Outbound, p, now)
 		}
-		mac, ok := t.l2.lookup(dstAddr(p))
 		if !ok {
 			if err := t.b.kernel.send(p); err == nil {
 				sc.kernel++
@@ -198,14 +208,22 @@ func (t *txSide) serve(tok int, e *streamEntry) bool {
 			continue
 		}
 		f := t.bufs[i]
-		copy(f[0:6], mac[:])
-		copy(f[6:12], t.srcMAC[:])
-		if p[0]>>4 == 4 {
-			f[12], f[13] = 0x08, 0x00
-		} else {
-			f[12], f[13] = 0x86, 0xdd
+		hdr, v4 := ethHeader, p[0]>>4 == 4
+		if h.tag != 0 {
+			// The tag goes between the addresses and the EtherType, so
+			// the packet moves 4 bytes on.
+			copy(f[vlanHeader:], p) // p is f[ethHeader:]: from here on read it there
+			f[12], f[13], f[14], f[15] = byte(h.tag>>24), byte(h.tag>>16), byte(h.tag>>8), byte(h.tag)
+			hdr = vlanHeader
 		}
-		t.port.send(i, ethHeader+len(p))
+		copy(f[0:6], h.mac[:])
+		copy(f[6:12], t.srcMAC[:])
+		if v4 {
+			f[hdr-2], f[hdr-1] = 0x08, 0x00
+		} else {
+			f[hdr-2], f[hdr-1] = 0x86, 0xdd
+		}
+		t.port.send(i, hdr+len(p))
 		sc.packets++
 		sc.bytes += uint64(len(p))
 		queued = true

@@ -58,9 +58,8 @@ const gsoMaxSize = 65000
 // Receive: one goroutine takes up to Batch packets per Recv straight into
 // pooled gVisor views (the only copy on this side is the ring's), wraps each
 // in a pooled PacketBuffer and hands the batch up, coalescing consecutive
-// IPv4 TCP segments of a flow first (GRO) so that the TCP layer sees few
-// large segments instead of many small ones. (IPv6 is not coalesced:
-// gVisor's IPv6 GRO allocates per packet.)
+// TCP segments of a flow first (GRO: gVisor's for IPv4, gro6 for IPv6) so
+// that the TCP layer sees few large segments instead of many small ones.
 //
 // Transmit: the endpoint offers segmentation offload, so TCP hands down
 // segments of up to 64 KB; WritePackets cuts them to the MSS, finishes the
@@ -311,11 +310,13 @@ type receiver struct {
 	views []*buffer.View // the views the next Recv fills; nil once handed up
 	bufs  [][]byte
 	gro   gro.GRO
+	gro6  gro6
 }
 
 func newReceiver(e *LinkEndpoint) *receiver {
 	r := &receiver{e: e, views: make([]*buffer.View, e.batch), bufs: make([][]byte, e.batch)}
 	r.gro.Init(e.groOn)
+	r.gro6.disabled = !e.groOn
 	return r
 }
 
@@ -379,16 +380,15 @@ func (r *receiver) deliver(n int) {
 		case verified:
 			r.views[i] = nil
 			v.CapLength(size)
+			if proto == header.IPv6ProtocolNumber {
+				// gVisor's IPv6 GRO allocates per packet: our own (gro6).
+				r.gro6.enqueue(d, v, r.bufs[i][:size])
+				continue
+			}
 			pkt := stack.NewPacketBuffer(stack.PacketBufferOptions{Payload: buffer.MakeWithView(v)})
 			pkt.NetworkProtocolNumber = proto
 			pkt.RXChecksumValidated = true // GRO need not check again
-			if proto == header.IPv4ProtocolNumber {
-				r.gro.Enqueue(pkt)
-			} else {
-				// gVisor's IPv6 GRO walks extension headers through
-				// allocating iterators; IPv6 goes straight up instead.
-				d.DeliverNetworkPacket(proto, pkt)
-			}
+			r.gro.Enqueue(pkt)
 			pkt.DecRef()
 		case unverified:
 			r.views[i] = nil
@@ -396,6 +396,7 @@ func (r *receiver) deliver(n int) {
 			pkt := stack.NewPacketBuffer(stack.PacketBufferOptions{Payload: buffer.MakeWithView(v)})
 			pkt.NetworkProtocolNumber = proto
 			r.gro.Flush() // keep order with what GRO holds
+			r.gro6.flush(d)
 			e.stackChecks.Store(true)
 			d.DeliverNetworkPacket(proto, pkt)
 			e.stackChecks.Store(false)
@@ -403,6 +404,7 @@ func (r *receiver) deliver(n int) {
 		}
 	}
 	r.gro.Flush()
+	r.gro6.flush(d)
 	if icmpErrors && e.afterICMPError != nil && d != nil {
 		e.afterICMPError()
 	}

@@ -85,6 +85,10 @@ func openBridge(cfg *config.Config, log *slog.Logger) (*bridgePlane, error) {
 	if in.Attach == config.AttachStrict {
 		bc.Mode = bridge.ModeStrict
 	}
+	var err error
+	if bc.Path, err = bridge.ParsePath(in.Path.String()); err != nil {
+		return nil, err
+	}
 	b, err := bridge.Open(bc)
 	if err != nil {
 		return nil, fmt.Errorf("interface %s (attach: %s): %w", in.Name, in.Attach, err)
@@ -311,6 +315,10 @@ func (p *bridgePlane) Collect(w *metrics.Writer, names func(uint32) string, apps
 		collectProgram(w, p.ifname, st.Path, prog, names)
 	} else {
 		w.Add(famAttach, 1, in, metrics.Label{Name: "mode", Value: st.Path})
+		if c, rc, ok := p.b.ClassifierCounters(); ok {
+			collectVerdicts(w, p.ifname, c)
+			collectRules(w, p.ifname, rc, names)
+		}
 	}
 	w.AddUint(famKernelSendErr, st.KernelSendErrors, in)
 	for _, q := range st.Queues {

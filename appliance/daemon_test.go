@@ -46,6 +46,9 @@ type topo struct {
 	bridge, outside *netns.NS
 	v               *netns.Veth
 	dir             string
+	// iface is appended inside the interface's flow mapping, such as
+	// ", path: afpacket".
+	iface string
 }
 
 func newTopo(t testing.TB) *topo {
@@ -62,13 +65,13 @@ func newTopo(t testing.TB) *topo {
 // control (lines indented by two spaces) goes into the control section.
 func (tp *topo) config(t testing.TB, extra string, control ...string) *config.Config {
 	t.Helper()
-	text := fmt.Sprintf(`interfaces: [{name: %s}]
+	text := fmt.Sprintf(`interfaces: [{name: %s%s}]
 addresses: [%s, "%s"]
 metrics: {address: "127.0.0.1:0"}
 log: {level: debug}
 control:
   socket: %s
-%s`, tp.v.A.Name, tp.v.A.Addr4.Addr(), tp.v.A.Addr6.Addr(), filepath.Join(tp.dir, "control.sock"), strings.Join(control, "")) + extra
+%s`, tp.v.A.Name, tp.iface, tp.v.A.Addr4.Addr(), tp.v.A.Addr6.Addr(), filepath.Join(tp.dir, "control.sock"), strings.Join(control, "")) + extra
 	path := filepath.Join(tp.dir, "fabricbridge.yaml")
 	if err := os.WriteFile(path, []byte(text), 0o644); err != nil {
 		t.Fatal(err)

@@ -24,15 +24,15 @@ var (
 	famAttach = metrics.Family{Name: "fabricbridge_attach_mode", Type: metrics.Gauge,
 		Help: "1 for the way the data path is attached to the interface (native, generic, af_packet; with zerocopy or copy for AF_XDP): users must know when they run slow."}
 	famVerdictPackets = metrics.Family{Name: "fabricbridge_xdp_verdict_packets_total", Type: metrics.Counter,
-		Help: "Frames the XDP classifier gave each verdict."}
+		Help: "Frames the classifier gave each verdict (the XDP program, or the Go reference on the AF_PACKET path)."}
 	famVerdictBytes = metrics.Family{Name: "fabricbridge_xdp_verdict_bytes_total", Type: metrics.Counter,
-		Help: "Bytes of the frames the XDP classifier gave each verdict."}
+		Help: "Bytes of the frames the classifier gave each verdict."}
 	famRedirectFailed = metrics.Family{Name: "fabricbridge_xdp_redirect_failed_total", Type: metrics.Counter,
 		Help: "Frames steered or ingested with no AF_XDP socket bound on their queue; they went to the kernel."}
 	famMetaFailed = metrics.Family{Name: "fabricbridge_xdp_meta_failed_total", Type: metrics.Counter,
 		Help: "Frames for which the driver left no room for the metadata."}
 	famRulePackets = metrics.Family{Name: "fabricbridge_rule_packets_total", Type: metrics.Counter,
-		Help: "Frames matched by each rule, listener or flow id in the XDP classifier."}
+		Help: "Frames matched by each rule, listener or flow id in the classifier (XDP or, on the AF_PACKET path, the Go reference)."}
 	famRuleBytes = metrics.Family{Name: "fabricbridge_rule_bytes_total", Type: metrics.Counter,
 		Help: "Bytes of the frames matched by each rule, listener or flow id."}
 )
@@ -42,20 +42,32 @@ func collectProgram(w *metrics.Writer, ifname, mode string, prog *ebpf.Program, 
 	w.Add(famAttach, 1, metrics.L("interface", ifname, "mode", mode)...)
 	c, err := prog.Counters()
 	if err == nil {
-		for v, vc := range c.Verdicts {
-			l := metrics.L("interface", ifname, "verdict", classifier.Verdict(v).String())
-			w.AddUint(famVerdictPackets, vc.Packets, l...)
-			w.AddUint(famVerdictBytes, vc.Bytes, l...)
-		}
-		w.AddUint(famRedirectFailed, c.RedirectFailed, metrics.L("interface", ifname)...)
-		w.AddUint(famMetaFailed, c.MetaFailed, metrics.L("interface", ifname)...)
+		collectVerdicts(w, ifname, c)
 	}
-	rc, err := prog.RuleCounters()
-	if err == nil {
-		for _, id := range sortedKeys(rc) {
-			l := metrics.L("interface", ifname, "id", strconv.FormatUint(uint64(id), 10), "name", names(id))
-			w.AddUint(famRulePackets, rc[id].Packets, l...)
-			w.AddUint(famRuleBytes, rc[id].Bytes, l...)
-		}
+	if rc, err := prog.RuleCounters(); err == nil {
+		collectRules(w, ifname, rc, names)
+	}
+}
+
+// collectVerdicts writes the classifier's counters per verdict and its
+// events; on the AF_PACKET path the reference classifier keeps the same
+// ones (the events stay zero: they are XDP's).
+func collectVerdicts(w *metrics.Writer, ifname string, c ebpf.Counters) {
+	for v, vc := range c.Verdicts {
+		l := metrics.L("interface", ifname, "verdict", classifier.Verdict(v).String())
+		w.AddUint(famVerdictPackets, vc.Packets, l...)
+		w.AddUint(famVerdictBytes, vc.Bytes, l...)
+	}
+	w.AddUint(famRedirectFailed, c.RedirectFailed, metrics.L("interface", ifname)...)
+	w.AddUint(famMetaFailed, c.MetaFailed, metrics.L("interface", ifname)...)
+}
+
+// collectRules writes the counters of every flow, listener and rule id that
+// matched something.
+func collectRules(w *metrics.Writer, ifname string, rc map[uint32]ebpf.Counter, names func(uint32) string) {
+	for _, id := range sortedKeys(rc) {
+		l := metrics.L("interface", ifname, "id", strconv.FormatUint(uint64(id), 10), "name", names(id))
+		w.AddUint(famRulePackets, rc[id].Packets, l...)
+		w.AddUint(famRuleBytes, rc[id].Bytes, l...)
 	}
 }

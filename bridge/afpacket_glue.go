@@ -133,6 +133,7 @@ type afpRx struct {
 	queue   int
 	d       *dispatcher
 	onFrame func([]byte, bool, int64) // frame, bound once: no allocation per poll
+	counts  afpCounters
 
 	feed    atomic.Pointer[bingest.Feeder]
 	fd      *bingest.Feeder // feed, loaded for one poll
@@ -144,6 +145,7 @@ type afpRx struct {
 
 func (a *afpRx) frame(f []byte, rebuilt bool, rxNs int64) {
 	m := a.cls.Classify(f)
+	a.counts.count(&m, len(f))
 	switch m.Verdict {
 	case classifier.VerdictSteer:
 		a.d.frame(f, &m)

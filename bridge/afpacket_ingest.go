@@ -4,6 +4,7 @@ import (
 	"errors"
 
 	bingest "github.com/fabricbridge/fabricbridge/bridge/ingest"
+	"github.com/fabricbridge/fabricbridge/classifier"
 )
 
 // SetIngest makes the AF_PACKET path feed ingest datagrams to e, an engine
@@ -12,7 +13,8 @@ import (
 // socket's RX time on the XDP program's clock) and hands it to its own
 // Feeder, so the rings e fills look the same as on the XDP paths; frames
 // the classifier judges malformed are counted as e's Stats.Refused. A nil e
-// stops feeding. On the XDP paths it is an error: there the engine reads
+// stops feeding. While an engine is fed, the nftables table hides the
+// ingest rules' frames from the kernel (see hide.go). On the XDP paths it is an error: there the engine reads
 // its own AF_XDP sockets (bingest.Start with Program and Umem).
 //
 // A loop may finish the block it is in with the previous engine after
@@ -33,8 +35,17 @@ func (b *Bridge) SetIngest(e *bingest.Engine) error {
 			}
 		}
 	}
+	t := b.tables.Load()
+	if t == nil {
+		var err error
+		if t, err = classifier.Compile(&classifier.RuleSet{}); err != nil {
+			return err
+		}
+	}
+	// Feed first, then hide: in between, an ingest frame reaches both the
+	// engine and the kernel, rather than neither.
 	for i, ar := range b.afp.rxs {
 		ar.feed.Store(fs[i])
 	}
-	return nil
+	return b.afp.hide.updateFed(t, e != nil)
 }

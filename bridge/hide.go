@@ -29,11 +29,16 @@ import (
 //	exact flows        (set, per family)      → drop
 //	listeners on addr  (set, per family)      → drop
 //	wildcard listeners (set, per family)      → drop
-//	rules in order     (chain "rules")        → drop (steer, drop) or accept (pass, ingest)
+//	rules in order     (chain "rules")        → drop (steer, drop, ingest while fed) or accept (pass, ingest)
 //	anything else                              → accept (the kernel's)
 //
-// Ingest rules accept: the offload engine needs AF_XDP, and on the XDP path
-// an ingest frame with no ingest socket goes to the kernel too.
+// Ingest rules accept until SetIngest gives the path an engine to feed (on
+// the XDP path too, an ingest frame with no ingest socket goes to the
+// kernel); from then on they drop, or the kernel would answer every trigger
+// datagram with a port unreachable and a connected sender would lose the
+// next one to ECONNREFUSED. The table cannot check UDP lengths, so with an
+// engine fed, an ingest-matched datagram the classifier calls malformed
+// (a fragment, a bad length) is dropped rather than passed to the kernel.
 //
 // Where nftables and the classifier part ways (documented in doc.go): later
 // fragments reach the kernel (it cannot reassemble them without the dropped
@@ -120,7 +125,7 @@ func nftElements(t *classifier.Tables) nftSets {
 }
 
 // nftRule renders one compiled rule as an nft rule body.
-func nftRule(r classifier.CompiledRule) string {
+func nftRule(r classifier.CompiledRule, ingestFed bool) string {
 	var b strings.Builder
 	if r.VLAN != 0 {
 		// The tag as the link-layer header shows it (nft rebuilds a tag
@@ -167,8 +172,8 @@ func nftRule(r classifier.CompiledRule) string {
 			fmt.Fprintf(&b, "th %s %d-%d ", p.dir, p.r.Lo, p.r.Hi)
 		}
 	}
-	switch r.Action {
-	case classifier.ActionSteer, classifier.ActionDrop:
+	switch {
+	case r.Action == classifier.ActionSteer, r.Action == classifier.ActionDrop, r.Action == classifier.ActionIngest && ingestFed:
 		b.WriteString("drop")
 	default:
 		b.WriteString("accept")
@@ -179,8 +184,9 @@ func nftRule(r classifier.CompiledRule) string {
 
 // nftScript renders the transaction that takes the table from the sets in
 // prev (nil: the table does not exist, or is a leftover to replace) to
-// tables t, and returns it with the sets it leaves.
-func nftScript(table, ifname string, prev nftSets, t *classifier.Tables) (string, nftSets) {
+// tables t, and returns it with the sets it leaves. ingestFed: an ingest
+// engine takes the ingest rules' frames.
+func nftScript(table, ifname string, prev nftSets, t *classifier.Tables, ingestFed bool) (string, nftSets) {
 	next := nftElements(t)
 	var b strings.Builder
 	if prev == nil {
@@ -225,7 +231,7 @@ func nftScript(table, ifname string, prev nftSets, t *classifier.Tables) (string
 	}
 	fmt.Fprintf(&b, "flush chain netdev %s rules\n", table)
 	for _, r := range t.Rules() {
-		fmt.Fprintf(&b, "add rule netdev %s rules %s\n", table, nftRule(r))
+		fmt.Fprintf(&b, "add rule netdev %s rules %s\n", table, nftRule(r, ingestFed))
 	}
 	return b.String(), next
 }
@@ -308,6 +314,8 @@ type kernelHider struct {
 	table  string
 	ifname string
 	sets   nftSets // what the kernel's sets hold; nil before the first update
+	// ingestFed: ingest rules drop (see the table's description).
+	ingestFed bool
 }
 
 // newKernelHider installs the table for t, replacing any leftover of an
@@ -328,11 +336,16 @@ func newKernelHider(ns netns.NsHandle, ifname string, t *classifier.Tables) (*ke
 // update makes the table match t in one transaction. On failure the old
 // state stays (nft transactions are all or nothing).
 func (h *kernelHider) update(t *classifier.Tables) error {
-	script, next := nftScript(h.table, h.ifname, h.sets, t)
+	return h.updateFed(t, h.ingestFed)
+}
+
+// updateFed is update with the ingest rules' fate changed too.
+func (h *kernelHider) updateFed(t *classifier.Tables, ingestFed bool) error {
+	script, next := nftScript(h.table, h.ifname, h.sets, t, ingestFed)
 	if err := h.run.run(script); err != nil {
 		return fmt.Errorf("bridge: hiding steered frames from the kernel: %w", err)
 	}
-	h.sets = next
+	h.sets, h.ingestFed = next, ingestFed
 	return nil
 }
 

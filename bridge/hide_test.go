@@ -41,7 +41,7 @@ func TestNftScript(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	script, sets := nftScript("fabricbridge_x", "eth-0", nil, t1)
+	script, sets := nftScript("fabricbridge_x", "eth-0", nil, t1, false)
 	for _, want := range []string{
 		"add table netdev fabricbridge_x\ndelete table netdev fabricbridge_x\n",
 		`type filter hook ingress device "eth-0" priority -500; policy accept;`,
@@ -62,7 +62,7 @@ func TestNftScript(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	script, _ = nftScript("fabricbridge_x", "eth-0", sets, t2)
+	script, _ = nftScript("fabricbridge_x", "eth-0", sets, t2, false)
 	want := "delete element netdev fabricbridge_x flows4 { tcp . 198.19.0.9 . 5555 . 198.18.0.1 . 80 }\n" +
 		"add element netdev fabricbridge_x listen4 { udp . 198.18.0.1 . 54 }\n" +
 		"delete element netdev fabricbridge_x listen6 { tcp . 2001:db8::1 . 443 }\n" +
@@ -72,6 +72,28 @@ func TestNftScript(t *testing.T) {
 	}
 	if n := nftTableName("eth0.10@x-y"); n != "fabricbridge_eth0_10_x_y" {
 		t.Fatalf("table name %q", n)
+	}
+}
+
+// Ingest rules hand their frames to the kernel until an engine is fed, and
+// hide them from it while one is.
+func TestNftScriptIngestFed(t *testing.T) {
+	tb, err := classifier.Compile(&classifier.RuleSet{Rules: []classifier.Rule{
+		{ID: 4, Priority: 1, Protocol: classifier.ProtoUDP, DstPorts: classifier.PortRange{Lo: 9000, Hi: 9003}, Action: classifier.ActionIngest, Stream: 1},
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		fed  bool
+		want string
+	}{
+		{false, "add rule netdev fabricbridge_x rules meta l4proto udp th dport 9000-9003 accept comment \"rule 4\"\n"},
+		{true, "add rule netdev fabricbridge_x rules meta l4proto udp th dport 9000-9003 drop comment \"rule 4\"\n"},
+	} {
+		if script, _ := nftScript("fabricbridge_x", "eth-0", nil, tb, c.fed); !strings.Contains(script, c.want) {
+			t.Errorf("fed %v: script lacks %q:\n%s", c.fed, c.want, script)
+		}
 	}
 }
 

@@ -47,6 +47,9 @@ type Interface struct {
 	// Queues are the receive queues to serve; empty means all of them.
 	Queues []int  `yaml:"queues"`
 	Attach Attach `yaml:"attach"`
+	// Path is the first path tried (auto) or the only one (strict); auto
+	// means the fastest the interface offers.
+	Path Path `yaml:"path"`
 	// FrameSize is the UMEM frame size: 2048 or 4096.
 	FrameSize Size `yaml:"frame_size"`
 	// Frames is the number of UMEM frames per queue, a power of two.

@@ -38,6 +38,7 @@ func TestErrorsArePrecise(t *testing.T) {
 			`t.yaml:3:5: interfaces[1].name: "eth1" is already configured at interfaces[0]`,
 		}},
 		{"attach", "interfaces:\n  - name: eth1\n    attach: fast\naddresses: [198.18.0.1]\n", []string{`t.yaml:3:13: interfaces[0].attach: "fast" is not one of auto, strict`}},
+		{"path", "interfaces:\n  - name: eth1\n    path: xdp\naddresses: [198.18.0.1]\n", []string{`t.yaml:3:11: interfaces[0].path: "xdp" is not one of auto, native-zerocopy, native-copy, generic, afpacket`}},
 		{"frame size", "interfaces:\n  - name: eth1\n    frame_size: 3000\naddresses: [198.18.0.1]\n", []string{"t.yaml:3:5: interfaces[0].frame_size: must be 2048 or 4096, not 3000"}},
 		{"frames", "interfaces:\n  - {name: eth1, frames: 1000}\naddresses: [198.18.0.1]\n", []string{"t.yaml:2:18: interfaces[0].frames: must be a power of two from 64 to 1048576, not 1000"}},
 		{"queue twice", "interfaces:\n  - {name: eth1, queues: [0, 0]}\naddresses: [198.18.0.1]\n", []string{"t.yaml:2:30: interfaces[0].queues[1]: queue 0 is listed twice"}},
@@ -171,7 +172,7 @@ func TestDefaults(t *testing.T) {
 		t.Fatal(err)
 	}
 	in := c.Interfaces[0]
-	if in.Attach != AttachAuto || in.FrameSize != 2048 || in.Frames != 4096 || len(in.Queues) != 0 {
+	if in.Attach != AttachAuto || in.Path != PathAuto || in.FrameSize != 2048 || in.Frames != 4096 || len(in.Queues) != 0 {
 		t.Errorf("interface defaults: %+v", in)
 	}
 	if c.ReservedPorts != (PortRange{61000, 61999}) || c.Streams != (Streams{1024, 1024, 2048}) {
@@ -206,6 +207,7 @@ interfaces:
   - name: eth1
     queues: [0, 3]
     attach: STRICT
+    path: afpacket
     frame_size: 4K
     busy_poll: 50us
 addresses: [198.18.0.1, "2001:db8::1", "::ffff:198.18.0.9"]
@@ -236,7 +238,7 @@ metrics: {address: ""}
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.Interfaces[0].Attach != AttachStrict || c.Interfaces[0].FrameSize != 4096 || len(c.Interfaces[0].Queues) != 2 || time.Duration(c.Interfaces[0].BusyPoll) != 50*time.Microsecond {
+	if c.Interfaces[0].Attach != AttachStrict || c.Interfaces[0].Path != PathAFPacket || c.Interfaces[0].FrameSize != 4096 || len(c.Interfaces[0].Queues) != 2 || time.Duration(c.Interfaces[0].BusyPoll) != 50*time.Microsecond {
 		t.Errorf("interface: %+v", c.Interfaces[0])
 	}
 	if c.Addresses[2].Addr != netip.MustParseAddr("198.18.0.9") {

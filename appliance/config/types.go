@@ -251,6 +251,29 @@ func (a *Attach) parseScalar(s string) error {
 
 func (a Attach) String() string { return [...]string{"auto", "strict"}[a] }
 
+// Path is where the bridge starts its attach walk (with attach auto) or
+// the only path it accepts (with strict). The names and their order, fastest
+// first, are the bridge's (bridge.Path).
+type Path uint8
+
+const (
+	PathAuto Path = iota
+	PathNativeZeroCopy
+	PathNativeCopy
+	PathGeneric
+	PathAFPacket
+)
+
+var pathNames = []string{"auto", "native-zerocopy", "native-copy", "generic", "afpacket"}
+
+func (p *Path) parseScalar(s string) error {
+	i, err := oneOf(s, pathNames...)
+	*p = Path(i)
+	return err
+}
+
+func (p Path) String() string { return pathNames[p] }
+
 // Auth is how TCP control clients prove who they are.
 type Auth uint8
 

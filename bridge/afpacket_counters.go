@@ -1,0 +1,63 @@
+package bridge
+
+import (
+	"sync/atomic"
+
+	"github.com/fabricbridge/fabricbridge/classifier"
+	fbebpf "github.com/fabricbridge/fabricbridge/ebpf"
+)
+
+// afpCounters is what the reference classifier decided on one AF_PACKET
+// queue, kept as the XDP program keeps its per-CPU maps (per verdict and
+// per flow, listener or rule id), so the operator sees the same counters on
+// either path. Atomic adds, not plain ones: Stats readers run on other
+// threads, and the AF_PACKET path can afford an uncontended atomic.
+type afpCounters struct {
+	verdicts [classifier.NumVerdicts]atomicCounter
+	rules    [classifier.MaxRuleID + 1]atomicCounter
+}
+
+type atomicCounter struct{ packets, bytes atomic.Uint64 }
+
+func (c *atomicCounter) add(n int) {
+	c.packets.Add(1)
+	c.bytes.Add(uint64(n))
+}
+
+func (c *afpCounters) count(m *classifier.Meta, n int) {
+	if m.Verdict < classifier.NumVerdicts {
+		c.verdicts[m.Verdict].add(n)
+	}
+	if m.RuleID != 0 && m.RuleID <= classifier.MaxRuleID {
+		c.rules[m.RuleID].add(n)
+	}
+}
+
+// ClassifierCounters returns, on the AF_PACKET path, the reference
+// classifier's counters summed over queues, in the shape the XDP program's
+// take (ebpf.Program.Counters and RuleCounters: ids that matched nothing
+// are left out). ok is false on the XDP paths, where Program has them.
+func (b *Bridge) ClassifierCounters() (c fbebpf.Counters, rules map[uint32]fbebpf.Counter, ok bool) {
+	b.mu.Lock()
+	afp := b.afp
+	b.mu.Unlock()
+	if afp == nil {
+		return c, nil, false
+	}
+	rules = map[uint32]fbebpf.Counter{}
+	for _, ar := range afp.rxs {
+		for v := range ar.counts.verdicts {
+			c.Verdicts[v].Packets += ar.counts.verdicts[v].packets.Load()
+			c.Verdicts[v].Bytes += ar.counts.verdicts[v].bytes.Load()
+		}
+		for id := range ar.counts.rules {
+			if p := ar.counts.rules[id].packets.Load(); p != 0 {
+				r := rules[uint32(id)]
+				r.Packets += p
+				r.Bytes += ar.counts.rules[id].bytes.Load()
+				rules[uint32(id)] = r
+			}
+		}
+	}
+	return c, rules, true
+}

@@ -84,7 +84,9 @@ func TestOneThreadServesBothDirections(t *testing.T) {
 				}
 			}
 		}
-		s := r.eventually(func(s Stats) bool { return s.Streams[0].TxPackets >= rounds*each && s.Streams[0].RxPackets >= rounds*each })
+		s := r.eventually(func(s Stats) bool {
+			return s.Streams[0].TxPackets >= rounds*each && s.Streams[0].RxPackets >= rounds*each
+		})
 		in, out := log.threads(Inbound), log.threads(Outbound)
 		loop := int(r.b.queues[0].tid.Load())
 		t.Logf("inbound on threads %v, outbound on %v, the queue's loop is %d", in, out, loop)

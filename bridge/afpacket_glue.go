@@ -5,8 +5,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/fabricbridge/fabricbridge/bridge/afpacket"
 	bingest "github.com/fabricbridge/fabricbridge/bridge/ingest"
 	"github.com/fabricbridge/fabricbridge/classifier"
@@ -82,7 +80,7 @@ func (b *Bridge) openAFPacket() (err error) {
 			for _, q := range qs {
 				q.rx.close()
 				q.tx.close()
-				unix.Close(q.wakefd)
+				q.closeFds()
 			}
 			hide.close()
 			offl.Restore()

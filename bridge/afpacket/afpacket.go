@@ -59,7 +59,6 @@ type Rx struct {
 	cur     int // the next block to look at
 	held    int // the block the caller still reads (Poll to Release), or -1
 	pfd     [2]unix.PollFd
-	buf     [8]byte
 	scratch []byte
 	drops   atomic.Uint64
 }
@@ -185,20 +184,16 @@ func (r *Rx) Release() {
 	}
 }
 
-// Wait sleeps until a block is ready or wakefd (an eventfd, or -1) is
-// signalled.
+// Wait sleeps until a block is ready or wakefd (-1 for none) is readable.
+// It does not read wakefd: that may be an epoll set (the bridge sleeps on
+// its commands and its streams at once); its owner drains it.
 func (r *Rx) Wait(wakefd int) {
 	if atomic.LoadUint32(r.status(r.cur))&unix.TP_STATUS_USER != 0 {
 		return
 	}
 	r.pfd[1] = unix.PollFd{Fd: int32(wakefd), Events: unix.POLLIN}
 	r.pfd[0].Revents = 0
-	if _, err := unix.Poll(r.pfd[:], -1); err != nil {
-		return
-	}
-	if r.pfd[1].Revents != 0 {
-		unix.Read(wakefd, r.buf[:])
-	}
+	unix.Poll(r.pfd[:], -1) // EINTR: the caller looks again
 }
 
 // FanoutByQueue joins rxs, in this order, into a new fanout group that

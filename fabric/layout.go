@@ -14,11 +14,13 @@ const (
 	// Magic is the first word of a stream region: the bytes "FBST".
 	Magic uint32 = 0x54534246
 	// Version is the layout version this package writes and accepts.
-	Version uint32 = 1
+	Version uint32 = 2
 
 	headerLen = 128 // bytes of the region header
 	ctlLen    = 384 // bytes of one ring control block (three 128-byte lines, the last reserved)
-	slotHdr   = 8   // bytes of slot header: u32 length, u32 meta
+	recHdr    = 8   // bytes of record header: u32 length, u32 meta
+	recAlign  = 8   // records start at multiples of 8 bytes
+	skipMark  = ^uint32(0)
 
 	// Header field offsets.
 	offMagic       = 0
@@ -32,10 +34,11 @@ const (
 	offTxDesc      = 64
 
 	// Ring descriptor field offsets (relative to the descriptor).
-	descCtl    = 0
-	descSlots  = 8
-	descCount  = 16
-	descStride = 20
+	descCtl     = 0
+	descData    = 8
+	descDepth   = 16
+	descMaxRec  = 20
+	descDataLen = 24
 
 	// Ring control block offsets (relative to the block). Each group sits
 	// on its own 128-byte line pair so that the producer's and consumer's
@@ -51,6 +54,7 @@ const (
 	ctlCons      = 128 // consumer line: read index
 	ctlConsLazy  = 132 // consumer line: consumer's lazy copy of write index
 	ctlProdArmed = 136 // consumer line: producer sleeps, wants a signal on space
+	ctlConsN     = 140 // consumer line: records consumed
 
 	// Side states stored in the header.
 	stateInit   = 0
@@ -59,11 +63,14 @@ const (
 
 	pageSize = 4096
 
-	// Limits that keep every computed offset far from overflow.
-	minSlots  = 2
-	maxSlots  = 1 << 20
-	minStride = 64
-	maxStride = 1 << 16
+	// Limits that keep every computed offset far from overflow and every
+	// byte distance between two ring positions below 2^31, so that u32
+	// modular arithmetic on free-running positions is exact.
+	minSlots   = 2
+	maxSlots   = 1 << 20
+	minStride  = 64
+	maxStride  = 1 << 16
+	maxDataLen = 1 << 30
 )
 
 // Errors returned when a region cannot be attached.
@@ -72,7 +79,7 @@ var (
 	ErrVersion    = errors.New("fabric: stream layout version mismatch")
 	ErrBadLayout  = errors.New("fabric: malformed stream region layout")
 	ErrBadConfig  = errors.New("fabric: invalid stream configuration")
-	ErrTooBig     = errors.New("fabric: packet larger than slot payload")
+	ErrTooBig     = errors.New("fabric: packet larger than the stream's maximum payload")
 	ErrBroken     = errors.New("fabric: stream broken")
 	ErrClosed     = errors.New("fabric: stream closed")
 	ErrTimeout    = errors.New("fabric: timeout")
@@ -81,13 +88,20 @@ var (
 )
 
 // Config sizes a stream. Zero fields take defaults.
+//
+// The rings hold variable-length records (see the package documentation),
+// so the fields keep their slot-ring meaning as guarantees: a ring holds
+// at most RxSlots (TxSlots) packets, and always has room for that many
+// packets of the largest size; its data area is (slots+1) × SlotSize
+// bytes, which must not exceed 1 GiB.
 type Config struct {
-	// RxSlots and TxSlots are the ring depths (powers of two, 2..1<<20).
-	// Default 1024.
+	// RxSlots and TxSlots are the ring depths in packets (powers of two,
+	// 2..1<<20). Default 1024.
 	RxSlots, TxSlots int
-	// SlotSize is the stride of one slot including its 8-byte header, a
-	// multiple of 64 in 64..65536. Default 2048, which holds a 1500-byte
-	// packet plus room for encapsulation.
+	// SlotSize is the largest record including its 8-byte header, a
+	// multiple of 64 in 64..65536: packets up to SlotSize-8 bytes fit.
+	// Default 2048, which holds a 1500-byte packet plus room for
+	// encapsulation.
 	SlotSize int
 }
 
@@ -106,8 +120,8 @@ func (c Config) withDefaults() Config {
 
 // ringDesc locates one ring inside a region.
 type ringDesc struct {
-	ctl, slots    uint64
-	count, stride uint32
+	ctl, data              uint64
+	depth, maxRec, dataLen uint32
 }
 
 // layout is the validated shape of a whole region.
@@ -118,34 +132,49 @@ type layout struct {
 
 func isPow2(n uint64) bool { return n != 0 && n&(n-1) == 0 }
 
-func checkRing(count, stride uint64) error {
-	if count < minSlots || count > maxSlots || !isPow2(count) {
-		return fmt.Errorf("%w: ring depth %d is not a power of two in [%d,%d]", ErrBadConfig, count, minSlots, maxSlots)
+// checkRing validates a depth and a largest record size and returns the
+// size of the data area they need.
+func checkRing(depth, maxRec uint64) (uint64, error) {
+	if depth < minSlots || depth > maxSlots || !isPow2(depth) {
+		return 0, fmt.Errorf("%w: ring depth %d is not a power of two in [%d,%d]", ErrBadConfig, depth, minSlots, maxSlots)
 	}
-	if stride < minStride || stride > maxStride || stride%64 != 0 {
-		return fmt.Errorf("%w: slot size %d is not a multiple of 64 in [%d,%d]", ErrBadConfig, stride, minStride, maxStride)
+	if maxRec < minStride || maxRec > maxStride || maxRec%64 != 0 {
+		return 0, fmt.Errorf("%w: slot size %d is not a multiple of 64 in [%d,%d]", ErrBadConfig, maxRec, minStride, maxStride)
 	}
-	return nil
+	n := dataLen(depth, maxRec)
+	if n > maxDataLen {
+		return 0, fmt.Errorf("%w: %d slots of %d bytes need a ring of %d bytes, more than %d", ErrBadConfig, depth, maxRec, n, maxDataLen)
+	}
+	return n, nil
 }
 
+// dataLen is the data area of a ring: one record of the largest size more
+// than depth of them, which is what guarantees room for a largest packet
+// whenever fewer than depth packets are queued, whatever padding the
+// no-wrap rule left at the end (the proof is in the package
+// documentation).
+func dataLen(depth, maxRec uint64) uint64 { return (depth + 1) * maxRec }
+
 // computeLayout places the header and both control blocks in the first
-// page and the slot arrays page-aligned after it.
+// page, the RX data area at the second page and the TX data area right
+// after it (64-byte aligned, as every data length is a multiple of 64).
 func computeLayout(c Config) (layout, error) {
 	c = c.withDefaults()
 	if c.RxSlots < 0 || c.TxSlots < 0 || c.SlotSize < 0 {
 		return layout{}, fmt.Errorf("%w: negative size", ErrBadConfig)
 	}
-	if err := checkRing(uint64(c.RxSlots), uint64(c.SlotSize)); err != nil {
+	rxLen, err := checkRing(uint64(c.RxSlots), uint64(c.SlotSize))
+	if err != nil {
 		return layout{}, err
 	}
-	if err := checkRing(uint64(c.TxSlots), uint64(c.SlotSize)); err != nil {
+	txLen, err := checkRing(uint64(c.TxSlots), uint64(c.SlotSize))
+	if err != nil {
 		return layout{}, err
 	}
 	var l layout
-	l.rx = ringDesc{ctl: 128, slots: pageSize, count: uint32(c.RxSlots), stride: uint32(c.SlotSize)}
-	l.tx = ringDesc{ctl: 512, count: uint32(c.TxSlots), stride: uint32(c.SlotSize)}
-	l.tx.slots = l.rx.slots + uint64(l.rx.count)*uint64(l.rx.stride)
-	end := l.tx.slots + uint64(l.tx.count)*uint64(l.tx.stride)
+	l.rx = ringDesc{ctl: 128, data: pageSize, depth: uint32(c.RxSlots), maxRec: uint32(c.SlotSize), dataLen: uint32(rxLen)}
+	l.tx = ringDesc{ctl: 512, data: pageSize + rxLen, depth: uint32(c.TxSlots), maxRec: uint32(c.SlotSize), dataLen: uint32(txLen)}
+	end := l.tx.data + txLen
 	l.size = (end + pageSize - 1) &^ (pageSize - 1)
 	return l, nil
 }
@@ -166,17 +195,19 @@ func u64at(mem []byte, off uint64) *uint64 {
 
 func writeDesc(mem []byte, off uint64, d ringDesc) {
 	*u64at(mem, off+descCtl) = d.ctl
-	*u64at(mem, off+descSlots) = d.slots
-	*u32at(mem, off+descCount) = d.count
-	*u32at(mem, off+descStride) = d.stride
+	*u64at(mem, off+descData) = d.data
+	*u32at(mem, off+descDepth) = d.depth
+	*u32at(mem, off+descMaxRec) = d.maxRec
+	*u32at(mem, off+descDataLen) = d.dataLen
 }
 
 func readDesc(mem []byte, off uint64) ringDesc {
 	return ringDesc{
-		ctl:    *u64at(mem, off+descCtl),
-		slots:  *u64at(mem, off+descSlots),
-		count:  *u32at(mem, off+descCount),
-		stride: *u32at(mem, off+descStride),
+		ctl:     *u64at(mem, off+descCtl),
+		data:    *u64at(mem, off+descData),
+		depth:   *u32at(mem, off+descDepth),
+		maxRec:  *u32at(mem, off+descMaxRec),
+		dataLen: *u32at(mem, off+descDataLen),
 	}
 }
 
@@ -190,6 +221,15 @@ func writeHeader(mem []byte, l layout) {
 	writeDesc(mem, offRxDesc, l.rx)
 	writeDesc(mem, offTxDesc, l.tx)
 	*u32at(mem, offMagic) = Magic
+}
+
+// versionHint names what an older peer speaks, so that the error says
+// which side needs upgrading rather than only that two numbers differ.
+func versionHint(v uint32) string {
+	if v == 1 {
+		return " (version 1 is the fixed-slot ring layout; version 2 carries variable-length records: rebuild the peer against this fabric)"
+	}
+	return ""
 }
 
 type span struct{ lo, hi uint64 }
@@ -208,7 +248,7 @@ func readHeader(mem []byte) (layout, error) {
 		return layout{}, fmt.Errorf("%w: got %#08x, want %#08x", ErrBadMagic, m, Magic)
 	}
 	if v := *u32at(mem, offVersion); v != Version {
-		return layout{}, fmt.Errorf("%w: region has version %d, this build speaks version %d", ErrVersion, v, Version)
+		return layout{}, fmt.Errorf("%w: region has version %d, this build speaks version %d%s", ErrVersion, v, Version, versionHint(v))
 	}
 	if h := *u32at(mem, offHeaderLen); h != headerLen {
 		return layout{}, fmt.Errorf("%w: header length %d, want %d", ErrBadLayout, h, headerLen)
@@ -219,17 +259,20 @@ func readHeader(mem []byte) (layout, error) {
 	}
 	spans := []span{{0, headerLen}}
 	for _, d := range []ringDesc{l.rx, l.tx} {
-		if err := checkRing(uint64(d.count), uint64(d.stride)); err != nil {
+		want, err := checkRing(uint64(d.depth), uint64(d.maxRec))
+		if err != nil {
 			return layout{}, fmt.Errorf("%w: %v", ErrBadLayout, err)
+		}
+		if uint64(d.dataLen) != want {
+			return layout{}, fmt.Errorf("%w: data length %d, want (depth+1)*max_record = %d", ErrBadLayout, d.dataLen, want)
 		}
 		if d.ctl%128 != 0 || d.ctl > n || n-d.ctl < ctlLen {
 			return layout{}, fmt.Errorf("%w: control block at %d out of bounds", ErrBadLayout, d.ctl)
 		}
-		slotsLen := uint64(d.count) * uint64(d.stride)
-		if d.slots%64 != 0 || d.slots > n || n-d.slots < slotsLen {
-			return layout{}, fmt.Errorf("%w: slots at %d+%d out of bounds", ErrBadLayout, d.slots, slotsLen)
+		if d.data%64 != 0 || d.data > n || n-d.data < want {
+			return layout{}, fmt.Errorf("%w: data area at %d+%d out of bounds", ErrBadLayout, d.data, want)
 		}
-		spans = append(spans, span{d.ctl, d.ctl + ctlLen}, span{d.slots, d.slots + slotsLen})
+		spans = append(spans, span{d.ctl, d.ctl + ctlLen}, span{d.data, d.data + want})
 	}
 	for i := range spans {
 		for j := i + 1; j < len(spans); j++ {

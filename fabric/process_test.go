@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -366,16 +367,17 @@ func TestShmVersionMismatch(t *testing.T) {
 		t.Cleanup(func() { a.Close(); c.Close() })
 		return a, c
 	}
-	// A bridge speaking version 2.
+	// A bridge speaking version 1 (fixed slots).
 	a, c := pair()
 	var hello [helloLen]byte
 	putHello(hello[:], 0, 0)
-	binary.LittleEndian.PutUint32(hello[4:], 2)
+	binary.LittleEndian.PutUint32(hello[4:], 1)
 	a.Write(hello[:])
-	if _, err := AttachShm(c); !errors.Is(err, ErrVersion) {
-		t.Fatalf("app attaching to a v2 bridge: %v, want ErrVersion", err)
+	_, err := AttachShm(c)
+	if !errors.Is(err, ErrVersion) || !strings.Contains(err.Error(), "version 1 is the fixed-slot") {
+		t.Fatalf("app attaching to a v1 bridge: %v, want ErrVersion naming version 1", err)
 	}
-	// An application answering version 2.
+	// An application answering version 1.
 	a, c = pair()
 	s, err := NewShm(Config{})
 	if err != nil {
@@ -385,10 +387,10 @@ func TestShmVersionMismatch(t *testing.T) {
 	go func() {
 		var b [helloLen]byte
 		c.Read(b[:])
-		binary.LittleEndian.PutUint32(b[4:], 2)
+		binary.LittleEndian.PutUint32(b[4:], 1)
 		c.Write(b[:])
 	}()
-	if err := s.Handover(a); !errors.Is(err, ErrVersion) {
-		t.Fatalf("bridge handing over to a v2 app: %v, want ErrVersion", err)
+	if err := s.Handover(a); !errors.Is(err, ErrVersion) || !strings.Contains(err.Error(), "speaks version 1") {
+		t.Fatalf("bridge handing over to a v1 app: %v, want ErrVersion", err)
 	}
 }

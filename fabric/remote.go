@@ -98,7 +98,7 @@ func (c RemoteConfig) withDefaults() (RemoteConfig, error) {
 	if c.PeerTimeout == 0 {
 		c.PeerTimeout = 3 * time.Second
 	}
-	if err := checkRing(uint64(c.Depth), uint64(c.SlotSize)); err != nil {
+	if _, err := checkRing(uint64(c.Depth), uint64(c.SlotSize)); err != nil {
 		return c, err
 	}
 	if c.High > c.Depth || c.Low >= c.High || c.Low < 0 {
@@ -716,7 +716,7 @@ func (s *RemoteStream) Tick() {
 }
 
 // MaxPayload is the largest packet Send accepts and Recv returns.
-func (s *RemoteStream) MaxPayload() int { return min(s.r.cfg.SlotSize-slotHdr, maxInner) }
+func (s *RemoteStream) MaxPayload() int { return min(s.r.cfg.SlotSize-recHdr, maxInner) }
 
 // VNI is the stream's id on the wire.
 func (s *RemoteStream) VNI() uint32 { return s.vni }

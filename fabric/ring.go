@@ -8,32 +8,38 @@ import (
 // ringView holds pointers into one ring of a region. Both ends build the
 // same view; which words each end writes is fixed by its role.
 type ringView struct {
-	prod, prodLazy     *uint32
-	drops              *uint64
-	cons, consLazy     *uint32
-	consArmed, prodArm *uint32
-	slots              []byte
-	count, mask        uint32
-	stride, maxPayload uint32
+	prod, prodLazy    *uint32
+	drops             *uint64
+	consArmed         *uint32
+	cons, consLazy    *uint32
+	consN, prodArm    *uint32
+	data              []byte // the data area, capacity clipped to it
+	size              uint32 // len(data): (depth+1) * maxRec
+	depth, maxPayload uint32
 }
 
 func newRingView(mem []byte, d ringDesc) ringView {
 	c := d.ctl
+	end := d.data + uint64(d.dataLen)
 	return ringView{
 		prod:       u32at(mem, c+ctlProd),
 		prodLazy:   u32at(mem, c+ctlProdLazy),
 		drops:      u64at(mem, c+ctlDrops),
+		consArmed:  u32at(mem, c+ctlConsArmed),
 		cons:       u32at(mem, c+ctlCons),
 		consLazy:   u32at(mem, c+ctlConsLazy),
-		consArmed:  u32at(mem, c+ctlConsArmed),
+		consN:      u32at(mem, c+ctlConsN),
 		prodArm:    u32at(mem, c+ctlProdArmed),
-		slots:      mem[d.slots : d.slots+uint64(d.count)*uint64(d.stride) : d.slots+uint64(d.count)*uint64(d.stride)],
-		count:      d.count,
-		mask:       d.count - 1,
-		stride:     d.stride,
-		maxPayload: d.stride - slotHdr,
+		data:       mem[d.data:end:end],
+		size:       d.dataLen,
+		depth:      d.depth,
+		maxPayload: d.maxRec - recHdr,
 	}
 }
+
+// recLen is the bytes a record of an n-byte packet takes: header, packet,
+// padding to recAlign. n must be at most maxPayload (< 2^16).
+func recLen(n uint32) uint32 { return recHdr + (n+recAlign-1)&^(recAlign-1) }
 
 // signaller wakes the other end of a ring. It is an eventfd in the shm
 // transport and a no-op (fd < 0) where nobody ever sleeps.
@@ -63,25 +69,31 @@ func (s *signaller) wakeIfArmed(flag *uint32) {
 }
 
 // Producer is the writing end of one single-producer/single-consumer ring.
-// Its authoritative indices are private; the shared words are written for
-// the consumer and only the consumer's read index is ever read back, and
-// that one is validated before use. Not safe for concurrent use.
+// Its authoritative positions are private; the shared words are written
+// for the consumer and only the consumer's read position and record count
+// are ever read back, and those are validated before use. Not safe for
+// concurrent use.
 type Producer struct {
-	v    ringView
-	prod uint32 // next index to write (private, authoritative)
-	cons uint32 // lazy copy of the consumer's read index (validated)
-	err  error
-	wake signaller // wakes a consumer sleeping for data
+	v     ringView
+	prod  uint32 // byte position of the next record (private, authoritative)
+	off   uint32 // prod's offset in the data area
+	n     uint32 // records written
+	cons  uint32 // lazy copy of the consumer's read position (validated)
+	consN uint32 // lazy copy of the consumer's record count (validated)
+	err   error
+	wake  signaller // wakes a consumer sleeping for data
 }
 
 // Consumer is the reading end of one ring. Everything it reads from shared
-// memory — the write index and every slot length — is bounds checked; on
-// any inconsistency the ring is marked broken and stays broken. Not safe
-// for concurrent use.
+// memory — the write position and every record's length — is bounds
+// checked; on any inconsistency the ring is marked broken and stays
+// broken. Not safe for concurrent use.
 type Consumer struct {
 	v    ringView
-	cons uint32 // next index to read (private, authoritative)
-	prod uint32 // lazy copy of the producer's write index (validated)
+	cons uint32 // byte position of the next record (private, authoritative)
+	off  uint32 // cons's offset in the data area
+	n    uint32 // records consumed
+	prod uint32 // lazy copy of the producer's write position (validated)
 	err  error
 	wake signaller // wakes a producer sleeping for space
 }
@@ -92,44 +104,58 @@ func (p *Producer) Err() error { return p.err }
 // Err returns why the ring is broken, or nil.
 func (c *Consumer) Err() error { return c.err }
 
-// MaxPayload is the largest packet a slot carries.
+// MaxPayload is the largest packet the ring carries.
 func (p *Producer) MaxPayload() int { return int(p.v.maxPayload) }
 
-// MaxPayload is the largest packet a slot carries.
+// MaxPayload is the largest packet the ring carries.
 func (c *Consumer) MaxPayload() int { return int(c.v.maxPayload) }
 
-// Depth is the number of slots in the ring.
-func (p *Producer) Depth() int { return int(p.v.count) }
+// Depth is how many packets the ring holds at most, and always has room
+// for when empty, whatever their sizes.
+func (p *Producer) Depth() int { return int(p.v.depth) }
 
-// Depth is the number of slots in the ring.
-func (c *Consumer) Depth() int { return int(c.v.count) }
+// Depth is how many packets the ring holds at most.
+func (c *Consumer) Depth() int { return int(c.v.depth) }
 
-// refresh reloads the consumer's read index. It must lie between the last
-// value we accepted and our own write index; anything else is a peer
-// writing garbage, and trusting it would let us overwrite unread slots.
+// refresh reloads the consumer's record count and read position. Each
+// must lie between the last value we accepted and what we have written;
+// anything else is a peer writing garbage, and trusting it would let us
+// overwrite unread records. The count is loaded first: the consumer
+// stores its position first, so the position we see is at least as far
+// as the count says.
 func (p *Producer) refresh() {
+	cn := atomic.LoadUint32(p.v.consN)
 	c := atomic.LoadUint32(p.v.cons)
-	if c-p.cons > p.prod-p.cons {
-		p.err = fmt.Errorf("%w: read index %d outside [%d,%d]", ErrCorruption, c, p.cons, p.prod)
+	if cn-p.consN > p.n-p.consN {
+		p.err = fmt.Errorf("%w: consumed record count %d outside [%d,%d]", ErrCorruption, cn, p.consN, p.n)
 		return
 	}
+	if c-p.cons > p.prod-p.cons || c%recAlign != 0 {
+		p.err = fmt.Errorf("%w: read position %d outside [%d,%d] or not a multiple of %d", ErrCorruption, c, p.cons, p.prod, recAlign)
+		return
+	}
+	p.consN = cn
 	if c != p.cons {
 		p.cons = c
 		atomic.StoreUint32(p.v.prodLazy, c) // informational mirror, never read back
 	}
 }
 
-// Free returns how many slots can be written without waiting. It refreshes
-// the lazy copy of the read index only when the cached copy shows a full
-// ring, so a producer that runs ahead touches the consumer's line rarely.
+// Free returns how many packets of any size can be written without
+// waiting. It refreshes the lazy copies only when the cached ones show a
+// full ring, so a producer that runs ahead touches the consumer's line
+// rarely.
 func (p *Producer) Free() int {
 	if p.err != nil {
 		return 0
 	}
-	if p.prod-p.cons == p.v.count {
+	if p.n-p.consN == p.v.depth {
 		p.refresh()
+		if p.err != nil {
+			return 0
+		}
 	}
-	return int(p.v.count - (p.prod - p.cons))
+	return int(p.v.depth - (p.n - p.consN))
 }
 
 // Produce copies up to len(pkts) packets into the ring and publishes them
@@ -142,46 +168,74 @@ func (p *Producer) Produce(pkts [][]byte) (int, error) {
 
 // ProduceMeta is Produce with a 32-bit metadata word per packet (for the
 // bridge: the rule that classified it). meta may be nil.
+//
+// Only the packet count limits a batch: while fewer than depth packets are
+// queued, a record of the largest size always fits (see dataLen), so
+// running out of bytes can only mean the consumer published a read
+// position behind its record count, and is treated as corruption.
 func (p *Producer) ProduceMeta(pkts [][]byte, meta []uint32) (int, error) {
 	if p.err != nil {
 		return 0, p.err
 	}
-	free := p.v.count - (p.prod - p.cons)
-	if free < uint32(len(pkts)) {
-		p.refresh()
-		if p.err != nil {
-			return 0, p.err
-		}
-		free = p.v.count - (p.prod - p.cons)
-	}
-	n := uint32(len(pkts))
-	if n > free {
-		n = free
-	}
+	v := &p.v
 	var err error
-	i := uint32(0)
-	for ; i < n; i++ {
+	refreshed := false
+	i := 0
+	for ; i < len(pkts); i++ {
 		pkt := pkts[i]
-		if uint32(len(pkt)) > p.v.maxPayload || len(pkt) > int(p.v.maxPayload) {
+		if len(pkt) > int(v.maxPayload) {
 			err = ErrTooBig
 			break
 		}
-		off := ((p.prod + i) & p.v.mask) * p.v.stride
-		slot := p.v.slots[off : off+p.v.stride]
-		*u32at(slot, 0) = uint32(len(pkt))
+		if p.n-p.consN == v.depth {
+			if refreshed {
+				break
+			}
+			refreshed = true
+			if p.refresh(); p.err != nil {
+				break
+			}
+			if p.n-p.consN == v.depth {
+				break
+			}
+		}
+		rec := recLen(uint32(len(pkt)))
+		off := p.off
+		need := rec
+		if rec > v.size-off {
+			need += v.size - off // a skip record to the end, then start over at 0
+		}
+		if used := p.prod - p.cons; need > v.size-used {
+			p.err = fmt.Errorf("%w: %d packets queued but %d of %d bytes in use: the read position lags the record count", ErrCorruption, p.n-p.consN, used, v.size)
+			break
+		}
+		if rec > v.size-off {
+			*u32at(v.data, uint64(off)) = skipMark
+			p.prod += v.size - off
+			off = 0
+		}
+		*u32at(v.data, uint64(off)) = uint32(len(pkt))
 		var m uint32
 		if meta != nil {
 			m = meta[i]
 		}
-		*u32at(slot, 4) = m
-		copy(slot[slotHdr:], pkt)
+		*u32at(v.data, uint64(off)+4) = m
+		copy(v.data[off+recHdr:], pkt)
+		if off += rec; off == v.size {
+			off = 0
+		}
+		p.off = off
+		p.prod += rec
+		p.n++
 	}
 	if i > 0 {
-		p.prod += i
-		atomic.StoreUint32(p.v.prod, p.prod)
-		p.wake.wakeIfArmed(p.v.consArmed)
+		atomic.StoreUint32(v.prod, p.prod)
+		p.wake.wakeIfArmed(v.consArmed)
 	}
-	return int(i), err
+	if p.err != nil {
+		return i, p.err
+	}
+	return i, err
 }
 
 // countDrops adds to the producer's drop counter mirrored in shared memory
@@ -192,12 +246,13 @@ func (p *Producer) countDrops(n uint64) {
 	}
 }
 
-// refresh reloads the producer's write index, which must not move
-// backwards and must not claim more than a full ring.
+// refresh reloads the producer's write position, which must not move
+// backwards, must not claim more than the data area, and must sit on a
+// record boundary's alignment.
 func (c *Consumer) refresh() {
 	w := atomic.LoadUint32(c.v.prod)
-	if w-c.cons > c.v.count || w-c.cons < c.prod-c.cons {
-		c.err = fmt.Errorf("%w: write index %d, read index %d, previous write index %d, depth %d", ErrCorruption, w, c.cons, c.prod, c.v.count)
+	if w-c.cons > c.v.size || w-c.cons < c.prod-c.cons || w%recAlign != 0 {
+		c.err = fmt.Errorf("%w: write position %d, read position %d, previous write position %d, data area %d bytes", ErrCorruption, w, c.cons, c.prod, c.v.size)
 		return
 	}
 	if w != c.prod {
@@ -221,52 +276,85 @@ func (c *Consumer) Ready() bool {
 // Consume copies up to len(bufs) packets into the caller's buffers, using
 // each buffer's full capacity and reslicing bufs[i] to the packet length
 // (a packet longer than the buffer is truncated, so give buffers of
-// MaxPayload bytes). It releases the slots with one store and wakes a
-// producer that sleeps for space. It never blocks.
+// MaxPayload bytes). It releases the records with one store of the read
+// position and one of the record count, and wakes a producer that sleeps
+// for space. It never blocks.
 func (c *Consumer) Consume(bufs [][]byte) (int, error) {
 	return c.ConsumeMeta(bufs, nil)
 }
 
 // ConsumeMeta is Consume that also returns each packet's metadata word
 // into meta (which may be nil, or must be as long as bufs).
+//
+// The producer's write position is reloaded at most once per call, when
+// the records already known run out.
 func (c *Consumer) ConsumeMeta(bufs [][]byte, meta []uint32) (int, error) {
 	if c.err != nil {
 		return 0, c.err
 	}
-	avail := c.prod - c.cons
-	if avail < uint32(len(bufs)) {
-		c.refresh()
-		if c.err != nil {
-			return 0, c.err
+	v := &c.v
+	start := c.cons
+	refreshed := false
+	i := 0
+	for i < len(bufs) {
+		if c.prod == c.cons {
+			if refreshed {
+				break
+			}
+			refreshed = true
+			if c.refresh(); c.err != nil || c.prod == c.cons {
+				break
+			}
 		}
-		avail = c.prod - c.cons
-	}
-	n := uint32(len(bufs))
-	if n > avail {
-		n = avail
-	}
-	i := uint32(0)
-	for ; i < n; i++ {
-		off := ((c.cons + i) & c.v.mask) * c.v.stride
-		slot := c.v.slots[off : off+c.v.stride]
+		avail, off := c.prod-c.cons, c.off
 		// Read the length once: the peer may change it under us, so the
-		// value we check is the value we use.
-		l := atomic.LoadUint32(u32at(slot, 0))
-		if l > c.v.maxPayload {
-			c.err = fmt.Errorf("%w: slot %d claims length %d, max %d", ErrCorruption, (c.cons+i)&c.v.mask, l, c.v.maxPayload)
+		// value we check is the value we use. off is ours, a multiple of
+		// 8 below size, so the 8-byte header is inside the data area, and
+		// avail, a nonzero multiple of 8, covers it.
+		l := atomic.LoadUint32(u32at(v.data, uint64(off)))
+		if l == skipMark {
+			skip := v.size - off
+			if skip > avail {
+				c.err = fmt.Errorf("%w: skip record at offset %d spans %d bytes, only %d published", ErrCorruption, off, skip, avail)
+				break
+			}
+			c.cons += skip
+			c.off = 0
+			continue
+		}
+		if l > v.maxPayload {
+			c.err = fmt.Errorf("%w: record at offset %d claims length %d, max %d", ErrCorruption, off, l, v.maxPayload)
+			break
+		}
+		rec := recLen(l)
+		if rec > v.size-off {
+			c.err = fmt.Errorf("%w: record at offset %d of %d bytes crosses the end of the %d-byte data area", ErrCorruption, off, rec, v.size)
+			break
+		}
+		if rec > avail {
+			c.err = fmt.Errorf("%w: record at offset %d of %d bytes, only %d published", ErrCorruption, off, rec, avail)
 			break
 		}
 		if meta != nil {
-			meta[i] = atomic.LoadUint32(u32at(slot, 4))
+			meta[i] = atomic.LoadUint32(u32at(v.data, uint64(off)+4))
 		}
 		b := bufs[i][:cap(bufs[i])]
-		k := copy(b, slot[slotHdr:slotHdr+l])
+		k := copy(b, v.data[off+recHdr:off+recHdr+l])
 		bufs[i] = b[:k]
+		if off += rec; off == v.size {
+			off = 0
+		}
+		c.off = off
+		c.cons += rec
+		c.n++
+		i++
 	}
-	if i > 0 {
-		c.cons += i
-		atomic.StoreUint32(c.v.cons, c.cons)
-		c.wake.wakeIfArmed(c.v.prodArm)
+	if c.cons != start {
+		// Position before count: a producer that loads the count first
+		// then never sees a position behind it (see Producer.refresh).
+		atomic.StoreUint32(v.cons, c.cons)
+		atomic.StoreUint32(v.consN, c.n)
+		c.wake.wakeIfArmed(v.prodArm)
 	}
-	return int(i), c.err
+	return i, c.err
 }

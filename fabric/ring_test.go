@@ -3,6 +3,8 @@ package fabric
 import (
 	"encoding/binary"
 	"errors"
+	"math/rand/v2"
+	"strings"
 	"sync"
 	"testing"
 )
@@ -119,18 +121,27 @@ func TestRingTooBigAndTruncation(t *testing.T) {
 }
 
 // A hostile producer (the application, for the TX ring) writes garbage
-// into the shared words; the consumer must refuse, stay broken, and never
-// read outside the slot array.
+// into the shared words and records; the consumer must refuse, stay
+// broken, and never read outside the data area (its slice is clipped to
+// the area, so a stray access would panic the test).
 func TestRingHostileProducer(t *testing.T) {
 	cases := []struct {
 		name  string
 		spoil func(v *ringView)
 	}{
-		{"write index beyond depth", func(v *ringView) { *v.prod = 10 }}, // read_i is 1, depth 8
-		{"write index far ahead", func(v *ringView) { *v.prod = 0x80000000 }},
-		{"write index backwards", func(v *ringView) { *v.prod = 1 }},
-		{"slot length huge", func(v *ringView) { *u32at(v.slots, 2*uint64(v.stride)) = 0xffffffff }},
-		{"slot length one too big", func(v *ringView) { *u32at(v.slots, 2*uint64(v.stride)) = v.maxPayload + 1 }},
+		// Three 16-byte records published (write position 48), the
+		// consumer has taken the first (read position 16).
+		// The consumer first takes the two records it knows of (read
+		// position 48), then reloads the write position.
+		{"write position beyond the data area", func(v *ringView) { *v.prod = 48 + v.size + 8 }},
+		{"write position far ahead", func(v *ringView) { *v.prod = 0x80000000 }},
+		{"write position backwards", func(v *ringView) { *v.prod = 32 }},
+		{"write position misaligned", func(v *ringView) { *v.prod = 52 }},
+		{"length huge", func(v *ringView) { *u32at(v.data, 16) = 0xfffffffe }},
+		{"length one too big", func(v *ringView) { *u32at(v.data, 16) = v.maxPayload + 1 }},
+		{"length beyond the data area", func(v *ringView) { *u32at(v.data, 16) = v.size }},
+		{"length beyond what was published", func(v *ringView) { *u32at(v.data, 32) = 100 }},
+		{"skip record short of the end", func(v *ringView) { *u32at(v.data, 16) = skipMark }},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
@@ -141,7 +152,7 @@ func TestRingHostileProducer(t *testing.T) {
 			if n, err := c.Consume(out[:1]); n != 1 || err != nil {
 				t.Fatal(n, err)
 			}
-			c.refresh() // the consumer has now seen write_i = 3
+			c.refresh() // the consumer has now seen write position 48
 			tc.spoil(&p.v)
 			n, err := c.Consume(out)
 			if !errors.Is(err, ErrCorruption) {
@@ -154,18 +165,182 @@ func TestRingHostileProducer(t *testing.T) {
 	}
 }
 
-// A hostile consumer (the application, for the RX ring) moves read_i
-// where it cannot be; the producer must refuse rather than overwrite.
+// advance moves both ends of an empty ring forward by k records of n
+// bytes, so that a test can put the next record where it wants.
+func advance(t *testing.T, p *Producer, c *Consumer, k, n int) {
+	t.Helper()
+	out := mkBufs(1, 2048)
+	for range k {
+		if m, err := p.Produce([][]byte{make([]byte, n)}); m != 1 || err != nil {
+			t.Fatal("produce", m, err)
+		}
+		if m, err := c.Consume(out); m != 1 || err != nil {
+			t.Fatal("consume", m, err)
+		}
+	}
+}
+
+// Record-specific lies about the end of the data area: a record whose
+// length runs past the end (records never wrap), and a skip record placed
+// where its span to the end was not published.
+func TestRingHostileRecordsAtTheEnd(t *testing.T) {
+	t.Run("record crosses the end", func(t *testing.T) {
+		p, c, _ := NewRingPair(8, 128) // data area 1152 bytes
+		advance(t, p, c, 71, 8)        // 71 records of 16 bytes: offset 1136, 16 bytes left
+		if c.off != 1136 {
+			t.Fatalf("consumer offset %d, want 1136", c.off)
+		}
+		p.Produce([][]byte{make([]byte, 8)})
+		*u32at(p.v.data, 1136) = 100 // a 112-byte record in 16 bytes
+		*p.v.prod = c.cons + 128     // "published" well within the ring
+		_, err := c.Consume(mkBufs(4, 128))
+		if !errors.Is(err, ErrCorruption) || !strings.Contains(err.Error(), "crosses the end") {
+			t.Fatalf("err %v, want a record crossing the end refused", err)
+		}
+	})
+	t.Run("skip record not published to the end", func(t *testing.T) {
+		p, c, _ := NewRingPair(8, 128)
+		advance(t, p, c, 60, 8) // offset 960, 192 bytes left
+		p.Produce([][]byte{make([]byte, 8), make([]byte, 8)})
+		*u32at(p.v.data, 960) = skipMark // claims the last 192 bytes, 32 published
+		_, err := c.Consume(mkBufs(4, 128))
+		if !errors.Is(err, ErrCorruption) || !strings.Contains(err.Error(), "skip record") {
+			t.Fatalf("err %v, want a misplaced skip record refused", err)
+		}
+	})
+	t.Run("honest skip", func(t *testing.T) {
+		p, c, _ := NewRingPair(8, 128)
+		advance(t, p, c, 71, 8) // 16 bytes left: a 120-byte packet must skip them
+		in := [][]byte{seqPkt(make([]byte, 120), 7, 120)}
+		if m, err := p.Produce(in); m != 1 || err != nil {
+			t.Fatal(m, err)
+		}
+		if got := *u32at(p.v.data, 1136); got != skipMark {
+			t.Fatalf("word at 1136 is %#x, want a skip record", got)
+		}
+		out := mkBufs(1, 128)
+		if m, err := c.Consume(out); m != 1 || err != nil {
+			t.Fatal(m, err)
+		}
+		checkSeqPkt(t, out[0], 7, 120)
+		if c.off != 128 || c.cons != 71*16+16+128 {
+			t.Fatalf("consumer at offset %d position %d", c.off, c.cons)
+		}
+	})
+}
+
+// A hostile consumer (the application, for the RX ring) moves its read
+// position or record count where they cannot be; the producer must
+// refuse rather than overwrite.
 func TestRingHostileConsumer(t *testing.T) {
-	for _, bad := range []uint32{4, 0xffffffff, 0x40000000} {
+	spoils := map[string]func(c *Consumer){
+		// When the producer reloads, it has written 4 records (position 64).
+		"read position ahead":      func(c *Consumer) { *c.v.cons = 80 },
+		"read position misaligned": func(c *Consumer) { *c.v.cons = 4 },
+		"read position backwards":  func(c *Consumer) { *c.v.cons = 0xfffffff8 },
+		"read position far off":    func(c *Consumer) { *c.v.cons = 0x40000000 },
+		"record count ahead":       func(c *Consumer) { *c.v.consN = 5 },
+		"record count backwards":   func(c *Consumer) { *c.v.consN = 0xffffffff },
+	}
+	for name, spoil := range spoils {
 		p, c, _ := NewRingPair(4, 64)
 		pk := [][]byte{{1}, {2}, {3}}
 		p.Produce(pk)
-		*c.v.cons = bad // read_i ahead of write_i (3) or behind the last seen
-		p.Produce(pk)   // needs a refresh: only 1 slot free by the lazy copy
+		spoil(c)
+		p.Produce(pk) // needs a refresh: only 1 packet free by the lazy copy
 		if !errors.Is(p.Err(), ErrCorruption) {
-			t.Fatalf("read_i=%#x: producer err %v, want corruption", bad, p.Err())
+			t.Errorf("%s: producer err %v, want corruption", name, p.Err())
 		}
+	}
+	// A consumer that owns up to taking every record but leaves its read
+	// position behind: the producer believes there is room in packets,
+	// finds none in bytes, and refuses instead of overwriting.
+	p, c, _ := NewRingPair(4, 64) // data area 320 bytes
+	full := mkBufs(4, 56)         // 64-byte records
+	if n, _ := p.Produce(full); n != 4 {
+		t.Fatal("fill", n)
+	}
+	*c.v.consN = 4
+	n, err := p.Produce(full)
+	if !errors.Is(err, ErrCorruption) || n > 1 {
+		t.Fatalf("lagging read position: n=%d err=%v, want corruption after at most one record", n, err)
+	}
+}
+
+// Whatever sizes came before, a ring holding fewer than depth packets has
+// room for one of the largest size, and never takes more than depth: the
+// (depth+1) x max-record data area is what makes slot counts a contract.
+func TestRingDepthGuarantee(t *testing.T) {
+	const depth = 8
+	p, c, _ := NewRingPair(depth, 128)
+	rnd := rand.New(rand.NewPCG(1, 2))
+	big := make([]byte, p.MaxPayload())
+	out := mkBufs(depth, 128)
+	queued := 0
+	for step := 0; step < 20000; step++ {
+		if queued < depth {
+			if n, err := p.Produce([][]byte{big}); n != 1 || err != nil {
+				t.Fatalf("step %d: %d queued, a largest packet refused (n=%d err=%v)", step, queued, n, err)
+			}
+			queued++
+		}
+		k := rnd.IntN(depth)
+		pk := make([][]byte, k)
+		for i := range pk {
+			pk[i] = big[:rnd.IntN(len(big)+1)]
+		}
+		n, err := p.Produce(pk)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if queued += n; queued > depth || (n < k && queued != depth) {
+			t.Fatalf("step %d: took %d of %d, now %d queued (depth %d)", step, n, k, queued, depth)
+		}
+		m, err := c.Consume(out[:rnd.IntN(depth+1)])
+		if err != nil {
+			t.Fatal(err)
+		}
+		queued -= m
+	}
+}
+
+// Mixed sizes, uneven batches and metadata words survive many laps of the
+// data area, with skip records at its end.
+func TestRingRecordsMixedLaps(t *testing.T) {
+	sizeOf := func(seq uint32) int { return 4 + int((seq*2654435761)>>16)%1497 }
+	p, c, _ := NewRingPair(64, 2048)
+	in, out := mkBufs(16, 1500), mkBufs(16, 2048)
+	pk := make([][]byte, 16)
+	meta, gotMeta := make([]uint32, 16), make([]uint32, 16)
+	var sent, got uint32
+	for round := 0; round < 20000; round++ {
+		k := 1 + round%13
+		for i := 0; i < k; i++ {
+			seq := sent + uint32(i)
+			pk[i], meta[i] = seqPkt(in[i], seq, sizeOf(seq)), ^seq
+		}
+		n, err := p.ProduceMeta(pk[:k], meta[:k])
+		if err != nil {
+			t.Fatal(err)
+		}
+		sent += uint32(n)
+		m, err := c.ConsumeMeta(out[:1+round%16], gotMeta)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := 0; i < m; i++ {
+			checkSeqPkt(t, out[i], got, sizeOf(got))
+			if gotMeta[i] != ^got {
+				t.Fatalf("packet %d: meta %#x", got, gotMeta[i])
+			}
+			got++
+		}
+	}
+	if laps := p.prod / p.v.size; laps < 10 {
+		t.Fatalf("only %d laps of the data area", laps)
+	}
+	if got < 50000 {
+		t.Fatalf("only %d packets", got)
 	}
 }
 
@@ -189,19 +364,24 @@ func TestReadHeaderValidation(t *testing.T) {
 		want  error
 	}{
 		{"magic", func(m []byte) []byte { *u32at(m, offMagic) = 0x12345678; return m }, ErrBadMagic},
-		{"version", func(m []byte) []byte { *u32at(m, offVersion) = 2; return m }, ErrVersion},
+		{"version 1", func(m []byte) []byte { *u32at(m, offVersion) = 1; return m }, ErrVersion},
+		{"version 3", func(m []byte) []byte { *u32at(m, offVersion) = 3; return m }, ErrVersion},
 		{"short", func(m []byte) []byte { return m[:64] }, ErrBadLayout},
 		{"length", func(m []byte) []byte { return m[:len(m)-4096] }, ErrBadLayout},
 		{"header len", func(m []byte) []byte { *u32at(m, offHeaderLen) = 64; return m }, ErrBadLayout},
-		{"count not pow2", func(m []byte) []byte { *u32at(m, offRxDesc+descCount) = 12; return m }, ErrBadLayout},
-		{"count huge", func(m []byte) []byte { *u32at(m, offRxDesc+descCount) = 1 << 31; return m }, ErrBadLayout},
-		{"stride odd", func(m []byte) []byte { *u32at(m, offTxDesc+descStride) = 100; return m }, ErrBadLayout},
-		{"slots past end", func(m []byte) []byte { *u64at(m, offTxDesc+descSlots) = l.size - 64; return m }, ErrBadLayout},
-		{"slots wrap", func(m []byte) []byte { *u64at(m, offTxDesc+descSlots) = 1<<64 - 64; return m }, ErrBadLayout},
+		{"depth not pow2", func(m []byte) []byte { *u32at(m, offRxDesc+descDepth) = 12; return m }, ErrBadLayout},
+		{"depth huge", func(m []byte) []byte { *u32at(m, offRxDesc+descDepth) = 1 << 31; return m }, ErrBadLayout},
+		{"max record odd", func(m []byte) []byte { *u32at(m, offTxDesc+descMaxRec) = 100; return m }, ErrBadLayout},
+		{"data length short", func(m []byte) []byte { *u32at(m, offTxDesc+descDataLen) -= 64; return m }, ErrBadLayout},
+		{"data length long", func(m []byte) []byte { *u32at(m, offRxDesc+descDataLen) += 64; return m }, ErrBadLayout},
+		{"data length of depth x max record", func(m []byte) []byte { *u32at(m, offRxDesc+descDataLen) = 16 * 256; return m }, ErrBadLayout},
+		{"data past end", func(m []byte) []byte { *u64at(m, offTxDesc+descData) = l.size - 64; return m }, ErrBadLayout},
+		{"data wrap", func(m []byte) []byte { *u64at(m, offTxDesc+descData) = 1<<64 - 64; return m }, ErrBadLayout},
+		{"data misaligned", func(m []byte) []byte { *u64at(m, offTxDesc+descData) += 8; return m }, ErrBadLayout},
 		{"ctl misaligned", func(m []byte) []byte { *u64at(m, offRxDesc+descCtl) = 192; return m }, ErrBadLayout},
 		{"ctl overlaps header", func(m []byte) []byte { *u64at(m, offRxDesc+descCtl) = 0; return m }, ErrBadLayout},
-		{"rings overlap", func(m []byte) []byte { *u64at(m, offTxDesc+descSlots) = l.rx.slots; return m }, ErrBadLayout},
-		{"ctl in slots", func(m []byte) []byte { *u64at(m, offTxDesc+descCtl) = l.rx.slots; return m }, ErrBadLayout},
+		{"rings overlap", func(m []byte) []byte { *u64at(m, offTxDesc+descData) = l.rx.data; return m }, ErrBadLayout},
+		{"ctl in data", func(m []byte) []byte { *u64at(m, offTxDesc+descCtl) = l.rx.data; return m }, ErrBadLayout},
 	}
 	for _, tc := range cases {
 		_, err := readHeader(tc.spoil(fresh()))
@@ -212,7 +392,7 @@ func TestReadHeaderValidation(t *testing.T) {
 }
 
 // Whatever bytes a peer puts in the header, readHeader either refuses or
-// yields rings whose every slot lies inside the mapping.
+// yields rings whose whole data area lies inside the mapping.
 func FuzzReadHeader(f *testing.F) {
 	l, _ := computeLayout(Config{RxSlots: 4, TxSlots: 4, SlotSize: 128})
 	m := make([]byte, l.size)
@@ -227,8 +407,9 @@ func FuzzReadHeader(f *testing.F) {
 		}
 		for _, d := range []ringDesc{got.rx, got.tx} {
 			v := newRingView(mem, d) // panics if out of bounds
-			last := uint64(v.mask) * uint64(v.stride)
-			_ = v.slots[last+uint64(v.stride)-1]
+			if uint32(len(v.data)) != v.size || v.size != (v.depth+1)*(v.maxPayload+recHdr) {
+				t.Fatalf("data area %d bytes, size %d, depth %d, max payload %d", len(v.data), v.size, v.depth, v.maxPayload)
+			}
 		}
 	})
 }

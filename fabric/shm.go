@@ -77,7 +77,7 @@ func checkHello(b []byte, who string) error {
 		return fmt.Errorf("%w: %s handshake magic %#08x", ErrBadMagic, who, m)
 	}
 	if v := binary.LittleEndian.Uint32(b[4:]); v != Version {
-		return fmt.Errorf("%w: %s speaks version %d, this build speaks version %d", ErrVersion, who, v, Version)
+		return fmt.Errorf("%w: %s speaks version %d, this build speaks version %d%s", ErrVersion, who, v, Version, versionHint(v))
 	}
 	return nil
 }

@@ -18,7 +18,7 @@
 // # Trust
 //
 // The bridge never trusts the region. Everything it reads from it — the
-// peer's ring index and each slot's length — is validated before use,
+// peer's ring positions and each record's length — is validated before use,
 // lengths are read once, and its own indices are never read back. A
 // violation marks the stream Broken and it is never touched again. The
 // memfd is sealed (F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL) before handover so
@@ -32,23 +32,23 @@
 // signals, application sleeps), the TX-data eventfd (application signals,
 // bridge sleeps) and the TX-space eventfd (bridge signals, application
 // sleeps for room). Message: u32 magic 0x54534246 ("FBST"), u32 version
-// (1), u32 descriptor count (4), u32 zero, u64 region length. The
+// (2), u32 descriptor count (4), u32 zero, u64 region length. The
 // application answers with the same 24-byte layout (count and length zero);
 // either side refuses a different magic or version with ErrBadMagic or
 // ErrVersion. The socket stays open: its closing is how each side learns
 // that the other is gone (a crashed process closes its sockets too). The
 // eventfds are non-blocking; a signal is a write of the 8-byte value 1.
 //
-// # Region layout (version 1)
+// # Region layout (version 2)
 //
 // All integers are little-endian (the host's order; big-endian builds are
 // refused at compile time). Offsets are in bytes from the start of the
 // region. The bridge zeroes the region, writes the header, and writes the
-// magic last.
+// magic last. Version 1, fixed slots, is refused with ErrVersion.
 //
 //	Header, offset 0, 128 bytes:
 //	  0   u32  magic        0x54534246
-//	  4   u32  version      1
+//	  4   u32  version      2
 //	  8   u32  header_len   128
 //	  12  u32  flags        0
 //	  16  u64  region_len   total bytes, = memfd size (a multiple of 4096)
@@ -59,70 +59,103 @@
 //	  96  32 bytes zero
 //	Ring descriptor:
 //	  0   u64  ctl_off      control block offset (multiple of 128)
-//	  8   u64  slots_off    slot array offset (multiple of 64)
-//	  16  u32  slot_count   power of two, 2..1048576
-//	  20  u32  slot_stride  bytes per slot, multiple of 64, 64..65536
-//	  24  u64  reserved 0
+//	  8   u64  data_off     data area offset (multiple of 64)
+//	  16  u32  depth        most records queued at once; power of two, 2..1048576
+//	  20  u32  max_record   largest record in bytes, multiple of 64, 64..65536
+//	                        (largest packet: max_record - 8)
+//	  24  u32  data_len     data area bytes, exactly (depth + 1) * max_record,
+//	                        at most 2^30
+//	  28  u32  reserved 0
 //	Control block, 384 bytes (this version places RX's at 128, TX's at 512):
-//	  0   u32  write_i      producer's next slot index  (producer line)
-//	  4   u32  lazy_read_i  producer's last-seen read_i (informational)
+//	  0   u32  write_pos    producer's byte position after its last
+//	                        published record                 (producer line)
+//	  4   u32  lazy_read_pos producer's last-seen read_pos (informational)
 //	  8   u64  drops        packets the producer dropped (informational)
 //	  16  u32  cons_armed   1: consumer sleeps, signal it on new data
-//	  128 u32  read_i       consumer's next slot index  (consumer line)
-//	  132 u32  lazy_write_i consumer's last-seen write_i (informational)
+//	  128 u32  read_pos     consumer's byte position after its last
+//	                        released record                  (consumer line)
+//	  132 u32  lazy_write_pos consumer's last-seen write_pos (informational)
 //	  136 u32  prod_armed   1: producer sleeps, signal it on free space
+//	  140 u32  read_count   records (not skip records) released so far
 //	  256 128 bytes reserved, zero
-//	Slot i of a ring is at slots_off + (index mod slot_count) * slot_stride:
-//	  0   u32  len          payload bytes, <= slot_stride - 8
+//	Record, at an offset o of the data area (o a multiple of 8):
+//	  0   u32  len          payload bytes, <= max_record - 8;
+//	                        or 0xFFFFFFFF: a skip record
 //	  4   u32  meta         producer-defined (the bridge: classifier rule id)
-//	  8   len bytes of packet (an IP packet, starting at the IP header)
-//	This version places RX slots at 4096 and TX slots right after them.
+//	  8   len bytes of packet (an IP packet, starting at the IP header),
+//	      then zero to 7 bytes of padding: the record takes
+//	      8 + (len rounded up to a multiple of 8) bytes
+//	This version places the RX data area at 4096 and TX's right after it.
 //
-// Indices are free-running u32 counters; the ring holds write_i - read_i
-// packets (mod 2^32), never more than slot_count. Producer: write slots
-// [write_i, read_i + slot_count), then store write_i with release order,
-// then, if cons_armed is 1, atomically exchange it 1→0 and signal the data
-// eventfd. (An armed flag sits on the line of the side that clears it,
-// which it writes anyway, so a busy ring moves no extra cache line.) Consumer: load write_i with acquire order, copy slots, store
-// read_i with release order, then likewise wake a producer whose
-// prod_armed is 1 through the space eventfd. A sleeper atomically
-// exchanges 1 into its armed word, re-reads the other index, and only then
-// sleeps. The index store and the flag test, and the flag set and the
-// index re-read, must each be ordered store-before-load (C11 seq_cst, or an
-// atomic read-modify-write such as x86 XCHG on either side): this is the
-// Dekker pattern that guarantees no wake-up is lost. Validation, all in
-// u32 modular arithmetic: a newly read write_i must satisfy
-// write_i - read_i <= slot_count and write_i - read_i >= old_write_i -
-// read_i (it never moves back); a newly read read_i must satisfy
-// read_i - old_read_i <= write_i - old_read_i (it lies between what was
-// seen before and write_i); len must be <= slot_stride - 8. The RX ring
-// never blocks its producer (the bridge drops the newest packets and adds
-// them to drops); the TX ring blocks the application instead.
+// Positions are free-running u32 byte counters, starting at 0; the ring holds
+// write_pos - read_pos bytes (mod 2^32), never more than data_len. Each side
+// also keeps the offset in the data area of its own position: it starts at 0,
+// advances by the length of each record passed, and returns to 0 on reaching
+// data_len or after a skip record. (data_len need not divide 2^32, so the
+// offset is not the position modulo anything: track it.) Records never cross
+// the end of the data area: when the next record does not fit in the data_len
+// - o bytes left, the producer writes a skip record (only its len word
+// matters) at o, which stands for those bytes, and puts the record at offset
+// 0. A skip record is written only right before a record that needs it.
 //
-// # Fixed slots rather than variable-length records
+// Producer: queue at most depth records (its own count of records written,
+// minus read_count). Write records from write_pos on, then store write_pos
+// with release order, then, if cons_armed is 1, atomically exchange it 1→0
+// and signal the data eventfd. (An armed flag sits on the line of the side
+// that clears it, which it writes anyway, so a busy ring moves no extra cache
+// line.) To learn about space, load read_count, then read_pos, with acquire
+// order. Counting records is enough: with data_len = (depth + 1) × max_record,
+// a ring holding fewer than depth records always has room for one more of the
+// largest size, skip record included. (Let S be max_record. At most one skip
+// record, shorter than S, lies in the queued bytes, so they number less than
+// depth × S. If the record fits before the end, at least S bytes are free. If
+// not, the producer's offset is above data_len - S = depth × S and the queued
+// bytes cannot cross the end, so the consumer's offset exceeds depth × S -
+// (depth - 1) × S = S: the skip record and a record at offset 0 both fit.) A
+// producer that finds room in records but not in bytes has met a consumer
+// whose read_pos lags its read_count, and treats it as corruption.
 //
-// Measured, not assumed (BenchmarkSlotsVsRecords; a record-ring prototype
-// with the same index discipline, same 2 MiB of ring memory): records move
-// packets 1.2 to 4.7 times faster, most for small packets (1.9-2.5x for
-// 64 bytes in batches, 3.7-4.7x for a mix sent one at a time) and least
-// at 1500 bytes (1.2-1.4x), because a 64-byte packet in a 2048-byte slot
-// costs two cache lines where a record costs 1.1 and because the same
-// memory holds 28 times more small records. Slots stay, for three reasons
-// that outweigh that here. The ring is not the bottleneck: slots run at
-// 19-34 M packets/s in batches, against the bridge's whole RX path at
-// about 0.4 M/s (BENCHMARKS.md), so a faster ring changes no end-to-end
-// number. A depth in packets is a contract: configuration (RxSlots,
-// TxSlots), the bridge's drop accounting and its tests, the exact drop
-// counts promised when the application stalls, and the remote transport's
-// credits are all counted in packets; with records the capacity would
-// depend on sizes. And a hostile peer is checked with one comparison per
-// slot, where a record needs three and a wrap marker. The price is paid
-// where it shows: single-packet sends reach about 5-8x the Unix socket,
-// not the 10x goal, and the prototype's single-packet rate suggests
-// records would (BENCHMARKS.md). Should a consumer ever be ring-bound,
-// records are the measured way forward, as layout version 2, with Config
-// keeping its meaning (room for at least RxSlots packets of the largest
-// size).
+// Consumer: load write_pos with acquire order, copy records from its offset
+// until its position reaches write_pos, store read_pos and then read_count
+// with release order (in that order, so that a producer loading them the
+// other way round never sees a position behind the count), then likewise wake
+// a producer whose prod_armed is 1 through the space eventfd.
+//
+// A sleeper atomically exchanges 1 into its armed word, re-reads the other
+// side's position, and only then sleeps. The position store and the flag
+// test, and the flag set and the position re-read, must each be ordered
+// store-before-load (C11 seq_cst, or an atomic read-modify-write such as x86
+// XCHG on either side): this is the Dekker pattern that guarantees no wake-up
+// is lost.
+//
+// Validation, all in u32 modular arithmetic. A newly read write_pos must be a
+// multiple of 8 and satisfy write_pos - read_pos <= data_len and write_pos -
+// read_pos >= old_write_pos - read_pos (it never moves back). A newly read
+// read_pos must be a multiple of 8 and satisfy read_pos - old_read_pos <=
+// write_pos - old_read_pos (between what was seen before and what was
+// written), and read_count likewise between the count seen before and the
+// records written. A record at offset o, with A = write_pos - read_pos bytes
+// published ahead of the consumer: a skip record needs data_len - o <= A;
+// any other record needs len <= max_record - 8, and its record length L <=
+// data_len - o (it does not cross the end) and L <= A (it was published).
+// Everything else — a skip record that was not needed, padding contents,
+// meta — cannot hurt the reader and is not checked. The RX ring never blocks
+// its producer (the bridge drops the newest packets and adds them to drops);
+// the TX ring blocks the application instead.
+//
+// # Variable-length records rather than fixed slots
+//
+// Measured, not assumed: see "Why records" in BENCHMARKS.md and
+// BenchmarkRingRate. Version 1 used fixed slots of max_record bytes, one per
+// packet. Records pack packets: a 64-byte packet takes 72 bytes, not a
+// 2048-byte slot, so consecutive small packets share cache lines and a
+// single-packet send moves about one line of data between the cores instead
+// of two. NUMBERS. What slots offered is kept: depth is still a count of
+// packets (the bridge drops exactly what exceeds RxSlots, the remote
+// transport's credits and the application's windows stay in packets), and
+// Config keeps its meaning at the price of one extra max_record of memory per
+// ring. A hostile peer costs three comparisons per record instead of one,
+// which did not show in the measurements.
 //
 // # Remote transport
 //

@@ -51,10 +51,11 @@ const (
 	ctlProdLazy  = 4   // producer line: producer's lazy copy of read index
 	ctlDrops     = 8   // producer line: u64 packets dropped by producer
 	ctlConsArmed = 16  // producer line: consumer sleeps, wants a signal on data
-	ctlCons      = 128 // consumer line: read index
-	ctlConsLazy  = 132 // consumer line: consumer's lazy copy of write index
-	ctlProdArmed = 136 // consumer line: producer sleeps, wants a signal on space
-	ctlConsN     = 140 // consumer line: records consumed
+	ctlRead      = 128 // consumer line: u64 = read position | records consumed << 32
+	ctlCons      = 128 // consumer line: read position (low half of ctlRead)
+	ctlConsN     = 132 // consumer line: records consumed (high half of ctlRead)
+	ctlConsLazy  = 136 // consumer line: consumer's lazy copy of write position
+	ctlProdArmed = 140 // consumer line: producer sleeps, wants a signal on space
 
 	// Side states stored in the header.
 	stateInit   = 0

@@ -11,8 +11,9 @@ type ringView struct {
 	prod, prodLazy    *uint32
 	drops             *uint64
 	consArmed         *uint32
-	cons, consLazy    *uint32
-	consN, prodArm    *uint32
+	read              *uint64 // cons and consN, stored and loaded as one word
+	cons, consN       *uint32
+	consLazy, prodArm *uint32
 	data              []byte // the data area, capacity clipped to it
 	size              uint32 // len(data): (depth+1) * maxRec
 	depth, maxPayload uint32
@@ -26,6 +27,7 @@ func newRingView(mem []byte, d ringDesc) ringView {
 		prodLazy:   u32at(mem, c+ctlProdLazy),
 		drops:      u64at(mem, c+ctlDrops),
 		consArmed:  u32at(mem, c+ctlConsArmed),
+		read:       u64at(mem, c+ctlRead),
 		cons:       u32at(mem, c+ctlCons),
 		consLazy:   u32at(mem, c+ctlConsLazy),
 		consN:      u32at(mem, c+ctlConsN),
@@ -117,15 +119,13 @@ func (p *Producer) Depth() int { return int(p.v.depth) }
 // Depth is how many packets the ring holds at most.
 func (c *Consumer) Depth() int { return int(c.v.depth) }
 
-// refresh reloads the consumer's record count and read position. Each
-// must lie between the last value we accepted and what we have written;
-// anything else is a peer writing garbage, and trusting it would let us
-// overwrite unread records. The count is loaded first: the consumer
-// stores its position first, so the position we see is at least as far
-// as the count says.
+// refresh reloads the consumer's read position and record count, one
+// 64-bit word. Each must lie between the last value we accepted and what
+// we have written; anything else is a peer writing garbage, and trusting
+// it would let us overwrite unread records.
 func (p *Producer) refresh() {
-	cn := atomic.LoadUint32(p.v.consN)
-	c := atomic.LoadUint32(p.v.cons)
+	r := atomic.LoadUint64(p.v.read)
+	c, cn := uint32(r), uint32(r>>32)
 	if cn-p.consN > p.n-p.consN {
 		p.err = fmt.Errorf("%w: consumed record count %d outside [%d,%d]", ErrCorruption, cn, p.consN, p.n)
 		return
@@ -137,7 +137,7 @@ func (p *Producer) refresh() {
 	p.consN = cn
 	if c != p.cons {
 		p.cons = c
-		atomic.StoreUint32(p.v.prodLazy, c) // informational mirror, never read back
+		*p.v.prodLazy = c // informational mirror, never read back: no ordering needed
 	}
 }
 
@@ -257,7 +257,7 @@ func (c *Consumer) refresh() {
 	}
 	if w != c.prod {
 		c.prod = w
-		atomic.StoreUint32(c.v.consLazy, w) // informational mirror, never read back
+		*c.v.consLazy = w // informational mirror, never read back: no ordering needed
 	}
 }
 
@@ -277,8 +277,8 @@ func (c *Consumer) Ready() bool {
 // each buffer's full capacity and reslicing bufs[i] to the packet length
 // (a packet longer than the buffer is truncated, so give buffers of
 // MaxPayload bytes). It releases the records with one store of the read
-// position and one of the record count, and wakes a producer that sleeps
-// for space. It never blocks.
+// position and record count, and wakes a producer that sleeps for space.
+// It never blocks.
 func (c *Consumer) Consume(bufs [][]byte) (int, error) {
 	return c.ConsumeMeta(bufs, nil)
 }
@@ -350,10 +350,9 @@ func (c *Consumer) ConsumeMeta(bufs [][]byte, meta []uint32) (int, error) {
 		i++
 	}
 	if c.cons != start {
-		// Position before count: a producer that loads the count first
-		// then never sees a position behind it (see Producer.refresh).
-		atomic.StoreUint32(v.cons, c.cons)
-		atomic.StoreUint32(v.consN, c.n)
+		// One store for both, so the producer never sees a count
+		// ahead of its position.
+		atomic.StoreUint64(v.read, uint64(c.n)<<32|uint64(c.cons))
 		c.wake.wakeIfArmed(v.prodArm)
 	}
 	return i, c.err

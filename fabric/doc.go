@@ -74,9 +74,11 @@
 //	  16  u32  cons_armed   1: consumer sleeps, signal it on new data
 //	  128 u32  read_pos     consumer's byte position after its last
 //	                        released record                  (consumer line)
-//	  132 u32  lazy_write_pos consumer's last-seen write_pos (informational)
-//	  136 u32  prod_armed   1: producer sleeps, signal it on free space
-//	  140 u32  read_count   records (not skip records) released so far
+//	  132 u32  read_count   records (not skip records) released so far;
+//	                        read_pos and read_count are one u64 word, written
+//	                        and read with single 64-bit atomic accesses
+//	  136 u32  lazy_write_pos consumer's last-seen write_pos (informational)
+//	  140 u32  prod_armed   1: producer sleeps, signal it on free space
 //	  256 128 bytes reserved, zero
 //	Record, at an offset o of the data area (o a multiple of 8):
 //	  0   u32  len          payload bytes, <= max_record - 8;
@@ -103,23 +105,26 @@
 // with release order, then, if cons_armed is 1, atomically exchange it 1→0
 // and signal the data eventfd. (An armed flag sits on the line of the side
 // that clears it, which it writes anyway, so a busy ring moves no extra cache
-// line.) To learn about space, load read_count, then read_pos, with acquire
+// line.) To learn about space, load the read_pos/read_count word with acquire
 // order. Counting records is enough: with data_len = (depth + 1) × max_record,
 // a ring holding fewer than depth records always has room for one more of the
 // largest size, skip record included. (Let S be max_record. At most one skip
 // record, shorter than S, lies in the queued bytes, so they number less than
 // depth × S. If the record fits before the end, at least S bytes are free. If
 // not, the producer's offset is above data_len - S = depth × S and the queued
-// bytes cannot cross the end, so the consumer's offset exceeds depth × S -
+// bytes cannot cross the end (if they did, the free bytes would be the gap
+// between the two offsets, less than S, so more than depth × S would be
+// queued), so the consumer's offset exceeds depth × S -
 // (depth - 1) × S = S: the skip record and a record at offset 0 both fit.) A
 // producer that finds room in records but not in bytes has met a consumer
 // whose read_pos lags its read_count, and treats it as corruption.
 //
 // Consumer: load write_pos with acquire order, copy records from its offset
-// until its position reaches write_pos, store read_pos and then read_count
-// with release order (in that order, so that a producer loading them the
-// other way round never sees a position behind the count), then likewise wake
-// a producer whose prod_armed is 1 through the space eventfd.
+// until its position reaches write_pos, store the read_pos/read_count word
+// with release order (one store, so the producer never sees a count ahead of
+// the position), then likewise wake a producer whose prod_armed is 1 through
+// the space eventfd. The lazy_* words mirror what each side last saw of the
+// other; nobody reads them back, so any store will do.
 //
 // A sleeper atomically exchanges 1 into its armed word, re-reads the other
 // side's position, and only then sleeps. The position store and the flag

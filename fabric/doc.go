@@ -150,17 +150,26 @@
 //
 // # Variable-length records rather than fixed slots
 //
-// Measured, not assumed: see "Why records" in BENCHMARKS.md and
-// BenchmarkRingRate. Version 1 used fixed slots of max_record bytes, one per
-// packet. Records pack packets: a 64-byte packet takes 72 bytes, not a
-// 2048-byte slot, so consecutive small packets share cache lines and a
-// single-packet send moves about one line of data between the cores instead
-// of two. NUMBERS. What slots offered is kept: depth is still a count of
-// packets (the bridge drops exactly what exceeds RxSlots, the remote
-// transport's credits and the application's windows stay in packets), and
-// Config keeps its meaning at the price of one extra max_record of memory per
-// ring. A hostile peer costs three comparisons per record instead of one,
-// which did not show in the measurements.
+// Measured, not assumed (BenchmarkRingRate against version 1's slots in the
+// same runs; numbers and commands in BENCHMARKS.md). Version 1 gave every
+// packet a fixed slot of max_record bytes. Records pack packets: a 64-byte
+// packet takes 72 bytes instead of two cache lines of a 2048-byte slot, so
+// small packets share lines and the same lines hold more of them. The bare
+// ring moved 2.4-2.5x more 64-byte packets in batches, 2-5x more of a mix of
+// sizes, and 1.05-1.3x more 1500-byte ones; a stream sending 64-byte
+// packets in batches went from 14-27 M to 30-80 M per second. Single small
+// packets gained nothing measurable (the stream's own per-call work, not the
+// ring, bounds them; the bare ring was even 0.8x the slots there), and
+// single-packet sends remain short of 10x a Unix datagram socket.
+//
+// What slots offered is kept. depth is still a count of packets: the bridge
+// drops exactly what exceeds RxSlots, and the remote transport's credits and
+// the application's windows stay in packets. Config keeps its meaning at the
+// price of one extra max_record of memory per ring. A hostile peer costs
+// three comparisons per record instead of one, which did not show in the
+// measurements. The packet cap is also why small records do not reach the
+// rate of an uncapped record ring for single packets: 1024 of them fill only
+// 72 KiB, so a producer that outruns its consumer works on a full ring.
 //
 // # Remote transport
 //

@@ -71,8 +71,11 @@ const (
 	maxSlots   = 1 << 20
 	minStride  = 64
 	maxStride  = 1 << 16
-	maxDataLen = 1 << 30
+	maxDataLen = MaxRingBytes
 )
+
+// MaxRingBytes bounds a ring's data area, (slots+1) × SlotSize (see Config).
+const MaxRingBytes = 1 << 30
 
 // Errors returned when a region cannot be attached.
 var (

@@ -234,6 +234,11 @@ func TestChecksumsAreVerifiedInTheStack(t *testing.T) {
 	serveBody(t, l, want)
 	got, err := httpGet(testCtx(t, 60*time.Second), a.s.Dial, "http://198.18.0.2:8080/")
 	if err != nil {
+		for _, p := range []*peer{a, b} {
+			tcp := p.s.ns.Stats().TCP
+			t.Logf("%v: bridge side %+v, link %+v, tcp timeouts %d retransmits %d fast %d checksum errors %d",
+				p.addrs[0], p.bridge.Stats(), p.s.LinkStats(), tcp.Timeouts.Value(), tcp.Retransmits.Value(), tcp.FastRetransmit.Value(), tcp.ChecksumErrors.Value())
+		}
 		t.Fatal(err)
 	}
 	if !bytes.Equal(got, want) {

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
+	"github.com/fabricbridge/fabricbridge/fabric"
 )
 
 // check validates what the types alone cannot: required fields, ranges,
@@ -107,6 +108,14 @@ func (c *Config) checkStreams(d *decoder) {
 	checkSlots(d, "streams.tx_slots", c.Streams.TxSlots)
 	if s := c.Streams.SlotSize; s%64 != 0 || s < 128 || s > 65536 {
 		d.errorAt("streams.slot_size", "must be a multiple of 64 from 128 to 65536, not %d", s)
+	}
+	for _, r := range []struct {
+		field string
+		slots int
+	}{{"streams.rx_slots", c.Streams.RxSlots}, {"streams.tx_slots", c.Streams.TxSlots}} {
+		if bytes := (int64(r.slots) + 1) * int64(c.Streams.SlotSize); r.slots > 0 && bytes > fabric.MaxRingBytes {
+			d.errorAt(r.field, "%d slots of %d bytes need a %d-byte ring, above the %d-byte limit", r.slots, int64(c.Streams.SlotSize), bytes, fabric.MaxRingBytes)
+		}
 	}
 	if c.Streams.RxSlots > c.DefaultQuota.MaxSlots {
 		d.errorAt("streams.rx_slots", "%d is above default_quota.max_slots (%d)", c.Streams.RxSlots, c.DefaultQuota.MaxSlots)

@@ -49,6 +49,7 @@ func TestErrorsArePrecise(t *testing.T) {
 		{"port out of range", base + "reserved_ports: 61000-70000\n", []string{`t.yaml:3:17: reserved_ports: "70000" is not a port (1-65535)`}},
 		{"slots", base + "streams:\n  rx_slots: 1000\n", []string{"t.yaml:4:3: streams.rx_slots: must be a power of two from 2 to 1048576, not 1000"}},
 		{"slots above quota", base + "streams:\n  tx_slots: 16384\n", []string{"t.yaml:4:3: streams.tx_slots: 16384 is above default_quota.max_slots (8192)"}},
+		{"ring bytes", base + "default_quota: {max_slots: 1048576}\nstreams: {rx_slots: 1048576, slot_size: 2048}\n", []string{"t.yaml:4:11: streams.rx_slots: 1048576 slots of 2048 bytes need a 2147485696-byte ring, above the 1073741824-byte limit"}},
 		{"slot size", base + "streams: {slot_size: 100}\n", []string{"t.yaml:3:11: streams.slot_size: must be a multiple of 64 from 128 to 65536, not 100"}},
 		{"size suffix", base + "ingest:\n  - name: t\n    buffer_size: 1T\n", []string{`t.yaml:5:18: ingest[0].buffer_size: "1T" is not a size (a number of bytes, optionally with K, M or G)`}},
 		{"duration", base + "ingest:\n  - name: t\n    window: soon\n", []string{`t.yaml:5:13: ingest[0].window: "soon" is not a duration (for example 100us, 5s)`}},

@@ -37,22 +37,7 @@ func TestSeveralQueues(t *testing.T) {
 		}
 		rd.WaitRecords(t, uint64(flows*(base+chunk)), 10*time.Second)
 	}
-	rd.Close()
-	if rd.Err != nil {
-		t.Fatal(rd.Err)
-	}
-	if len(rd.Bad) > 0 {
-		t.Fatalf("payloads differ: %v", rd.Bad)
-	}
-	if got := len(rd.Ref.Sources); got != flows {
-		t.Fatalf("%d sources in the ring, want %d", got, flows)
-	}
-	for i, s := range rd.Ref.Sources {
-		src, _ := rd.C.Source(uint16(i))
-		if s.Records != perSender || s.FirstSeq != 0 || s.LastSeq != perSender-1 || s.SenderGaps != 0 || s.SenderBackwards != 0 || s.DroppedHere != 0 {
-			t.Errorf("source %d (%v): %+v", i, src, s)
-		}
-	}
+	rd.CloseComplete(t, flows, perSender)
 	st := tp.eng.Stats()
 	if st.Appended != flows*perSender || st.Dropped != 0 || st.Malformed != 0 || st.KernelDrops != 0 {
 		t.Errorf("engine stats %+v, want %d appended", st, flows*perSender)

@@ -167,6 +167,29 @@ func (r *Reader) Close() {
 	<-r.done
 }
 
+// CloseComplete stops the reader and fails the test unless it read, from
+// exactly sources sources, perSource records each with sequence numbers
+// 0..perSource-1, in order, none lost, every payload passing the check.
+func (r *Reader) CloseComplete(tb testing.TB, sources, perSource int) {
+	tb.Helper()
+	r.Close()
+	if r.Err != nil {
+		tb.Fatal(r.Err)
+	}
+	if len(r.Bad) > 0 {
+		tb.Fatalf("payloads differ: %v", r.Bad)
+	}
+	if got := len(r.Ref.Sources); got != sources {
+		tb.Fatalf("%d sources in the ring, want %d", got, sources)
+	}
+	for i, s := range r.Ref.Sources {
+		src, _ := r.C.Source(uint16(i))
+		if s.Records != uint64(perSource) || s.FirstSeq != 0 || s.LastSeq != uint32(perSource-1) || s.SenderGaps != 0 || s.SenderBackwards != 0 || s.DroppedHere != 0 {
+			tb.Errorf("source %d (%v): %+v", i, src, s)
+		}
+	}
+}
+
 // WaitRecords waits until the reader has seen n records; it fails the test
 // if the reader stopped or d passed first.
 func (r *Reader) WaitRecords(tb testing.TB, n uint64, d time.Duration) {

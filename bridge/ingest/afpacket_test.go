@@ -58,7 +58,7 @@ func newAFPTopo(t *testing.T, queues int) *afpTopo {
 	if err := tp.b.SetTables(tables); err != nil {
 		t.Fatal(err)
 	}
-	tp.ring, err = fingest.Create(fingest.Config{Name: filepath.Join(t.TempDir(), "r.sock"), Buffers: 64, BufferSize: 64 << 10, Window: 100 * time.Microsecond, BufferID: afpBuffer})
+	tp.ring, err = fingest.Create(fingest.Config{Name: filepath.Join(t.TempDir(), "r.sock"), Buffers: 256, BufferSize: 64 << 10, Window: 2 * time.Millisecond, BufferID: afpBuffer})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -15,7 +15,7 @@ import (
 // source and byte-exact, and both queues carried some of them.
 func TestSeveralQueues(t *testing.T) {
 	tp := newTopoWith(t, netns.VethOptions{Queues: 2}, map[uint32]fingest.Config{
-		bufTrigger: {Buffers: 64, BufferSize: 64 << 10, Window: 100 * time.Microsecond},
+		bufTrigger: {Buffers: 256, BufferSize: 64 << 10, Window: 2 * time.Millisecond}, // room for a consumer stalled by -race on a loaded machine
 	}, Config{Queues: []int{0, 1}})
 	rd := tp.reader(bufTrigger, checkTrigger)
 	// The outside picks a transmit queue per flow by hash, and veth hands

@@ -10,8 +10,9 @@ import (
 // afpCounters is what the reference classifier decided on one AF_PACKET
 // queue, kept as the XDP program keeps its per-CPU maps (per verdict and
 // per flow, listener or rule id), so the operator sees the same counters on
-// either path. Atomic adds, not plain ones: Stats readers run on other
-// threads, and the AF_PACKET path can afford an uncontended atomic.
+// either path. The queue's loop is the only writer, so it adds with a load
+// and a store (no locked instruction per frame); readers on other threads
+// load atomically and see whole values.
 type afpCounters struct {
 	verdicts [classifier.NumVerdicts]atomicCounter
 	rules    [classifier.MaxRuleID + 1]atomicCounter
@@ -19,9 +20,10 @@ type afpCounters struct {
 
 type atomicCounter struct{ packets, bytes atomic.Uint64 }
 
+// add is for the counter's single writer.
 func (c *atomicCounter) add(n int) {
-	c.packets.Add(1)
-	c.bytes.Add(uint64(n))
+	c.packets.Store(c.packets.Load() + 1)
+	c.bytes.Store(c.bytes.Load() + uint64(n))
 }
 
 func (c *afpCounters) count(m *classifier.Meta, n int) {

@@ -129,14 +129,7 @@ func (c *Config) checkIngest(d *decoder) {
 	names := map[string]string{}
 	for i, g := range c.Ingest {
 		p := fmt.Sprintf("ingest[%d]", i)
-		switch {
-		case g.Name == "":
-			d.errorAt(p+".name", "required")
-		case names[g.Name] != "":
-			d.errorAt(p+".name", "%q is already used by %s", g.Name, names[g.Name])
-		default:
-			names[g.Name] = p
-		}
+		uniqueName(d, names, p, g.Name)
 		if g.Buffers < 2 || g.Buffers > 65536 {
 			d.errorAt(p+".buffers", "must be from 2 to 65536, not %d", g.Buffers)
 		}
@@ -149,6 +142,19 @@ func (c *Config) checkIngest(d *decoder) {
 		if g.LatencyBudget <= 0 {
 			d.errorAt(p+".latency_budget", "must be longer than 0")
 		}
+	}
+}
+
+// uniqueName checks the name of the list entry at p: required, and not
+// taken by an earlier entry (names maps each name to its entry's path).
+func uniqueName(d *decoder, names map[string]string, p, name string) {
+	switch {
+	case name == "":
+		d.errorAt(p+".name", "required")
+	case names[name] != "":
+		d.errorAt(p+".name", "%q is already used by %s", name, names[name])
+	default:
+		names[name] = p
 	}
 }
 
@@ -166,14 +172,7 @@ func (c *Config) checkApplications(d *decoder) {
 	names := map[string]string{}
 	for i, a := range c.Applications {
 		p := fmt.Sprintf("applications[%d]", i)
-		switch {
-		case a.Name == "":
-			d.errorAt(p+".name", "required")
-		case names[a.Name] != "":
-			d.errorAt(p+".name", "%q is already used by %s", a.Name, names[a.Name])
-		default:
-			names[a.Name] = p
-		}
+		uniqueName(d, names, p, a.Name)
 		if a.SecretFile != "" && !filepath.IsAbs(a.SecretFile) {
 			d.errorAt(p+".secret_file", "%q must be an absolute path", a.SecretFile)
 		}

@@ -249,3 +249,116 @@ func MalformedFrames(ep Endpoints, sport, dport uint16) [][]byte {
 	}
 	return bad
 }
+
+// MaxShort is the longest payload of the short-payload checks: a few bytes
+// beyond the Ethernet header's 14 that the XDP program must leave in front
+// of a payload shorter than that (classifier.IngestMeta.PayloadOffset).
+const MaxShort = 20
+
+// ShortPayload is the n-byte payload of the short-payload checks. Its bytes
+// depend on n and their position and are never 0xee (the padding
+// ShortFrames adds), so a payload cut short, a header byte left in front
+// or padding left behind all show.
+func ShortPayload(n int) []byte {
+	p := make([]byte, n)
+	for i := range p {
+		p[i] = byte(0x10*n+i) & 0x7f
+	}
+	return p
+}
+
+// ShortFrames are IPv4 UDP frames from ep.Src4:sport to ep.Dst4:dport with
+// ShortPayload(0..MaxShort), each padded with 0xee bytes to the Ethernet
+// minimum of 60 bytes as a NIC pads a short frame (the IP and UDP lengths
+// leave the padding out). MAC addresses are left for the caller.
+func ShortFrames(ep Endpoints, sport, dport uint16) [][]byte {
+	var out [][]byte
+	for n := 0; n <= MaxShort; n++ {
+		f := framegen.Spec{L3: 4, L4: 17, Src: ep.Src4, Dst: ep.Dst4, SrcPort: sport, DstPort: dport, Payload: n}.Build()
+		// The builder pads to 60 bytes with zeros already: write the
+		// payload after the headers and recognisable padding after it.
+		const hdr = 14 + 20 + 8
+		f = f[:hdr+n]
+		copy(f[hdr:], ShortPayload(n))
+		// The UDP checksum no longer matches the payload: zero means none
+		// for IPv4.
+		binary.BigEndian.PutUint16(f[hdr-2:], 0)
+		for len(f) < 60 {
+			f = append(f, 0xee)
+		}
+		out = append(out, f)
+	}
+	return out
+}
+
+// Collected is one record a Collect call read.
+type Collected struct {
+	Src     fingest.Source
+	Payload []byte // a copy
+}
+
+// Collect opens the ring by name, calls send (a consumer sees only what
+// is published after it attached), reads records until it has n or d has
+// passed, and returns copies of them in ring order.
+func Collect(tb testing.TB, name string, n int, d time.Duration, send func()) []Collected {
+	tb.Helper()
+	c, err := fingest.Open(name, fingest.ConsumerOptions{})
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer c.Close()
+	send()
+	var out []Collected
+	deadline := time.Now().Add(d)
+	for len(out) < n && time.Now().Before(deadline) {
+		b, err := c.Next(20 * time.Millisecond)
+		if errors.Is(err, fingest.ErrTimeout) {
+			continue
+		}
+		if err != nil {
+			tb.Fatal(err)
+		}
+		it := b.Iter()
+		for it.Next() {
+			rec := it.Record()
+			src, _ := c.Source(rec.Source)
+			out = append(out, Collected{Src: src, Payload: bytes.Clone(rec.Payload)})
+		}
+		if err := it.Err(); err != nil {
+			tb.Fatal(err)
+		}
+		c.Release(&b)
+	}
+	return out
+}
+
+// CheckShort fails the test unless got holds, from each source port in
+// sports, exactly ShortPayload(0), ShortPayload(1), ... ShortPayload(MaxShort)
+// in that order, and nothing else.
+func CheckShort(tb testing.TB, got []Collected, sports ...uint16) {
+	tb.Helper()
+	next := map[uint16]int{}
+	for _, p := range sports {
+		next[p] = 0
+	}
+	for i, r := range got {
+		n, ok := next[r.Src.SrcPort]
+		switch {
+		case !ok:
+			tb.Errorf("record %d from unexpected source %v", i, r.Src)
+			continue
+		case n > MaxShort:
+			tb.Errorf("record %d from %v: more than %d records", i, r.Src, MaxShort+1)
+			continue
+		}
+		if want := ShortPayload(n); !bytes.Equal(r.Payload, want) {
+			tb.Errorf("%v, datagram %d: payload [% x] (%d bytes), want [% x] (%d bytes)", r.Src, n, r.Payload, len(r.Payload), want, len(want))
+		}
+		next[r.Src.SrcPort] = n + 1
+	}
+	for p, n := range next {
+		if n != MaxShort+1 {
+			tb.Errorf("source port %d: %d of %d datagrams", p, n, MaxShort+1)
+		}
+	}
+}

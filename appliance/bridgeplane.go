@@ -296,6 +296,7 @@ var (
 	famStreamHealth     = metrics.Family{Name: "fabricbridge_stream_health", Type: metrics.Gauge, Help: "1 for each stream's health state (normal, sick: dropped in the last second, broken: the application is gone)."}
 	famStreamRelayDrops = metrics.Family{Name: "fabricbridge_stream_relay_drops_total", Type: metrics.Counter, Help: "Packets of a remote application's stream that the relay between its GENEVE stream and the bridge could not pass on (too big for the other side)."}
 	famKernelSendErr    = metrics.Family{Name: "fabricbridge_kernel_send_errors_total", Type: metrics.Counter, Help: "Packets the kernel refused on the hand-off path for unknown neighbours."}
+	famVLANRulesBlind   = metrics.Family{Name: "fabricbridge_vlan_rules_blind", Type: metrics.Gauge, Help: "1 when rules match on VLAN ids but the interface strips VLAN tags before XDP and could not be made to stop: those rules cannot match."}
 )
 
 func rejects(w *metrics.Writer, f metrics.Family, r bridge.Rejects, labels ...metrics.Label) {
@@ -321,6 +322,11 @@ func (p *bridgePlane) Collect(w *metrics.Writer, names func(uint32) string, apps
 		}
 	}
 	w.AddUint(famKernelSendErr, st.KernelSendErrors, in)
+	blind := 0.0
+	if st.VLANRulesBlind {
+		blind = 1
+	}
+	w.Add(famVLANRulesBlind, blind, in)
 	for _, q := range st.Queues {
 		l := []metrics.Label{in, {Name: "queue", Value: strconv.Itoa(q.Queue)}}
 		w.AddUint(famQueueRx, q.RxPackets, l...)

@@ -131,7 +131,13 @@ type Bridge struct {
 	tables     atomic.Pointer[classifier.Tables]
 	kernelErrs atomic.Uint64
 	closed     bool
-	wg         sync.WaitGroup
+
+	// Receive VLAN stripping (see vlanstrip.go), under mu.
+	ethfd       int         // datagram socket in the interface's namespace, for ethtool
+	vlanChecked bool        // the tables needed VLAN tags and the device was looked at
+	vlanBlind   atomic.Bool // it strips them and could not be made to stop
+	vlanRestore []string    // features turned off, to turn on at Close
+	wg          sync.WaitGroup
 }
 
 // queue is one receive queue, served by one loop on a locked OS thread:
@@ -201,7 +207,7 @@ func Open(cfg Config) (*Bridge, error) {
 	if cfg.Path < PathAuto || cfg.Path > PathAFPacket {
 		return nil, fmt.Errorf("bridge: unknown path %d", cfg.Path)
 	}
-	b := &Bridge{cfg: cfg, log: cfg.Logger, clock: newMonoClock()}
+	b := &Bridge{cfg: cfg, log: cfg.Logger, clock: newMonoClock(), ethfd: -1}
 	b.streams.Store(&streamTable{})
 	if err := b.openCommon(); err != nil {
 		b.closeCommon()
@@ -259,6 +265,9 @@ func (b *Bridge) openCommon() error {
 		return fmt.Errorf("bridge: current network namespace: %w", err)
 	}
 	b.ns = ns
+	if b.ethfd, err = unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0); err != nil {
+		return fmt.Errorf("bridge: socket for ethtool: %w", err)
+	}
 	if b.nl, err = netlink.NewHandleAt(ns); err != nil {
 		return fmt.Errorf("bridge: netlink: %w", err)
 	}
@@ -305,6 +314,9 @@ func (b *Bridge) closeCommon() {
 	}
 	if b.nl != nil {
 		b.nl.Close()
+	}
+	if b.ethfd >= 0 {
+		unix.Close(b.ethfd)
 	}
 	if b.ns.IsOpen() {
 		b.ns.Close()
@@ -513,6 +525,7 @@ func (b *Bridge) SetTables(t *classifier.Tables) error {
 		return errors.New("bridge: closed")
 	}
 	if b.prog != nil {
+		b.keepVLANTags(t)
 		if err := b.prog.Update(t); err != nil {
 			return err
 		}
@@ -620,6 +633,9 @@ func (b *Bridge) Close() error {
 	if b.prog != nil {
 		// Frames stop arriving before the sockets go.
 		errs = append(errs, b.prog.Detach())
+		b.mu.Lock()
+		errs = append(errs, b.restoreVLANStripping())
+		b.mu.Unlock()
 	}
 	for _, q := range b.queues {
 		q.stop.Store(true)

@@ -118,4 +118,17 @@
 // followed through link notifications like the MTU. A destination routed
 // through any other device (another link, a VLAN device on a VLAN device)
 // goes through the kernel (TxViaKernel).
+//
+// Many NICs take the VLAN tag off a received frame and pass it in the
+// receive descriptor (`ethtool -k` calls it rx-vlan-offload; the kernel's
+// features are rx-vlan-hw-parse and, for 802.1ad, rx-vlan-stag-hw-parse).
+// XDP sees the frame as the NIC left it, so a classifier rule on a VLAN id
+// could never match. When the XDP path is in use and the tables hold such a
+// rule, SetTables turns the stripping off, as `ethtool -K IF rxvlan off
+// rx-vlan-stag-hw-parse off` would, logs it, and Close turns back on what it
+// turned off (a daemon killed outright leaves it off: harmless, the kernel
+// then untags in software for its own VLAN devices). A device that cannot
+// stop stripping is logged and reported in Stats.VLANRulesBlind. The
+// AF_PACKET path needs none of this: the packet socket hands the tag over
+// beside the frame, and the bridge puts it back before classifying.
 package bridge

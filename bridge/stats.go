@@ -17,6 +17,10 @@ type Stats struct {
 	// KernelSendErrors counts packets the kernel refused on the hand-off
 	// path (unknown neighbour).
 	KernelSendErrors uint64
+	// VLANRulesBlind: the tables have rules on VLAN ids, but the interface
+	// strips VLAN tags before XDP and could not be made to stop, so those
+	// rules cannot match (see the package doc).
+	VLANRulesBlind bool
 }
 
 // RxDrops counts received frames that reached no stream, by reason.
@@ -62,7 +66,7 @@ type StreamStats struct {
 
 // Stats reads every counter; cheap enough to call once a second.
 func (b *Bridge) Stats() Stats {
-	s := Stats{Path: b.path.String(), Tried: slices.Clone(b.tried), KernelSendErrors: b.kernelErrs.Load()}
+	s := Stats{Path: b.path.String(), Tried: slices.Clone(b.tried), KernelSendErrors: b.kernelErrs.Load(), VLANRulesBlind: b.vlanBlind.Load()}
 	for _, q := range b.queues {
 		qs := QueueStats{
 			Queue:     q.id,

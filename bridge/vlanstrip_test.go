@@ -1,0 +1,80 @@
+package bridge
+
+import (
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/fabricbridge/fabricbridge/classifier"
+	"github.com/fabricbridge/fabricbridge/internal/netns"
+)
+
+// stripping reads the state of the VLAN stripping features of an interface.
+func stripping(t *testing.T, ns *netns.NS, ifname string) map[string]bool {
+	t.Helper()
+	got := map[string]bool{}
+	err := ns.Do(func() error {
+		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+		if err != nil {
+			return err
+		}
+		defer unix.Close(fd)
+		fs, err := readFeatures(fd, ifname)
+		if err != nil {
+			return err
+		}
+		for _, name := range vlanStripFeatures {
+			f, ok := fs.get(name)
+			if !ok {
+				t.Fatalf("%s has no feature %s", ifname, name)
+			}
+			got[name] = f.active
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return got
+}
+
+// A veth strips VLAN tags on receive like a NIC (the features are on and can
+// be changed), though it has nothing to strip: enough to check the bridge
+// turns them off only for VLAN rules on the XDP path, and back on at Close.
+func TestVLANStrippingOffForVLANRules(t *testing.T) {
+	vlanRule := &classifier.RuleSet{Rules: []classifier.Rule{
+		{ID: 10, Priority: 1, VLAN: 100, Protocol: classifier.ProtoUDP, Action: classifier.ActionSteer, Stream: 1},
+	}}
+	allOn := func(t *testing.T, got map[string]bool, when string) {
+		t.Helper()
+		for name, on := range got {
+			if !on {
+				t.Errorf("%s: %s is off", when, name)
+			}
+		}
+	}
+	t.Run("xdp", func(t *testing.T) {
+		r := newRig(t, Config{})
+		allOn(t, stripping(t, r.br, r.v.A.Name), "before")
+		r.standardTables()
+		allOn(t, stripping(t, r.br, r.v.A.Name), "tables without VLAN rules")
+		r.setTables(vlanRule)
+		for name, on := range stripping(t, r.br, r.v.A.Name) {
+			if on {
+				t.Errorf("with a VLAN rule: %s is still on", name)
+			}
+		}
+		if r.b.Stats().VLANRulesBlind {
+			t.Error("VLANRulesBlind reported although stripping was turned off")
+		}
+		if err := r.b.Close(); err != nil {
+			t.Fatal(err)
+		}
+		allOn(t, stripping(t, r.br, r.v.A.Name), "after Close")
+	})
+	t.Run("afpacket", func(t *testing.T) {
+		r := newRig(t, Config{Path: PathAFPacket, Mode: ModeStrict})
+		r.setTables(vlanRule)
+		allOn(t, stripping(t, r.br, r.v.A.Name), "AF_PACKET path with a VLAN rule")
+	})
+}

@@ -4,8 +4,11 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"runtime"
+	"runtime/debug"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -14,9 +17,11 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/fabricbridge/fabricbridge/classifier"
 	fbebpf "github.com/fabricbridge/fabricbridge/ebpf"
 	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
 	"github.com/fabricbridge/fabricbridge/internal/framegen"
+	"github.com/fabricbridge/fabricbridge/internal/netns"
 	"github.com/fabricbridge/fabricbridge/internal/xdpgen"
 )
 
@@ -39,27 +44,52 @@ const kernelPort = 9500
 // (internal/xdpgen: AF_XDP TX on the outside end of the veth, four source
 // ports, paced in batches of 64), the highest rate at which every datagram
 // reaches its reader, for the offload path (XDP strip, engine, ring, a
-// consumer walking every record) and for a kernel UDP socket read with
-// recvmmsg (with the classifier attached and passing, and with no XDP
-// program at all), and then the ingest path's wire-to-consumer latency.
-// Each zero-loss rate is the median of three rounds of a bisection (a
-// quarter of a second per trial); the ratio is against the better kernel
-// variant. Run it once: -benchtime 1x. FB_BENCH_TRACE=1 prints every
-// trial; FB_BENCH_ROUNDS changes the number of rounds.
+// consumer walking every record), for the AF_PACKET path (the bridge on
+// its packet sockets classifying and stripping in Go, feeding a fed engine
+// that fills the same rings for the same consumers) and for a kernel UDP
+// socket read with recvmmsg (with the classifier attached and passing,
+// and with no XDP program at all), and then both ingest paths'
+// wire-to-consumer latency. Each zero-loss rate is the median of three
+// rounds of a bisection (a quarter of a second per trial); the ratio is
+// against the better kernel variant. Run it once: -benchtime 1x.
+// FB_BENCH_TRACE=1 prints every trial; FB_BENCH_ROUNDS changes the number
+// of rounds; FB_BENCH_LATENCY_ONLY=1 skips the rates and measures latency
+// at 100 k records/s only. Knobs for the latency experiments:
+// FB_BENCH_ENGINE_SPIN and FB_BENCH_CONSUMER_SPIN (durations; the engine's
+// Config.Spin, the consumers' ConsumerOptions.Spin, negative: never
+// sleep), FB_BENCH_GC=off (no garbage collection during the run),
+// FB_BENCH_LATENCY_SECONDS (default 1).
 func BenchmarkIngest(b *testing.B) {
 	for _, payload := range []int{64, 1024} {
 		b.Run(fmt.Sprintf("payload=%d", payload), func(b *testing.B) { benchIngest(b, payload) })
 	}
 }
 
+// OpenAFPacketPath opens the bridge on its AF_PACKET path on ifname in br
+// with rules, feeding rings through a fed engine; close undoes it and
+// leaves the rings open. Set by afpacket_bench_test.go: this package's own
+// test files cannot import the bridge.
+var OpenAFPacketPath func(tb testing.TB, br *netns.NS, ifname string, rules []classifier.Rule, rings map[uint32]*fingest.Ring) (close func())
+
+func envDuration(name string) time.Duration {
+	d, _ := time.ParseDuration(os.Getenv(name))
+	return d
+}
+
 func benchIngest(b *testing.B, payload int) {
+	if OpenAFPacketPath == nil {
+		b.Fatal("OpenAFPacketPath not set")
+	}
+	if os.Getenv("FB_BENCH_GC") == "off" {
+		defer debug.SetGCPercent(debug.SetGCPercent(-1))
+	}
 	// Throughput through a ring with the default 100 µs window (256
 	// buffers: 25 ms of slack for a consumer the scheduler holds back);
 	// latency through one with a 20 µs window, on another port.
 	tp := newTopo(b, map[uint32]fingest.Config{
 		bufTrigger: {Buffers: 256, BufferSize: 256 << 10},
 		bufOther:   {Buffers: 256, BufferSize: 256 << 10, Window: latencyWindow},
-	}, Config{FrameCount: benchFrames})
+	}, Config{FrameCount: benchFrames, Spin: envDuration("FB_BENCH_ENGINE_SPIN")})
 	// One queue takes one UMEM: each measurement opens its generator
 	// (the same code and frames but for the destination port) and
 	// closes it.
@@ -67,52 +97,96 @@ func benchIngest(b *testing.B, payload int) {
 	lat := func() *paced { return tp.generator(b, portOther, payload) }
 	ker := func() *paced { return tp.generator(b, kernelPort, payload) }
 	kr := tp.kernelReader(b)
-	cons := tp.countingConsumer(b, bufTrigger)
-	lcons := tp.countingConsumer(b, bufOther)
+	copts := fingest.ConsumerOptions{Spin: envDuration("FB_BENCH_CONSUMER_SPIN")}
+	cons := tp.countingConsumer(b, bufTrigger, copts)
+	lcons := tp.countingConsumer(b, bufOther, copts)
+	// The AF_PACKET path: the XDP program off (as where it cannot
+	// attach), the bridge on packet sockets, and the same rings, handed
+	// from the XDP engine to the fed one and back.
+	afpacket := func(f func()) {
+		tp.detach(b)
+		for id := range tp.rings {
+			if err := tp.eng.Detach(id); err != nil {
+				b.Fatal(err)
+			}
+		}
+		closeAFP := OpenAFPacketPath(b, tp.br, tp.v.A.Name, standardRules, tp.rings)
+		f()
+		closeAFP()
+		for id, r := range tp.rings {
+			if err := tp.eng.Attach(id, r); err != nil {
+				b.Fatal(err)
+			}
+		}
+		tp.attach(b)
+	}
+	latencyOnly := os.Getenv("FB_BENCH_LATENCY_ONLY") != ""
 
 	for range b.N {
-		var rates [3][]float64 // ingest, kernel with XDP pass, kernel without XDP
-		rounds := 3
-		if n, err := strconv.Atoi(os.Getenv("FB_BENCH_ROUNDS")); err == nil && n > 0 {
-			rounds = n
-		}
-		for round := range rounds {
-			var r [3]float64
-			r[0] = zeroLossRate(ing(), func() uint64 { return cons.records.Load() })
-			r[1] = zeroLossRate(ker(), kr.count.Load)
-			tp.detach(b)
-			r[2] = zeroLossRate(ker(), kr.count.Load)
-			tp.attach(b)
-			var f [3]string
-			for i, v := range r {
-				f[i] = fmt.Sprintf("%.0f/s", max(v, -v))
-				if v < 0 {
-					f[i] += " (lossless at the generator's full rate)"
-				}
-				rates[i] = append(rates[i], max(v, -v))
+		ingest, afp := 200_000.0, 200_000.0 // latency at 100 k/s only
+		if !latencyOnly {
+			var rates [4][]float64 // ingest, kernel with XDP pass, kernel without XDP, AF_PACKET ingest
+			rounds := 3
+			if n, err := strconv.Atoi(os.Getenv("FB_BENCH_ROUNDS")); err == nil && n > 0 {
+				rounds = n
 			}
-			b.Logf("round %d: ingest %s, kernel (XDP pass) %s, kernel (no XDP) %s", round, f[0], f[1], f[2])
+			for round := range rounds {
+				var r [4]float64
+				r[0] = zeroLossRate(ing(), func() uint64 { return cons.records.Load() })
+				r[1] = zeroLossRate(ker(), kr.count.Load)
+				tp.detach(b)
+				r[2] = zeroLossRate(ker(), kr.count.Load)
+				tp.attach(b)
+				afpacket(func() { r[3] = zeroLossRate(ing(), func() uint64 { return cons.records.Load() }) })
+				var f [4]string
+				for i, v := range r {
+					f[i] = fmt.Sprintf("%.0f/s", max(v, -v))
+					if v < 0 {
+						f[i] += " (lossless at the generator's full rate)"
+					}
+					rates[i] = append(rates[i], max(v, -v))
+				}
+				b.Logf("round %d: ingest %s, kernel (XDP pass) %s, kernel (no XDP) %s, AF_PACKET ingest %s", round, f[0], f[1], f[2], f[3])
+			}
+			var kpass, knone float64
+			ingest, kpass, knone, afp = median(rates[0]), median(rates[1]), median(rates[2]), median(rates[3])
+			kernel := max(kpass, knone)
+			b.ReportMetric(ingest, "ingest-rec/s")
+			b.ReportMetric(ingest*float64(payload)*8/1e9, "ingest-Gbit/s")
+			b.ReportMetric(afp, "afpacket-rec/s")
+			b.ReportMetric(afp*float64(payload)*8/1e9, "afpacket-Gbit/s")
+			b.ReportMetric(kpass, "kernel-xdp-pass-rec/s")
+			b.ReportMetric(knone, "kernel-no-xdp-rec/s")
+			b.ReportMetric(kernel*float64(payload)*8/1e9, "kernel-Gbit/s")
+			b.ReportMetric(ingest/kernel, "x-kernel")
+			b.ReportMetric(afp/kernel, "afpacket-x-kernel")
 		}
-		ingest, kpass, knone := median(rates[0]), median(rates[1]), median(rates[2])
-		kernel := max(kpass, knone)
-		b.ReportMetric(ingest, "ingest-rec/s")
-		b.ReportMetric(ingest*float64(payload)*8/1e9, "ingest-Gbit/s")
-		b.ReportMetric(kpass, "kernel-xdp-pass-rec/s")
-		b.ReportMetric(knone, "kernel-no-xdp-rec/s")
-		b.ReportMetric(kernel*float64(payload)*8/1e9, "kernel-Gbit/s")
-		b.ReportMetric(ingest/kernel, "x-kernel")
 
-		for _, rate := range []float64{100_000, ingest / 2} {
+		measure := func(path string, rate float64) {
 			l := lcons.latencies(lat(), rate)
-			slices.Sort(l)
-			q := func(p float64) float64 { return float64(l[min(len(l)-1, int(p*float64(len(l))))]) / 1e3 }
+			if len(l.lat) == 0 {
+				b.Fatalf("%s: no buffer reached the consumer", path)
+			}
 			name := fmt.Sprintf("%.0fk", rate/1e3)
-			b.Logf("latency at %s records/s, %v window (%d buffers): p50 %.1f µs, p99 %.1f µs, p99.9 %.1f µs, max %.1f µs; %s",
-				name, latencyWindow, len(l), q(0.5), q(0.99), q(0.999), q(1), lcons.components())
-			b.ReportMetric(q(0.5), "p50-µs@"+name)
-			b.ReportMetric(q(0.99), "p99-µs@"+name)
-			b.ReportMetric(q(0.999), "p99.9-µs@"+name)
+			b.Logf("%s latency at %s records/s, %v window: %s", path, name, latencyWindow, l)
+			b.ReportMetric(l.q(0.5), path+"-p50-µs@"+name)
+			b.ReportMetric(l.q(0.99), path+"-p99-µs@"+name)
+			b.ReportMetric(l.q(0.999), path+"-p99.9-µs@"+name)
 		}
+		for _, rate := range []float64{100_000, ingest / 2} {
+			measure("xdp", rate)
+			if latencyOnly {
+				break
+			}
+		}
+		afpacket(func() {
+			for _, rate := range []float64{100_000, afp / 2} {
+				measure("afpacket", rate)
+				if latencyOnly {
+					break
+				}
+			}
+		})
 	}
 	b.Logf("engine %+v; ring %+v", tp.eng.Stats(), tp.rings[bufTrigger].Stats())
 }
@@ -298,14 +372,24 @@ type countingConsumer struct {
 	c       *fingest.Consumer
 	records atomic.Uint64
 	mu      sync.Mutex
-	lat     []uint64
-	pub     []uint64 // first RX to publication
-	hand    []uint64 // publication to wake-up
+	s       latencySample
 	keep    atomic.Bool
 }
 
-func (tp *topo) countingConsumer(b *testing.B, id uint32) *countingConsumer {
-	c, err := fingest.Open(tp.rings[id].Name(), fingest.ConsumerOptions{})
+// latencySample is, per buffer, the wire-to-consumer latency and its two
+// parts: first RX to publication (the window and the engine) and
+// publication to the consumer's wake-up; and what the process went
+// through meanwhile.
+type latencySample struct {
+	lat, pub, hand []uint64
+	gcs            uint32        // garbage collections during the sample
+	gcPause        time.Duration // their stop-the-world pauses
+	runDelay       time.Duration // time this process's threads waited for a CPU (schedstat)
+	took           time.Duration
+}
+
+func (tp *topo) countingConsumer(b *testing.B, id uint32, opts fingest.ConsumerOptions) *countingConsumer {
+	c, err := fingest.Open(tp.rings[id].Name(), opts)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -325,9 +409,9 @@ func (tp *topo) countingConsumer(b *testing.B, id uint32) *countingConsumer {
 			}
 			if cc.keep.Load() {
 				cc.mu.Lock()
-				cc.lat = append(cc.lat, uint64(buf.Latency()))
-				cc.pub = append(cc.pub, buf.PublishNs-buf.FirstNs)
-				cc.hand = append(cc.hand, buf.WakeNs-buf.PublishNs)
+				cc.s.lat = append(cc.s.lat, uint64(buf.Latency()))
+				cc.s.pub = append(cc.s.pub, buf.PublishNs-buf.FirstNs)
+				cc.s.hand = append(cc.s.hand, buf.WakeNs-buf.PublishNs)
 				cc.mu.Unlock()
 			}
 			it := buf.Iter()
@@ -343,40 +427,91 @@ func (tp *topo) countingConsumer(b *testing.B, id uint32) *countingConsumer {
 	return cc
 }
 
-// latencies sends for a second at rate and returns the latency of every
-// buffer the consumer took meanwhile.
-func (cc *countingConsumer) latencies(p *paced, rate float64) []uint64 {
+// latencies sends for FB_BENCH_LATENCY_SECONDS (default 1) at rate and
+// returns the latency of every buffer the consumer took meanwhile.
+func (cc *countingConsumer) latencies(p *paced, rate float64) latencySample {
 	defer p.gen.Close()
+	secs := 1.0
+	if v, err := strconv.ParseFloat(os.Getenv("FB_BENCH_LATENCY_SECONDS"), 64); err == nil && v > 0 {
+		secs = v
+	}
+	n := int(rate * secs)
 	cc.mu.Lock()
-	cc.lat, cc.pub, cc.hand = cc.lat[:0], cc.pub[:0], cc.hand[:0]
+	// Room for every buffer: no slice grows while the sample runs.
+	cc.s = latencySample{lat: make([]uint64, 0, n), pub: make([]uint64, 0, n), hand: make([]uint64, 0, n)}
 	cc.mu.Unlock()
+	var ms0, ms1 runtime.MemStats
+	runtime.ReadMemStats(&ms0)
+	rd0 := runDelay()
+	start := time.Now()
 	cc.keep.Store(true)
-	p.send(int(rate), rate)
+	p.send(n, rate)
 	time.Sleep(50 * time.Millisecond)
 	cc.keep.Store(false)
+	took := time.Since(start)
+	rd1 := runDelay()
+	runtime.ReadMemStats(&ms1)
 	cc.mu.Lock()
 	defer cc.mu.Unlock()
-	return slices.Clone(cc.lat)
+	s := latencySample{lat: slices.Clone(cc.s.lat), pub: slices.Clone(cc.s.pub), hand: slices.Clone(cc.s.hand),
+		gcs: ms1.NumGC - ms0.NumGC, gcPause: time.Duration(ms1.PauseTotalNs - ms0.PauseTotalNs),
+		runDelay: rd1 - rd0, took: took}
+	return s
 }
 
-// components are the latency's parts as percentiles: first RX to
-// publication (the window and the engine) and publication to wake-up
-// (the consumer), from the last latencies call.
-func (cc *countingConsumer) components() string {
-	cc.mu.Lock()
-	defer cc.mu.Unlock()
-	out := ""
+// q is the latency's quantile p in µs.
+func (s *latencySample) q(p float64) float64 { return quantile(s.lat, p) }
+
+func quantile(v []uint64, p float64) float64 {
+	d := slices.Clone(v)
+	slices.Sort(d)
+	return float64(d[min(len(d)-1, int(p*float64(len(d))))]) / 1e3
+}
+
+// String gives the percentiles, the parts', and the parts of the buffers
+// beyond p99: whether the tail is the engine's (first RX to publish) or
+// the consumer's (publish to wake-up).
+func (s latencySample) String() string {
+	out := fmt.Sprintf("%d buffers: p50 %.1f µs, p99 %.1f µs, p99.9 %.1f µs, max %.1f µs", len(s.lat), s.q(0.5), s.q(0.99), s.q(0.999), s.q(1))
 	for _, v := range []struct {
 		name string
 		d    []uint64
-	}{{"RX to publish", cc.pub}, {"publish to wake-up", cc.hand}} {
-		d := slices.Clone(v.d)
-		slices.Sort(d)
-		if len(d) == 0 {
+	}{{"RX to publish", s.pub}, {"publish to wake-up", s.hand}} {
+		out += fmt.Sprintf("; %s p50 %.1f p99 %.1f p99.9 %.1f µs", v.name, quantile(v.d, 0.5), quantile(v.d, 0.99), quantile(v.d, 0.999))
+	}
+	cut := uint64(s.q(0.99) * 1e3)
+	var engine, consumer int
+	for i, l := range s.lat {
+		if l >= cut && l > 0 {
+			if s.pub[i] >= s.hand[i] {
+				engine++
+			} else {
+				consumer++
+			}
+		}
+	}
+	out += fmt.Sprintf("; of the buffers at or beyond p99, %d mostly before publication, %d mostly after", engine, consumer)
+	out += fmt.Sprintf("; %d GCs (%v stopped) and %v of CPU wait (threads runnable, not running) in %v",
+		s.gcs, s.gcPause, s.runDelay.Round(time.Microsecond), s.took.Round(time.Millisecond))
+	return out
+}
+
+// runDelay sums, over this process's threads, the time they spent
+// runnable but waiting for a CPU (the second field of
+// /proc/self/task/*/schedstat); 0 if the kernel does not say.
+func runDelay() time.Duration {
+	dirs, _ := os.ReadDir("/proc/self/task")
+	var sum int64
+	for _, d := range dirs {
+		b, err := os.ReadFile("/proc/self/task/" + d.Name() + "/schedstat")
+		if err != nil {
 			continue
 		}
-		p := func(q float64) float64 { return float64(d[min(len(d)-1, int(q*float64(len(d))))]) / 1e3 }
-		out += fmt.Sprintf("%s p50 %.1f p99 %.1f p99.9 %.1f µs; ", v.name, p(0.5), p(0.99), p(0.999))
+		f := strings.Fields(string(b))
+		if len(f) >= 2 {
+			v, _ := strconv.ParseInt(f[1], 10, 64)
+			sum += v
+		}
 	}
-	return out
+	return time.Duration(sum)
 }

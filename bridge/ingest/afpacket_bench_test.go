@@ -1,0 +1,53 @@
+package ingest_test
+
+import (
+	"testing"
+
+	"github.com/fabricbridge/fabricbridge/bridge"
+	"github.com/fabricbridge/fabricbridge/bridge/ingest"
+	"github.com/fabricbridge/fabricbridge/classifier"
+	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/internal/netns"
+)
+
+// The package's own tests cannot import the bridge (it imports this
+// package); this file, in the external test package, can, and lends
+// BenchmarkIngest the AF_PACKET path.
+func init() { ingest.OpenAFPacketPath = openAFPacketPath }
+
+// openAFPacketPath opens the bridge on its AF_PACKET path on ifname in br,
+// with rules, and a fed engine (bridge.SetIngest) producing rings; close
+// stops feeding, closes the bridge and the engine, and leaves the rings
+// open for another producer.
+func openAFPacketPath(tb testing.TB, br *netns.NS, ifname string, rules []classifier.Rule, rings map[uint32]*fingest.Ring) (close func()) {
+	var b *bridge.Bridge
+	if err := br.Do(func() (err error) {
+		b, err = bridge.Open(bridge.Config{Interface: ifname, Path: bridge.PathAFPacket, Mode: bridge.ModeStrict})
+		return err
+	}); err != nil {
+		tb.Fatal(err)
+	}
+	tables, err := classifier.Compile(&classifier.RuleSet{Rules: rules})
+	if err == nil {
+		err = b.SetTables(tables)
+	}
+	eng := ingest.StartFed()
+	for id, r := range rings {
+		if err == nil {
+			err = eng.Attach(id, r)
+		}
+	}
+	if err == nil {
+		err = b.SetIngest(eng)
+	}
+	close = func() {
+		b.SetIngest(nil)
+		b.Close()
+		eng.Close()
+	}
+	if err != nil {
+		close()
+		tb.Fatal(err)
+	}
+	return close
+}

@@ -27,6 +27,11 @@ import (
 
 var benchTrace = os.Getenv("FB_BENCH_TRACE") != ""
 
+// benchPriority (FB_BENCH_PRIORITY) runs the engine's loop and the
+// consumers at this SCHED_FIFO priority (Config.Priority,
+// fingest.LockRealtime with NoYield).
+var benchPriority, _ = strconv.Atoi(os.Getenv("FB_BENCH_PRIORITY"))
+
 // benchFrames sizes the engine's UMEM (and so its RX ring): 16384
 // frames hold about as many small datagrams as the kernel reader's 8 MB
 // socket buffer, the same slack against a receiver the scheduler holds
@@ -58,7 +63,8 @@ const kernelPort = 9500
 // FB_BENCH_ENGINE_SPIN and FB_BENCH_CONSUMER_SPIN (durations; the engine's
 // Config.Spin, the consumers' ConsumerOptions.Spin, negative: never
 // sleep), FB_BENCH_GC=off (no garbage collection during the run),
-// FB_BENCH_LATENCY_SECONDS (default 1).
+// FB_BENCH_LATENCY_SECONDS (default 1), FB_BENCH_PRIORITY (real-time
+// engine and consumers, see benchPriority).
 func BenchmarkIngest(b *testing.B) {
 	for _, payload := range []int{64, 1024} {
 		b.Run(fmt.Sprintf("payload=%d", payload), func(b *testing.B) { benchIngest(b, payload) })
@@ -89,7 +95,7 @@ func benchIngest(b *testing.B, payload int) {
 	tp := newTopo(b, map[uint32]fingest.Config{
 		bufTrigger: {Buffers: 256, BufferSize: 256 << 10},
 		bufOther:   {Buffers: 256, BufferSize: 256 << 10, Window: latencyWindow},
-	}, Config{FrameCount: benchFrames, Spin: envDuration("FB_BENCH_ENGINE_SPIN")})
+	}, Config{FrameCount: benchFrames, Spin: envDuration("FB_BENCH_ENGINE_SPIN"), Priority: benchPriority})
 	// One queue takes one UMEM: each measurement opens its generator
 	// (the same code and frames but for the destination port) and
 	// closes it.
@@ -97,7 +103,7 @@ func benchIngest(b *testing.B, payload int) {
 	lat := func() *paced { return tp.generator(b, portOther, payload) }
 	ker := func() *paced { return tp.generator(b, kernelPort, payload) }
 	kr := tp.kernelReader(b)
-	copts := fingest.ConsumerOptions{Spin: envDuration("FB_BENCH_CONSUMER_SPIN")}
+	copts := fingest.ConsumerOptions{Spin: envDuration("FB_BENCH_CONSUMER_SPIN"), NoYield: benchPriority > 0}
 	cons := tp.countingConsumer(b, bufTrigger, copts)
 	lcons := tp.countingConsumer(b, bufOther, copts)
 	// The AF_PACKET path: the XDP program off (as where it cannot
@@ -399,6 +405,12 @@ func (tp *topo) countingConsumer(b *testing.B, id uint32, opts fingest.ConsumerO
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
+		if opts.NoYield {
+			if err := fingest.LockRealtime(benchPriority); err != nil {
+				b.Error(err)
+				return
+			}
+		}
 		for !stop.Load() {
 			buf, err := c.Next(20 * time.Millisecond)
 			if errors.Is(err, fingest.ErrTimeout) {

@@ -70,6 +70,13 @@ type Config struct {
 	// default 20 µs. While a ring has an open buffer the loop polls until
 	// its window closes, so windows close on time.
 	Spin time.Duration
+	// Priority, if positive, runs each loop on a thread of its own at this
+	// SCHED_FIFO real-time priority (1-99, needs CAP_SYS_NICE; see
+	// fabric/ingest.LockRealtime): a loop woken by a frame, or due to
+	// close a window, preempts ordinary threads at once instead of
+	// waiting for its turn on a busy machine. Such a loop polls without
+	// yielding (a yield on a locked thread costs two thread switches).
+	Priority int
 
 	// manual (tests): no loops run; tests call poll and tick themselves.
 	manual bool
@@ -151,6 +158,9 @@ type QueueStats struct {
 // program's IngestXSKMap and starts one loop per queue. Call it on a thread
 // in the interface's network namespace.
 func Start(cfg Config) (*Engine, error) {
+	if cfg.Priority < 0 || cfg.Priority > 99 {
+		return nil, fmt.Errorf("ingest: real-time priority %d outside 1-99", cfg.Priority)
+	}
 	if cfg.Program == nil {
 		return nil, errors.New("ingest: no XDP program")
 	}
@@ -189,9 +199,20 @@ func Start(cfg Config) (*Engine, error) {
 		}
 	}
 	if !cfg.manual {
+		started := make(chan error, len(e.queues))
 		for _, q := range e.queues {
 			e.wg.Add(1)
-			go q.loop()
+			go q.loop(started)
+		}
+		var errs []error
+		for range e.queues {
+			if err := <-started; err != nil {
+				errs = append(errs, err)
+			}
+		}
+		if err := errors.Join(errs...); err != nil {
+			e.Close()
+			return nil, err
 		}
 	}
 	return e, nil
@@ -282,8 +303,20 @@ func (e *Engine) Detach(id uint32) error {
 	return nil
 }
 
-func (q *queue) loop() {
+// loop serves the queue until Close; it reports on started whether it
+// runs as configured.
+func (q *queue) loop(started chan<- error) {
 	defer q.e.wg.Done()
+	rt := q.e.cfg.Priority > 0
+	if rt {
+		// The thread stays locked: it exits with the loop, its
+		// real-time policy with it.
+		if err := fingest.LockRealtime(q.e.cfg.Priority); err != nil {
+			started <- fmt.Errorf("ingest: queue %d: %w", q.id, err)
+			return
+		}
+	}
+	started <- nil
 	idleSince := time.Time{}
 	for !q.e.stop.Load() {
 		if q.poll() > 0 {
@@ -294,8 +327,11 @@ func (q *queue) loop() {
 		// polling; otherwise spin a little, then sleep. Polling yields the
 		// processor at every turn, so a consumer goroutine sharing it (or
 		// the application's other work) runs between polls instead of
-		// waiting for the scheduler to preempt this loop.
-		runtime.Gosched()
+		// waiting for the scheduler to preempt this loop; a real-time
+		// loop has its thread to itself and does not yield.
+		if !rt {
+			runtime.Gosched()
+		}
 		if _, open := q.e.tick(); open {
 			continue
 		}

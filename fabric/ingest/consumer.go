@@ -21,6 +21,11 @@ type ConsumerOptions struct {
 	// longer than this from RX to the consumer's wake-up is a violation.
 	// Default 1 ms, NA62's L0 budget.
 	Budget time.Duration
+	// NoYield: the goroutine calling Next has a thread of its own
+	// (LockRealtime), so polling does not yield the processor. On a
+	// locked thread a yield hands the Go processor to another thread and
+	// back: two thread switches per poll.
+	NoYield bool
 }
 
 // DefaultSpin is the consumer's default polling period before sleeping:
@@ -33,14 +38,15 @@ const DefaultSpin = 50 * time.Microsecond
 // producer cannot make it read outside a buffer. Not safe for concurrent
 // use, except Stats.
 type Consumer struct {
-	reg    *region
-	mem    []byte
-	l      layout
-	conn   *net.UnixConn
-	connFd int
-	evfd   int
-	spin   time.Duration
-	budget uint64
+	reg     *region
+	mem     []byte
+	l       layout
+	conn    *net.UnixConn
+	connFd  int
+	evfd    int
+	spin    time.Duration
+	noYield bool
+	budget  uint64
 
 	next   uint64   // sequence number of the next buffer
 	held   []uint64 // per buffer index: seq+1 while the caller holds it
@@ -88,7 +94,7 @@ func Open(name string, opts ConsumerOptions) (*Consumer, error) {
 	}
 	c := &Consumer{
 		reg: reg, mem: reg.mem, l: l, conn: conn, evfd: evfd,
-		spin: opts.Spin, budget: uint64(opts.Budget.Nanoseconds()),
+		spin: opts.Spin, noYield: opts.NoYield, budget: uint64(opts.Budget.Nanoseconds()),
 		held: make([]uint64, l.buffers),
 	}
 	rc, err := conn.SyscallConn()
@@ -292,7 +298,9 @@ func (c *Consumer) wait(timeout time.Duration) error {
 			}
 			// Yield while polling: the producer may be a goroutine of
 			// this process waiting for the processor.
-			runtime.Gosched()
+			if !c.noYield {
+				runtime.Gosched()
+			}
 			if i&15 == 0 {
 				if el := time.Since(start); (spin >= 0 && el >= spin) || expired() {
 					break

@@ -1,0 +1,79 @@
+package ingest
+
+import (
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/internal/ingesttest"
+)
+
+// fifoThreads counts this process's threads that run SCHED_FIFO at
+// priority.
+func fifoThreads(t *testing.T, priority uint32) int {
+	dirs, err := os.ReadDir("/proc/self/task")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, d := range dirs {
+		tid, _ := strconv.Atoi(d.Name())
+		if a, err := unix.SchedGetAttr(tid, 0); err == nil && a.Policy == unix.SCHED_FIFO && a.Priority == priority {
+			n++
+		}
+	}
+	return n
+}
+
+// TestPriority: with Config.Priority the engine's loops run on real-time
+// threads (one per queue, SCHED_FIFO at that priority), datagrams still
+// arrive complete and in order, and the threads are gone after Close.
+func TestPriority(t *testing.T) {
+	const prio = 9
+	if n := fifoThreads(t, prio); n != 0 {
+		t.Fatalf("%d real-time threads before the engine started", n)
+	}
+	tp := newTopo(t, map[uint32]fingest.Config{bufTrigger: {Buffers: 64, BufferSize: 64 << 10}}, Config{Priority: prio})
+	if n := fifoThreads(t, prio); n != 1 {
+		t.Fatalf("%d threads at SCHED_FIFO %d, want the one loop's", n, prio)
+	}
+	rd := tp.reader(bufTrigger, checkTrigger)
+	senders := []*ingesttest.Sender{tp.sender(false, 5001, portTrigger), tp.sender(true, 5002, portTrigger+1)}
+	const perSender, chunk = 500, 25
+	var buf [1500]byte
+	for base := 0; base < perSender; base += chunk {
+		for _, s := range senders {
+			for seq := base; seq < base+chunk; seq++ {
+				if err := s.Send(triggerPayload(buf[:], s.Port, uint32(seq))); err != nil {
+					t.Fatal(err)
+				}
+			}
+		}
+		rd.WaitRecords(t, uint64(len(senders)*(base+chunk)), 10*time.Second)
+	}
+	rd.CloseComplete(t, len(senders), perSender)
+	lat := rd.C.Stats().Latency
+	t.Logf("%d buffers; latency p50 %v p99 %v", lat.Count, time.Duration(lat.Quantile(0.5)), time.Duration(lat.Quantile(0.99)))
+	tp.eng.Close()
+	deadline := time.Now().Add(5 * time.Second)
+	for fifoThreads(t, prio) != 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("the real-time thread outlived the engine")
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// TestPriorityRefused: a priority outside SCHED_FIFO's range fails Start.
+func TestPriorityRefused(t *testing.T) {
+	for _, p := range []int{-1, 100} {
+		if _, err := Start(Config{Priority: p}); err == nil || !strings.Contains(err.Error(), "priority") {
+			t.Errorf("priority %d: %v", p, err)
+		}
+	}
+}

@@ -1,0 +1,33 @@
+package ingest
+
+import (
+	"fmt"
+	"runtime"
+
+	"golang.org/x/sys/unix"
+)
+
+// LockRealtime locks the calling goroutine to its thread and makes the
+// thread SCHED_FIFO at priority (1-99; needs CAP_SYS_NICE). A woken
+// real-time thread preempts ordinary ones at once instead of waiting for
+// its turn, which is what the latency tail on a shared machine is made of
+// (see BENCHMARKS.md, Ingest). The goroutine keeps the thread until it
+// exits (the thread then exits with it), so call it at the top of the
+// goroutine that will wait in Next, and open that consumer with NoYield.
+//
+// A real-time thread that never sleeps takes its CPU from everything
+// else up to the kernel's limit (sched_rt_runtime_us, 95 % by default):
+// keep Spin bounded unless the CPU is the consumer's alone.
+func LockRealtime(priority int) error {
+	if priority < 1 || priority > 99 {
+		return fmt.Errorf("ingest: real-time priority %d outside 1-99", priority)
+	}
+	runtime.LockOSThread()
+	attr := unix.SchedAttr{Policy: unix.SCHED_FIFO, Priority: uint32(priority)}
+	if err := unix.SchedSetAttr(0, &attr, 0); err != nil {
+		// The thread is unchanged: give it back.
+		runtime.UnlockOSThread()
+		return fmt.Errorf("ingest: SCHED_FIFO %d: %w", priority, err)
+	}
+	return nil
+}

@@ -321,6 +321,13 @@ func (tp *topo) attach(b *testing.B) {
 type kernelReader struct {
 	count atomic.Uint64
 	bytes atomic.Uint64
+	// pause (drain measurements): while set the reader does not read;
+	// parked says it has stopped.
+	pause, parked atomic.Bool
+	// target, if not 0, is a count at which the reader notes the time
+	// (doneAt, Unix ns) it got there.
+	target, doneAt atomic.Int64
+	tid            atomic.Int64 // the reading thread
 }
 
 func (tp *topo) kernelReader(b *testing.B) *kernelReader {
@@ -342,6 +349,9 @@ func (tp *topo) kernelReader(b *testing.B) *kernelReader {
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
+		runtime.LockOSThread() // for its CPU time (threadCPU)
+		defer runtime.UnlockOSThread()
+		kr.tid.Store(int64(unix.Gettid()))
 		const batch = 64
 		bufs := make([][2048]byte, batch)
 		iovs := make([]unix.Iovec, batch)
@@ -355,6 +365,12 @@ func (tp *topo) kernelReader(b *testing.B) *kernelReader {
 		tv := unix.Timeval{Usec: 50_000} // so the loop sees stop
 		_ = unix.SetsockoptTimeval(fd, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
 		for !stop.Load() {
+			if kr.pause.Load() {
+				kr.parked.Store(true)
+				time.Sleep(100 * time.Microsecond)
+				continue
+			}
+			kr.parked.Store(false)
 			n, _, errno := unix.Syscall6(unix.SYS_RECVMMSG, uintptr(fd), uintptr(unsafe.Pointer(&msgs[0])), batch, unix.MSG_WAITFORONE, 0, 0)
 			if errno != 0 {
 				continue
@@ -363,8 +379,11 @@ func (tp *topo) kernelReader(b *testing.B) *kernelReader {
 			for i := range int(n) {
 				bytes += uint64(msgs[i].Len)
 			}
-			kr.count.Add(uint64(n))
+			c := kr.count.Add(uint64(n))
 			kr.bytes.Add(bytes)
+			if t := kr.target.Load(); t != 0 && int64(c) >= t && kr.doneAt.Load() == 0 {
+				kr.doneAt.Store(time.Now().UnixNano())
+			}
 		}
 	}()
 	b.Cleanup(func() { stop.Store(true); wg.Wait(); unix.Close(fd) })
@@ -506,6 +525,18 @@ func (s latencySample) String() string {
 	out += fmt.Sprintf("; %d GCs (%v stopped) and %v of CPU wait (threads runnable, not running) in %v",
 		s.gcs, s.gcPause, s.runDelay.Round(time.Microsecond), s.took.Round(time.Millisecond))
 	return out
+}
+
+// threadCPU is the time thread tid of this process has run on a CPU
+// (the first field of its schedstat).
+func threadCPU(tid int64) time.Duration {
+	b, err := os.ReadFile("/proc/self/task/" + strconv.FormatInt(tid, 10) + "/schedstat")
+	if err != nil {
+		return 0
+	}
+	f := strings.Fields(string(b))
+	v, _ := strconv.ParseInt(f[0], 10, 64)
+	return time.Duration(v)
 }
 
 // runDelay sums, over this process's threads, the time they spent

@@ -410,6 +410,7 @@ type latencySample struct {
 	gcs            uint32        // garbage collections during the sample
 	gcPause        time.Duration // their stop-the-world pauses
 	runDelay       time.Duration // time this process's threads waited for a CPU (schedstat)
+	cpu            time.Duration // CPU time this process used (generator included)
 	took           time.Duration
 }
 
@@ -473,20 +474,20 @@ func (cc *countingConsumer) latencies(p *paced, rate float64) latencySample {
 	cc.mu.Unlock()
 	var ms0, ms1 runtime.MemStats
 	runtime.ReadMemStats(&ms0)
-	rd0 := runDelay()
+	rd0, cpu0 := runDelay(), processCPU()
 	start := time.Now()
 	cc.keep.Store(true)
 	p.send(n, rate)
 	time.Sleep(50 * time.Millisecond)
 	cc.keep.Store(false)
 	took := time.Since(start)
-	rd1 := runDelay()
+	rd1, cpu1 := runDelay(), processCPU()
 	runtime.ReadMemStats(&ms1)
 	cc.mu.Lock()
 	defer cc.mu.Unlock()
 	s := latencySample{lat: slices.Clone(cc.s.lat), pub: slices.Clone(cc.s.pub), hand: slices.Clone(cc.s.hand),
 		gcs: ms1.NumGC - ms0.NumGC, gcPause: time.Duration(ms1.PauseTotalNs - ms0.PauseTotalNs),
-		runDelay: rd1 - rd0, took: took}
+		runDelay: rd1 - rd0, cpu: cpu1 - cpu0, took: took}
 	return s
 }
 
@@ -522,9 +523,16 @@ func (s latencySample) String() string {
 		}
 	}
 	out += fmt.Sprintf("; of the buffers at or beyond p99, %d mostly before publication, %d mostly after", engine, consumer)
-	out += fmt.Sprintf("; %d GCs (%v stopped) and %v of CPU wait (threads runnable, not running) in %v",
-		s.gcs, s.gcPause, s.runDelay.Round(time.Microsecond), s.took.Round(time.Millisecond))
+	out += fmt.Sprintf("; %d GCs (%v stopped), %v of CPU wait (threads runnable, not running) and %v of CPU used in %v",
+		s.gcs, s.gcPause, s.runDelay.Round(time.Microsecond), s.cpu.Round(time.Millisecond), s.took.Round(time.Millisecond))
 	return out
+}
+
+// processCPU is the CPU time this process has used.
+func processCPU() time.Duration {
+	var ru unix.Rusage
+	_ = unix.Getrusage(unix.RUSAGE_SELF, &ru)
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
 // threadCPU is the time thread tid of this process has run on a CPU

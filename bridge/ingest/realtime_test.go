@@ -15,19 +15,21 @@ import (
 
 // fifoThreads counts this process's threads that run SCHED_FIFO at
 // priority.
-func fifoThreads(t *testing.T, priority uint32) int {
+func fifoThreads(t *testing.T, priority uint32) int { return len(fifoTIDs(t, priority)) }
+
+func fifoTIDs(t *testing.T, priority uint32) []int {
 	dirs, err := os.ReadDir("/proc/self/task")
 	if err != nil {
 		t.Fatal(err)
 	}
-	n := 0
+	var tids []int
 	for _, d := range dirs {
 		tid, _ := strconv.Atoi(d.Name())
 		if a, err := unix.SchedGetAttr(tid, 0); err == nil && a.Policy == unix.SCHED_FIFO && a.Priority == priority {
-			n++
+			tids = append(tids, tid)
 		}
 	}
-	return n
+	return tids
 }
 
 // TestPriority: with Config.Priority the engine's loops run on real-time
@@ -63,7 +65,12 @@ func TestPriority(t *testing.T) {
 	deadline := time.Now().Add(5 * time.Second)
 	for fifoThreads(t, prio) != 0 {
 		if time.Now().After(deadline) {
-			t.Fatal("the real-time thread outlived the engine")
+			var stats []string
+			for _, tid := range fifoTIDs(t, prio) {
+				b, _ := os.ReadFile("/proc/self/task/" + strconv.Itoa(tid) + "/stat")
+				stats = append(stats, string(b))
+			}
+			t.Fatalf("the real-time thread outlived the engine: %q", stats)
 		}
 		time.Sleep(time.Millisecond)
 	}

@@ -19,7 +19,9 @@ import (
 // IPv4 frames padded to 60 bytes as a NIC pads them (the padding must not
 // reach the ring either).
 func TestShortPayloads(t *testing.T) {
-	tp := newTopo(t, map[uint32]fingest.Config{bufTrigger: {Buffers: 16, BufferSize: 64 << 10}}, Config{})
+	// The consumer reads after the last send: a buffer per datagram
+	// (sends slower than the window) must fit.
+	tp := newTopo(t, map[uint32]fingest.Config{bufTrigger: {Buffers: 128, BufferSize: 16 << 10}}, Config{})
 	v4, v6 := tp.sender(false, 5101, portTrigger), tp.sender(true, 5102, portTrigger+1)
 	frames := ingesttest.ShortFrames(ingesttest.Endpoints{Src4: tp.v.B.Addr4.Addr(), Dst4: tp.v.A.Addr4.Addr()}, 5103, portTrigger+2)
 	raw := tp.packetSocket()

@@ -23,7 +23,9 @@ func LockRealtime(priority int) error {
 		return fmt.Errorf("ingest: real-time priority %d outside 1-99", priority)
 	}
 	runtime.LockOSThread()
-	attr := unix.SchedAttr{Policy: unix.SCHED_FIFO, Priority: uint32(priority)}
+	// Threads this one creates (the Go runtime may start one from any
+	// thread) go back to the ordinary policy.
+	attr := unix.SchedAttr{Policy: unix.SCHED_FIFO, Priority: uint32(priority), Flags: unix.SCHED_FLAG_RESET_ON_FORK}
 	if err := unix.SchedSetAttr(0, &attr, 0); err != nil {
 		// The thread is unchanged: give it back.
 		runtime.UnlockOSThread()

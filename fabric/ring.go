@@ -177,6 +177,11 @@ func (p *Producer) ProduceMeta(pkts [][]byte, meta []uint32) (int, error) {
 	if p.err != nil {
 		return 0, p.err
 	}
+	if meta != nil && len(meta) < len(pkts) {
+		// A caller's bug: fail before anything is written, not halfway
+		// through a batch with records written and not yet published.
+		panic("fabric: ProduceMeta: fewer metadata words than packets")
+	}
 	v := &p.v
 	var err error
 	refreshed := false

@@ -69,16 +69,21 @@ type Stream struct {
 	side Side
 	mem  []byte
 
-	sendMu   sync.Mutex // held across Send so Close never unmaps under it
+	// Each direction's hot fields sit on cache lines of their own: the
+	// sending and the receiving goroutine (often on different cores) each
+	// write only their own gate.
+	_        [64]byte
+	sg       gate // Send: serialises senders, lets Close wait, counts Sent
 	send     *Producer
 	sendWait *Waiter // nil: the bridge drops instead of waiting
 	sr       sendReady
 
-	_        [64]byte // keep the two directions' hot fields apart
-	recvMu   sync.Mutex
+	_        [64]byte
+	rg       gate // receive: serialises receivers, lets Close wait, counts Received
 	recv     *Consumer
 	recvWait *Waiter
 	rr       recvReady
+	_        [64]byte
 
 	myState, peerState *uint32
 	fds                []int // eventfds owned by this side: rxData, txData, txSpace
@@ -100,8 +105,8 @@ type Stream struct {
 	err      error
 	closeOne sync.Once
 
-	sent, received, dropped atomic.Uint64
-	tickPrev, tickLast      atomic.Uint64 // drop counts at the last two Ticks
+	dropped            atomic.Uint64
+	tickPrev, tickLast atomic.Uint64 // drop counts at the last two Ticks
 }
 
 type recvReady struct{ s *Stream }
@@ -150,6 +155,8 @@ func newStream(side Side, mem []byte, l layout, fds []int) *Stream {
 		s.myState, s.peerState = appState, bridgeState
 	}
 	s.rr.s, s.sr.s = s, s
+	s.sg.init()
+	s.rg.init()
 	atomic.StoreUint32(s.myState, stateOpen)
 	return s
 }
@@ -195,6 +202,8 @@ func (s *Stream) markBroken(err error) {
 	}
 	s.errMu.Unlock()
 	s.broken.Store(true)
+	s.sg.mark(gateBroken)
+	s.rg.mark(gateBroken)
 	for _, fd := range s.fds {
 		eventfdSignal(fd)
 	}
@@ -222,8 +231,8 @@ func (s *Stream) Tick() {
 // Stats returns a snapshot of the counters.
 func (s *Stream) Stats() Stats {
 	st := Stats{
-		Sent:     s.sent.Load(),
-		Received: s.received.Load(),
+		Sent:     s.sg.count(),
+		Received: s.rg.count(),
 		Dropped:  s.dropped.Load(),
 		Signals:  s.send.wake.signals.Load() + s.recv.wake.signals.Load(),
 		Sleeps:   s.recvWait.Sleeps(),
@@ -266,11 +275,14 @@ func (s *Stream) Send(pkts [][]byte) (int, error) {
 
 // SendMeta is Send with a metadata word per packet (meta may be nil).
 func (s *Stream) SendMeta(pkts [][]byte, meta []uint32) (int, error) {
-	s.sendMu.Lock()
-	defer s.sendMu.Unlock()
-	if err := s.dead(); err != nil {
-		return 0, err
+	if !s.sg.enter() {
+		return 0, s.dead()
 	}
+	// pending: queued by this call and not yet added to the gate's count.
+	// The deferred closure costs about a nanosecond and keeps the gate
+	// usable (and Close possible) if a caller's short meta slice panics.
+	pending := 0
+	defer func() { s.sg.leave(pending) }()
 	if s.peerLeft() {
 		s.markBroken(ErrPeerGone)
 		return 0, s.Err()
@@ -283,7 +295,7 @@ func (s *Stream) SendMeta(pkts [][]byte, meta []uint32) (int, error) {
 		}
 		n, err := s.send.ProduceMeta(pkts[done:], m)
 		done += n
-		s.sent.Add(uint64(n))
+		pending += n
 		if err == ErrTooBig {
 			if s.side == BridgeSide {
 				s.dropped.Add(1)
@@ -306,6 +318,10 @@ func (s *Stream) SendMeta(pkts [][]byte, meta []uint32) (int, error) {
 			s.send.countDrops(lost)
 			return done, nil
 		}
+		// About to wait for space: count what is queued so far, so that
+		// Stats stays exact while this call blocks.
+		s.sg.add(pending)
+		pending = 0
 		if err := s.sendWait.wait(&s.sr, -1); err != nil {
 			return done, err
 		}
@@ -328,21 +344,24 @@ func (s *Stream) TryRecv(bufs [][]byte) (int, error) {
 
 // TryRecvMeta is TryRecv returning the metadata words too.
 func (s *Stream) TryRecvMeta(bufs [][]byte, meta []uint32) (int, error) {
-	s.recvMu.Lock()
-	defer s.recvMu.Unlock()
-	return s.tryRecvLocked(bufs, meta)
+	if !s.rg.enter() {
+		return 0, s.dead()
+	}
+	n := 0
+	defer func() { s.rg.leave(n) }()
+	var err error
+	n, err = s.tryRecvIn(bufs, meta)
+	return n, err
 }
 
-func (s *Stream) tryRecvLocked(bufs [][]byte, meta []uint32) (int, error) {
-	if err := s.dead(); err != nil {
-		return 0, err
-	}
+// tryRecvIn is TryRecvMeta inside the gate, the stream known not dead at
+// the last look.
+func (s *Stream) tryRecvIn(bufs [][]byte, meta []uint32) (int, error) {
 	// Look at the peer's state before the ring: it publishes its last
 	// packets before it leaves, so a ring found empty after the departure
 	// was seen is empty for good.
 	left := s.peerLeft()
 	n, err := s.recv.ConsumeMeta(bufs, meta)
-	s.received.Add(uint64(n))
 	if err != nil {
 		s.markBroken(err)
 		return n, s.Err()
@@ -362,14 +381,21 @@ func (s *Stream) Recv(bufs [][]byte) (int, error) {
 
 // RecvTimeout is Recv giving up with ErrTimeout after d (d < 0: never).
 func (s *Stream) RecvTimeout(bufs [][]byte, d time.Duration) (int, error) {
-	s.recvMu.Lock()
-	defer s.recvMu.Unlock()
+	if !s.rg.enter() {
+		return 0, s.dead()
+	}
+	n := 0
+	defer func() { s.rg.leave(n) }()
 	for {
-		n, err := s.tryRecvLocked(bufs, nil)
+		var err error
+		n, err = s.tryRecvIn(bufs, nil)
 		if n > 0 || err != nil || len(bufs) == 0 {
 			return n, err
 		}
 		if err := s.recvWait.wait(&s.rr, d); err != nil {
+			return 0, err
+		}
+		if err := s.dead(); err != nil {
 			return 0, err
 		}
 	}
@@ -383,6 +409,8 @@ func (s *Stream) RecvTimeout(bufs [][]byte, d time.Duration) (int, error) {
 func (s *Stream) Close() error {
 	s.closeOne.Do(func() {
 		s.closed.Store(true)
+		s.sg.mark(gateClosed)
+		s.rg.mark(gateClosed)
 		atomic.StoreUint32(s.myState, stateClosed)
 		for _, fd := range s.fds {
 			eventfdSignal(fd)
@@ -405,8 +433,8 @@ func (s *Stream) Close() error {
 // release unmaps the region and closes the descriptors, waiting for any
 // Send or Recv still inside.
 func (s *Stream) release() {
-	s.sendMu.Lock()
-	s.recvMu.Lock()
+	s.sg.seal()
+	s.rg.seal()
 	for _, fd := range s.fds {
 		unix.Close(fd)
 	}
@@ -415,6 +443,4 @@ func (s *Stream) release() {
 	}
 	unix.Munmap(s.mem)
 	s.mem = nil
-	s.recvMu.Unlock()
-	s.sendMu.Unlock()
 }

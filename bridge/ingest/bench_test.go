@@ -426,10 +426,12 @@ func (tp *topo) countingConsumer(b *testing.B, id uint32, opts fingest.ConsumerO
 	go func() {
 		defer wg.Done()
 		if opts.NoYield {
-			if err := fingest.LockRealtime(benchPriority); err != nil {
+			unlock, err := fingest.LockRealtime(benchPriority)
+			if err != nil {
 				b.Error(err)
 				return
 			}
+			defer unlock()
 		}
 		for !stop.Load() {
 			buf, err := c.Next(20 * time.Millisecond)

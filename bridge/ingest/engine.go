@@ -309,12 +309,12 @@ func (q *queue) loop(started chan<- error) {
 	defer q.e.wg.Done()
 	rt := q.e.cfg.Priority > 0
 	if rt {
-		// The thread stays locked: it exits with the loop, its
-		// real-time policy with it.
-		if err := fingest.LockRealtime(q.e.cfg.Priority); err != nil {
+		unlock, err := fingest.LockRealtime(q.e.cfg.Priority)
+		if err != nil {
 			started <- fmt.Errorf("ingest: queue %d: %w", q.id, err)
 			return
 		}
+		defer unlock()
 	}
 	started <- nil
 	idleSince := time.Time{}

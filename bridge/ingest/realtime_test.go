@@ -34,7 +34,8 @@ func fifoTIDs(t *testing.T, priority uint32) []int {
 
 // TestPriority: with Config.Priority the engine's loops run on real-time
 // threads (one per queue, SCHED_FIFO at that priority), datagrams still
-// arrive complete and in order, and the threads are gone after Close.
+// arrive complete and in order, and after Close no thread of the process
+// is left real-time (not the loop's, not one the runtime cloned from it).
 func TestPriority(t *testing.T) {
 	const prio = 9
 	if n := fifoThreads(t, prio); n != 0 {

@@ -6,6 +6,7 @@ import (
 	"net"
 	"net/netip"
 	"sync"
+	"syscall"
 	"time"
 
 	"gvisor.dev/gvisor/pkg/tcpip"
@@ -239,6 +240,11 @@ func (s *Stack) Dial(ctx context.Context, network, address string) (net.Conn, er
 		if err != nil {
 			return nil, opError("dial", k, na, err)
 		}
+		flow := flowKey{proto: uint8(tcp.ProtocolNumber), localPort: cl.Port, remote: netip.AddrPortFrom(raddr.Addr().Unmap(), raddr.Port())}
+		if k.proto == "udp" {
+			flow.proto = uint8(udp.ProtocolNumber)
+		}
+		s.ep.unreach.take(flow) // a note left from an earlier use of the tuple
 		l := s.newLease(cl.ID)
 		c, terr := s.connect(ctx, k, cl, raddr, l)
 		if terr == nil {
@@ -256,6 +262,11 @@ func (s *Stack) Dial(ctx context.Context, network, address string) (net.Conn, er
 		}
 		if errors.As(terr, &te) {
 			terr = sysErr("connect", te.e)
+			if k.proto == "tcp" {
+				// An ICMPv6 error gVisor would have ignored, rewritten to
+				// no route (unreach6.go): Linux's errno instead.
+				terr = s.withNoted(terr, syscall.ENETUNREACH, flow)
+			}
 		}
 		return nil, opError("dial", k, na, terr)
 	}
@@ -340,25 +351,43 @@ func (s *Stack) newUDPConn(wq *waiter.Queue, ep tcpip.Endpoint, l *lease) *udpCo
 // ICMP port unreachable: ECONNREFUSED) are the kernel's errnos.
 func (c *udpConn) Read(b []byte) (int, error) {
 	n, err := c.UDPConn.Read(b)
-	return n, connErr(err)
+	return n, c.err(err)
 }
 
 // ReadFrom implements net.PacketConn, with errors as for Read.
 func (c *udpConn) ReadFrom(b []byte) (int, net.Addr, error) {
 	n, from, err := c.UDPConn.ReadFrom(b)
-	return n, from, connErr(err)
+	return n, from, c.err(err)
 }
 
 // Write implements net.Conn, with errors as for Read.
 func (c *udpConn) Write(b []byte) (int, error) {
 	n, err := c.UDPConn.Write(b)
-	return n, connErr(err)
+	return n, c.err(err)
 }
 
 // WriteTo implements net.PacketConn, with errors as for Read.
 func (c *udpConn) WriteTo(b []byte, to net.Addr) (int, error) {
 	n, err := c.UDPConn.WriteTo(b, to)
-	return n, connErr(err)
+	return n, c.err(err)
+}
+
+// err is connErr, and for a connected socket's connection refused the
+// errno of the ICMPv6 error that gVisor was handed as a port unreachable
+// (unreach6.go), if that is what happened.
+func (c *udpConn) err(err error) error {
+	err = connErr(err)
+	if err == nil || !errors.Is(err, syscall.ECONNREFUSED) {
+		return err
+	}
+	local, lok := c.UDPConn.LocalAddr().(*net.UDPAddr)
+	remote, rok := c.UDPConn.RemoteAddr().(*net.UDPAddr)
+	if !lok || !rok || local == nil || remote == nil {
+		return err
+	}
+	l, r := local.AddrPort(), remote.AddrPort()
+	k := flowKey{proto: uint8(udp.ProtocolNumber), localPort: l.Port(), remote: netip.AddrPortFrom(r.Addr().Unmap(), r.Port())}
+	return c.s.withNoted(err, syscall.ECONNREFUSED, k)
 }
 
 // Close implements net.Conn and net.PacketConn.

@@ -74,9 +74,13 @@
 // TCP dial and the next read or write of a connected UDP socket, a host
 // unreachable or administratively prohibited (IPv4) fails a TCP dial. A
 // read already waiting on a UDP socket wakes with the error, as on Linux
-// (gVisor alone would leave it asleep). gVisor ignores the other ICMPv6
-// destination unreachable codes (administratively prohibited among them),
-// so such a dial times out instead.
+// (gVisor alone would leave it asleep). Every ICMPv6 destination
+// unreachable fails an IPv6 TCP dial at once with Linux's errno
+// (ENETUNREACH, EACCES for administratively prohibited and the policy
+// codes, EHOSTUNREACH, ECONNREFUSED, EPROTO), and a connected UDP socket
+// reports the codes Linux reports: gVisor acts on no route and port
+// unreachable only, so the receive loop hands it the others as one of
+// those and notes the real errno for the flow (unreach6.go).
 //
 // # Errors
 //

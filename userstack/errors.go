@@ -1,6 +1,7 @@
 package userstack
 
 import (
+	"errors"
 	"net"
 	"os"
 	"syscall"
@@ -61,4 +62,35 @@ func connErr(err error) error {
 	out := *oe
 	out.Err = os.NewSyscallError(oe.Op, errno)
 	return &out
+}
+
+// withNoted gives err (from sysErr or connErr) the errno noted for flow k
+// when err carries standIn, the errno gVisor reported for an ICMPv6 error
+// that the receive loop rewrote (unreach6.go). The note is taken, as a
+// kernel socket's pending error is.
+func (s *Stack) withNoted(err error, standIn syscall.Errno, k flowKey) error {
+	if err == nil || !errors.Is(err, standIn) {
+		return err
+	}
+	errno, ok := s.ep.unreach.take(k)
+	if !ok {
+		return err
+	}
+	return replaceErrno(err, errno)
+}
+
+// replaceErrno rebuilds err, a *net.OpError or *os.SyscallError around an
+// errno, around errno instead.
+func replaceErrno(err error, errno syscall.Errno) error {
+	switch e := err.(type) {
+	case *net.OpError:
+		out := *e
+		out.Err = replaceErrno(e.Err, errno)
+		return &out
+	case *os.SyscallError:
+		return os.NewSyscallError(e.Syscall, errno)
+	case syscall.Errno:
+		return errno
+	}
+	return err
 }

@@ -123,9 +123,7 @@ func runICMPErrors(t *testing.T, remote bool) {
 			{e.outside4, refused, syscall.ECONNREFUSED},
 			{e.outside4, prohibited, syscall.EHOSTUNREACH}, // as Linux reports it
 			{e.outside6, refused, syscall.ECONNREFUSED},
-			// An IPv6 administratively prohibited is not here: gVisor
-			// ignores ICMPv6 destination unreachable codes other than
-			// no route and port unreachable, so that dial times out.
+			// IPv6's other codes: TCPDialRejectedIPv6.
 		} {
 			before := icmpReceived(s)
 			addr := netip.AddrPortFrom(c.to, c.port).String()
@@ -145,6 +143,85 @@ func runICMPErrors(t *testing.T, remote bool) {
 			}
 			t.Logf("dial %s: %v after %v", addr, err, took)
 		}
+	})
+
+	t.Run("TCPDialRejectedIPv6", func(t *testing.T) {
+		// Every ICMPv6 destination unreachable code nft can send (all but
+		// 2, beyond scope), one port each, answered by the outside host;
+		// a UDP port answered with administratively prohibited too. The
+		// bridge host's own kernel dials the same ports: the application
+		// must see what it sees.
+		const base = 9010
+		codes := []struct {
+			code uint8
+			name string
+		}{{0, "no-route"}, {1, "admin-prohibited"}, {3, "addr-unreachable"}, {4, "port-unreachable"}, {5, "policy-fail"}, {6, "reject-route"}}
+		rules := "table ip6 fbicmp6 {\n\tchain input {\n\t\ttype filter hook input priority 0;\n"
+		for _, c := range codes {
+			rules += fmt.Sprintf("\t\ttcp dport %d reject with icmpv6 type %s\n", base+int(c.code), c.name)
+		}
+		rules += fmt.Sprintf("\t\tudp dport %d reject with icmpv6 type admin-prohibited\n\t}\n}\n", base+1)
+		file := filepath.Join(t.TempDir(), "rules6.nft")
+		if err := os.WriteFile(file, []byte(rules), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if out, err := e.out.Exec(testCtx(t, 10*time.Second), "nft", "-f", file); err != nil {
+			t.Fatalf("nft: %v\n%s", err, out)
+		}
+		for _, c := range codes {
+			addr := netip.AddrPortFrom(e.outside6, base+uint16(c.code)).String()
+			// The kernel's answer first.
+			var kerr error
+			e.br.Do(func() error {
+				d := net.Dialer{Timeout: 5 * time.Second}
+				kc, err := d.Dial("tcp6", addr)
+				if err == nil {
+					kc.Close()
+				}
+				kerr = err
+				return nil
+			})
+			var kernelErrno syscall.Errno
+			if !errors.As(kerr, &kernelErrno) {
+				t.Fatalf("code %d (%s): the bridge host's kernel dialled %s: %v, not an errno", c.code, c.name, addr, kerr)
+			}
+			want, _ := unreach6Errno(c.code)
+			if kernelErrno != want {
+				t.Errorf("code %d (%s): the kernel says %v, icmpv6_err_convert as we have it %v", c.code, c.name, kernelErrno, want)
+			}
+			before := icmpReceived(s)
+			start := time.Now()
+			conn, err := s.Dial(testCtx(t, 10*time.Second), "tcp6", addr)
+			took := time.Since(start)
+			if err == nil {
+				conn.Close()
+				t.Fatalf("dial %s succeeded through a reject rule", addr)
+			}
+			if !errors.Is(err, kernelErrno) || took > 2*time.Second {
+				t.Fatalf("code %d (%s): dial %s: %v after %v, want %v (as the kernel) at once", c.code, c.name, addr, err, took, kernelErrno)
+			}
+			if after := icmpReceived(s); after.unreach6 == before.unreach6 {
+				t.Fatalf("code %d: dial %s: %v, but the stack counted no ICMPv6 destination unreachable", c.code, addr, err)
+			}
+			t.Logf("code %d (%s): dial %s: %v after %v; kernel: %v", c.code, c.name, addr, err, took, kerr)
+		}
+		// A connected UDP socket: Linux reports administratively
+		// prohibited (one of its "fatal" codes) on the next call.
+		addr := netip.AddrPortFrom(e.outside6, base+1).String()
+		u, err := s.Dial(testCtx(t, 10*time.Second), "udp6", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer u.Close()
+		if _, err := u.Write([]byte("anyone there?")); err != nil {
+			t.Fatal(err)
+		}
+		u.SetReadDeadline(time.Now().Add(5 * time.Second))
+		_, err = u.Read(make([]byte, 100))
+		if !errors.Is(err, syscall.EACCES) {
+			t.Fatalf("udp6 read after administratively prohibited: %v, want permission denied", err)
+		}
+		t.Logf("udp6 %s: %v", addr, err)
 	})
 
 	t.Run("PathMTU", func(t *testing.T) {

@@ -91,6 +91,10 @@ type LinkEndpoint struct {
 	// checksums the stack must verify itself.
 	stackChecks atomic.Bool
 
+	// unreach notes the errnos of ICMPv6 destination unreachables that the
+	// receive loop rewrote for gVisor (unreach6.go).
+	unreach unreachNotes
+
 	// afterICMPError, if set before the stack attaches, runs after a batch
 	// that carried an ICMP or ICMPv6 error, once the stack has taken it
 	// (see Stack.wakeDatagramReaders).
@@ -358,7 +362,8 @@ func (r *receiver) deliver(n int) {
 		v := r.views[i]
 		size := len(r.bufs[i])
 		bytes += uint64(size)
-		icmpErrors = icmpErrors || isICMPError(r.bufs[i])
+		icmpError := isICMPError(r.bufs[i])
+		icmpErrors = icmpErrors || icmpError
 		var proto tcpip.NetworkProtocolNumber
 		if size > 0 {
 			switch r.bufs[i][0] >> 4 {
@@ -381,6 +386,9 @@ func (r *receiver) deliver(n int) {
 			r.views[i] = nil
 			v.CapLength(size)
 			if proto == header.IPv6ProtocolNumber {
+				if icmpError {
+					e.unreach.adaptUnreach6(r.bufs[i])
+				}
 				// gVisor's IPv6 GRO allocates per packet: our own (gro6).
 				r.gro6.enqueue(d, v, r.bufs[i][:size])
 				continue

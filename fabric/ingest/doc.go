@@ -160,4 +160,15 @@
 // The first record waits for its window to close unless the buffer fills
 // first, so the window bounds the latency at low rates: choose it well
 // under the budget.
+//
+// Beyond the window, the latency is two thread wake-ups (the engine's on
+// the first frame, the consumer's on the publication), and on a machine
+// whose CPUs are shared its tail is those threads waiting for a CPU:
+// milliseconds, even tens of them, on a loaded 2-vCPU VM, and none of it
+// garbage collection. A consumer that must keep the tail short runs on a
+// real-time thread (LockRealtime, with ConsumerOptions.NoYield), as the
+// engine can (bridge/ingest Config.Priority); a process that hosts such
+// threads needs more Go processors (GOMAXPROCS) than it has real-time
+// threads, or they wait for a processor instead of a CPU. See BENCHMARKS.md,
+// Ingest, for what it bought.
 package ingest

@@ -9,7 +9,7 @@ require (
 	github.com/vishvananda/netns v0.0.5
 	go.yaml.in/yaml/v3 v3.0.6
 	golang.org/x/sys v0.49.0
-	gvisor.dev/gvisor v0.0.0-20260527191743-a81fd9dd382e
+	gvisor.dev/gvisor v0.0.0-20260905035102-160fafc42237
 )
 
 require (

@@ -171,6 +171,25 @@
 // rate of an uncapped record ring for single packets: 1024 of them fill only
 // 72 KiB, so a producer that outruns its consumer works on a full ring.
 //
+// # Calls: concurrency, Close and counters
+//
+// Send, SendMeta, TryRecv, TryRecvMeta, Recv and RecvTimeout may be called
+// from several goroutines at once, and Close from any goroutine at any
+// time. Each direction of a Stream has a gate (gate.go) instead of a
+// sync.Mutex and an atomic counter: one 64-bit word holds the direction's
+// packet count and its flags (busy, waiter, closed, broken). An
+// uncontended call enters with one load and one compare-and-swap, which
+// also finds a closed or broken stream, and leaves with one atomic add
+// that clears busy and adds the packets it moved, so Stats is exact and
+// costs nothing extra: two locked instructions per call where the mutex
+// and counter took three. Contenders queue on a mutex behind the gate and
+// are poked by the caller that leaves. Close sets closed in both gates
+// (new calls fail at once), wakes every waiter, and then takes both gates
+// for good before it unmaps the region, so no call is ever inside the
+// mapping when it goes away. A Send that blocks for space adds what it
+// queued to the count before it sleeps. The two gates and the fields each
+// direction writes sit on separate cache lines.
+//
 // # Remote transport
 //
 // The wire format is in geneve.go: RFC 8926 GENEVE on UDP port 6081, VNI

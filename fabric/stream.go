@@ -63,8 +63,10 @@ type Stats struct {
 
 // Stream is one end of a duplex fabric stream: an RX ring (bridge to
 // application) and a TX ring (application to bridge) in one shared region.
-// One goroutine may send while another receives; Close may be called from
-// any goroutine and unblocks both.
+// Sends and receives run at the same time; several goroutines may send
+// (or receive) at once, their calls on one direction taking turns; Close
+// may be called from any goroutine and unblocks them all (see the package
+// doc, "Calls").
 type Stream struct {
 	side Side
 	mem  []byte

@@ -79,7 +79,7 @@ func openIngest(cfg *config.Config, b *bridge.Bridge, log *slog.Logger) (_ *inge
 		}
 		p.engine, err = bingest.Start(bingest.Config{
 			Program: prog, Ifindex: ifc.Index, Queues: cfg.Interfaces[0].Queues, Umem: b.Umem,
-			BusyPoll: time.Duration(cfg.Interfaces[0].BusyPoll),
+			BusyPoll: time.Duration(cfg.Interfaces[0].BusyPoll), Priority: cfg.Interfaces[0].IngestPriority,
 		})
 		if err != nil {
 			return nil, fmt.Errorf("ingest engine: %w", err)

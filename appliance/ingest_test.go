@@ -5,9 +5,13 @@ import (
 	"io"
 	"net"
 	"net/netip"
+	"os"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
@@ -20,16 +24,36 @@ import (
 // the datagrams would answer with port unreachable and make the next send
 // fail: the fallback must hide them.
 func TestIngestThroughDaemon(t *testing.T) {
-	for _, path := range []string{"auto", "afpacket"} {
+	for _, path := range []string{"auto", "afpacket", "realtime"} {
 		t.Run(path, func(t *testing.T) {
 			tp := newTopo(t)
-			tp.iface = ", attach: strict, path: " + path
-			if path == "auto" {
-				tp.iface = ""
+			switch path {
+			case "auto":
+			case "realtime":
+				// The XDP path with the engine's loops at SCHED_FIFO 17.
+				tp.iface = ", ingest_priority: 17"
+			default:
+				tp.iface = ", attach: strict, path: " + path
 			}
 			ingestThroughDaemon(t, tp, path)
 		})
 	}
+}
+
+// realtimeThreads counts this process's threads at SCHED_FIFO priority.
+func realtimeThreads(t *testing.T, priority uint32) int {
+	dirs, err := os.ReadDir("/proc/self/task")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := 0
+	for _, d := range dirs {
+		tid, _ := strconv.Atoi(d.Name())
+		if a, err := unix.SchedGetAttr(tid, 0); err == nil && a.Policy == unix.SCHED_FIFO && a.Priority == priority {
+			n++
+		}
+	}
+	return n
 }
 
 func ingestThroughDaemon(t *testing.T, tp *topo, path string) {
@@ -40,6 +64,12 @@ rules:
 `)
 	d := tp.start(t, c, io.Discard)
 	defer d.Close()
+	if path == "realtime" {
+		// The topology's veth has one queue: one engine loop.
+		if n := realtimeThreads(t, 17); n != 1 {
+			t.Errorf("%d threads at SCHED_FIFO 17, want the engine's one loop", n)
+		}
+	}
 	cons, err := fingest.Open(IngestPath(c, "trigger"), fingest.ConsumerOptions{})
 	if err != nil {
 		t.Fatal(err)
@@ -118,6 +148,14 @@ rules:
 	}
 	if v := value(t, s, "fabricbridge_rule_packets_total", "id", "2"); v != 2*perPort {
 		t.Errorf("rule 2 counted %v", v)
+	}
+	if path == "realtime" {
+		if err := d.Close(); err != nil {
+			t.Fatal(err)
+		}
+		if n := realtimeThreads(t, 17); n != 0 {
+			t.Errorf("%d threads left at SCHED_FIFO 17 after the daemon stopped", n)
+		}
 	}
 }
 

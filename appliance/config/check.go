@@ -72,6 +72,9 @@ func (c *Config) checkInterfaces(d *decoder) {
 		if !powerOfTwo(in.Frames) || in.Frames < 64 || in.Frames > 1<<20 {
 			d.errorAt(p+".frames", "must be a power of two from 64 to 1048576, not %d", in.Frames)
 		}
+		if in.IngestPriority < 0 || in.IngestPriority > 99 {
+			d.errorAt(p+".ingest_priority", "must be a real-time priority from 1 to 99, or 0 for none, not %d", in.IngestPriority)
+		}
 	}
 }
 

@@ -57,6 +57,12 @@ type Interface struct {
 	// BusyPoll, if set, turns on busy polling (SO_PREFER_BUSY_POLL) on the
 	// AF_XDP sockets for this long per poll, such as 50us.
 	BusyPoll Duration `yaml:"busy_poll"`
+	// IngestPriority, if set (1-99), runs the ingest engine's loops at
+	// this SCHED_FIFO real-time priority: a loop woken by a datagram or
+	// due to close a window preempts ordinary threads, at the price of
+	// holding its CPU while windows are open (bridge/ingest
+	// Config.Priority). 0: ordinary threads.
+	IngestPriority int `yaml:"ingest_priority"`
 }
 
 // Streams sizes the stream an application gets when it does not ask for

@@ -41,6 +41,7 @@ func TestErrorsArePrecise(t *testing.T) {
 		{"path", "interfaces:\n  - name: eth1\n    path: xdp\naddresses: [198.18.0.1]\n", []string{`t.yaml:3:11: interfaces[0].path: "xdp" is not one of auto, native-zerocopy, native-copy, generic, afpacket`}},
 		{"frame size", "interfaces:\n  - name: eth1\n    frame_size: 3000\naddresses: [198.18.0.1]\n", []string{"t.yaml:3:5: interfaces[0].frame_size: must be 2048 or 4096, not 3000"}},
 		{"frames", "interfaces:\n  - {name: eth1, frames: 1000}\naddresses: [198.18.0.1]\n", []string{"t.yaml:2:18: interfaces[0].frames: must be a power of two from 64 to 1048576, not 1000"}},
+		{"ingest priority", "interfaces:\n  - {name: eth1, ingest_priority: 100}\naddresses: [198.18.0.1]\n", []string{"t.yaml:2:18: interfaces[0].ingest_priority: must be a real-time priority from 1 to 99, or 0 for none, not 100"}},
 		{"queue twice", "interfaces:\n  - {name: eth1, queues: [0, 0]}\naddresses: [198.18.0.1]\n", []string{"t.yaml:2:30: interfaces[0].queues[1]: queue 0 is listed twice"}},
 		{"integer wanted", "interfaces:\n  - {name: eth1, frames: many}\naddresses: [198.18.0.1]\n", []string{`t.yaml:2:26: interfaces[0].frames: want an integer, got "many"`}},
 		{"list wanted", base + "ingest: {name: x}\n", []string{"t.yaml:3:9: ingest: want a list, got a mapping"}},

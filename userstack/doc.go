@@ -77,10 +77,12 @@
 // (gVisor alone would leave it asleep). Every ICMPv6 destination
 // unreachable fails an IPv6 TCP dial at once with Linux's errno
 // (ENETUNREACH, EACCES for administratively prohibited and the policy
-// codes, EHOSTUNREACH, ECONNREFUSED, EPROTO), and a connected UDP socket
-// reports the codes Linux reports: gVisor acts on no route and port
-// unreachable only, so the receive loop hands it the others as one of
-// those and notes the real errno for the flow (unreach6.go).
+// codes, EHOSTUNREACH, ECONNREFUSED, EPROTO), and a connected UDP socket,
+// IPv4 or IPv6, reports the codes Linux reports with Linux's errno
+// (administratively prohibited: EHOSTUNREACH over IPv4, EACCES over IPv6)
+// and ignores the others as Linux does: gVisor acts on fewer codes, so the
+// receive loop hands it the others as one it acts on and notes the real
+// errno for the flow (unreach6.go).
 //
 // # Errors
 //

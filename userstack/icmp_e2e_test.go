@@ -58,6 +58,20 @@ func TestEndToEndICMPErrorsRemote(t *testing.T) { runICMPErrors(t, true) }
 func runICMPErrors(t *testing.T, remote bool) {
 	e := newE2E(t)
 	s := e.open(remote)
+	// The subtests draw dozens of errors to the bridge host's two
+	// addresses within seconds, from the stack and from the bridge host's
+	// kernel: the outside kernel's per-destination ICMP rate limit (one a
+	// second after a burst of six) would drop some of them.
+	if err := e.out.Do(func() error {
+		for _, f := range []string{"/proc/sys/net/ipv4/icmp_ratelimit", "/proc/sys/net/ipv6/icmp/ratelimit"} {
+			if err := os.WriteFile(f, []byte("0"), 0); err != nil {
+				return err
+			}
+		}
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
 
 	t.Run("UDPPortUnreachable", func(t *testing.T) {
 		for _, fam := range []struct {
@@ -172,6 +186,7 @@ func runICMPErrors(t *testing.T, remote bool) {
 			addr := netip.AddrPortFrom(e.outside6, base+uint16(c.code)).String()
 			// The kernel's answer first.
 			var kerr error
+			kstart := time.Now()
 			e.br.Do(func() error {
 				d := net.Dialer{Timeout: 5 * time.Second}
 				kc, err := d.Dial("tcp6", addr)
@@ -181,6 +196,7 @@ func runICMPErrors(t *testing.T, remote bool) {
 				kerr = err
 				return nil
 			})
+			ktook := time.Since(kstart)
 			var kernelErrno syscall.Errno
 			if !errors.As(kerr, &kernelErrno) {
 				t.Fatalf("code %d (%s): the bridge host's kernel dialled %s: %v, not an errno", c.code, c.name, addr, kerr)
@@ -203,7 +219,7 @@ func runICMPErrors(t *testing.T, remote bool) {
 			if after := icmpReceived(s); after.unreach6 == before.unreach6 {
 				t.Fatalf("code %d: dial %s: %v, but the stack counted no ICMPv6 destination unreachable", c.code, addr, err)
 			}
-			t.Logf("code %d (%s): dial %s: %v after %v; kernel: %v", c.code, c.name, addr, err, took, kerr)
+			t.Logf("code %d (%s): dial %s: %v after %v; kernel: %v after %v", c.code, c.name, addr, err, took, kerr, ktook)
 		}
 		// A connected UDP socket: Linux reports administratively
 		// prohibited (one of its "fatal" codes) on the next call.
@@ -222,6 +238,79 @@ func runICMPErrors(t *testing.T, remote bool) {
 			t.Fatalf("udp6 read after administratively prohibited: %v, want permission denied", err)
 		}
 		t.Logf("udp6 %s: %v", addr, err)
+	})
+
+	t.Run("UDPRejectedIPv4", func(t *testing.T) {
+		// A connected IPv4 UDP socket answered with each ICMP destination
+		// unreachable type nft can send. Linux reports the "fatal" ones
+		// and not the others; the bridge host's own kernel says which.
+		const base = 9030
+		types := []struct {
+			code uint8
+			name string
+		}{{0, "net-unreachable"}, {1, "host-unreachable"}, {2, "prot-unreachable"}, {9, "net-prohibited"}, {10, "host-prohibited"}, {13, "admin-prohibited"}}
+		rules := "table ip fbicmp4 {\n\tchain input {\n\t\ttype filter hook input priority 0;\n"
+		for _, c := range types {
+			rules += fmt.Sprintf("\t\tudp dport %d reject with icmp type %s\n", base+int(c.code), c.name)
+		}
+		rules += "\t}\n}\n"
+		file := filepath.Join(t.TempDir(), "rules4.nft")
+		if err := os.WriteFile(file, []byte(rules), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if out, err := e.out.Exec(testCtx(t, 10*time.Second), "nft", "-f", file); err != nil {
+			t.Fatalf("nft: %v\n%s", err, out)
+		}
+		// exchange writes one datagram and reads: the error, or a timeout.
+		exchange := func(c net.Conn) error {
+			defer c.Close()
+			if _, err := c.Write([]byte("anyone there?")); err != nil {
+				return err
+			}
+			c.SetReadDeadline(time.Now().Add(700 * time.Millisecond))
+			_, err := c.Read(make([]byte, 100))
+			return err
+		}
+		timedOut := func(err error) bool {
+			var ne net.Error
+			return errors.As(err, &ne) && ne.Timeout()
+		}
+		for _, c := range types {
+			addr := netip.AddrPortFrom(e.outside4, base+uint16(c.code)).String()
+			var kerr error
+			e.br.Do(func() error {
+				kc, err := net.Dial("udp4", addr)
+				if err == nil {
+					err = exchange(kc)
+				}
+				kerr = err
+				return nil
+			})
+			var kernelErrno syscall.Errno
+			kernelReports := errors.As(kerr, &kernelErrno)
+			if !kernelReports && !timedOut(kerr) {
+				t.Fatalf("%s: the kernel's socket: %v", c.name, kerr)
+			}
+			if want, fatal := unreach4Errno(c.code); fatal != kernelReports || (fatal && want != kernelErrno) {
+				t.Errorf("%s: the kernel says %v, icmp_err_convert as we have it %v (reported: %v)", c.name, kerr, want, fatal)
+			}
+			before := icmpReceived(s)
+			u, err := s.Dial(testCtx(t, 10*time.Second), "udp4", addr)
+			if err != nil {
+				t.Fatal(err)
+			}
+			err = exchange(u)
+			switch {
+			case kernelReports && !errors.Is(err, kernelErrno):
+				t.Errorf("%s: %v, want %v as the kernel", c.name, err, kernelErrno)
+			case !kernelReports && !timedOut(err):
+				t.Errorf("%s: %v, want nothing reported, as the kernel", c.name, err)
+			}
+			if after := icmpReceived(s); after.unreach4 == before.unreach4 {
+				t.Errorf("%s: the stack counted no destination unreachable", c.name)
+			}
+			t.Logf("%s (code %d): %v; kernel: %v", c.name, c.code, err, kerr)
+		}
 	})
 
 	t.Run("PathMTU", func(t *testing.T) {

@@ -393,6 +393,9 @@ func (r *receiver) deliver(n int) {
 				r.gro6.enqueue(d, v, r.bufs[i][:size])
 				continue
 			}
+			if icmpError {
+				e.unreach.adaptUnreach4(r.bufs[i])
+			}
 			pkt := stack.NewPacketBuffer(stack.PacketBufferOptions{Payload: buffer.MakeWithView(v)})
 			pkt.NetworkProtocolNumber = proto
 			pkt.RXChecksumValidated = true // GRO need not check again

@@ -9,7 +9,8 @@ import (
 	"gvisor.dev/gvisor/pkg/tcpip/header"
 )
 
-// ICMPv6 destination unreachable, done as Linux does it.
+// ICMPv6 destination unreachable, done as Linux does it (and IPv4's for
+// UDP: adaptUnreach4 at the end).
 //
 // gVisor acts on two ICMPv6 destination unreachable codes only: no route
 // (0, a TCP connect fails with ENETUNREACH) and port unreachable (4,
@@ -103,7 +104,6 @@ func unreach6Errno(code uint8) (syscall.Errno, bool) {
 // checksum, 4 unused bytes) after the IPv6 header, then the quoted packet.
 const (
 	unreach6Code   = header.IPv6MinimumSize + 1
-	unreach6Sum    = header.IPv6MinimumSize + 2
 	unreach6Quoted = header.IPv6MinimumSize + header.ICMPv6DstUnreachableMinimumSize
 	// The quoted IPv6 header and the ports of the transport header after it.
 	unreach6MinLen = unreach6Quoted + header.IPv6MinimumSize + 4
@@ -152,15 +152,87 @@ func (n *unreachNotes) adaptUnreach6(p []byte) bool {
 	return true
 }
 
-// setICMPv6Code changes the code of the ICMPv6 message in p and updates
+// setICMPv6Code changes the code of the ICMPv6 message in the IPv6
+// packet p, keeping its checksum right.
+func setICMPv6Code(p []byte, code uint8) { setICMPCode(p[header.IPv6MinimumSize:], code) }
+
+// setICMPCode changes the code of the ICMP or ICMPv6 message m and updates
 // its checksum incrementally (RFC 1624, eqn. 3): the type and code are the
-// checksum's first 16-bit word.
-func setICMPv6Code(p []byte, code uint8) {
-	old := binary.BigEndian.Uint16(p[header.IPv6MinimumSize:])
-	p[unreach6Code] = code
-	new := binary.BigEndian.Uint16(p[header.IPv6MinimumSize:])
-	sum := uint32(^binary.BigEndian.Uint16(p[unreach6Sum:])) + uint32(^old) + uint32(new)
+// checksum's first 16-bit word, the checksum the second.
+func setICMPCode(m []byte, code uint8) {
+	old := binary.BigEndian.Uint16(m)
+	m[1] = code
+	new := binary.BigEndian.Uint16(m)
+	sum := uint32(^binary.BigEndian.Uint16(m[2:])) + uint32(^old) + uint32(new)
 	sum = (sum & 0xffff) + sum>>16
 	sum = (sum & 0xffff) + sum>>16
-	binary.BigEndian.PutUint16(p[unreach6Sum:], ^uint16(sum))
+	binary.BigEndian.PutUint16(m[2:], ^uint16(sum))
+}
+
+// unreach4Errno is Linux's icmp_err_convert for an IPv4 destination
+// unreachable with the given code: the errno, and whether a connected UDP
+// socket reports it (Linux's "fatal"). Codes past the table are neither.
+func unreach4Errno(code uint8) (syscall.Errno, bool) {
+	switch code {
+	case 0, 11: // net unreachable, for TOS
+		return syscall.ENETUNREACH, false
+	case 1, 12: // host unreachable, for TOS
+		return syscall.EHOSTUNREACH, false
+	case 2:
+		return syscall.ENOPROTOOPT, true
+	case 3:
+		return syscall.ECONNREFUSED, true
+	case 4:
+		return syscall.EMSGSIZE, false
+	case 5:
+		return syscall.EOPNOTSUPP, false
+	case 6, 9: // net unknown, net administratively prohibited
+		return syscall.ENETUNREACH, true
+	case 7:
+		return syscall.EHOSTDOWN, true
+	case 8:
+		return syscall.ENONET, true
+	case 10, 13, 14, 15: // host prohibited, communication prohibited (filtered), precedence
+		return syscall.EHOSTUNREACH, true
+	}
+	return syscall.EHOSTUNREACH, false
+}
+
+// adaptUnreach4 is adaptUnreach6 for IPv4 and UDP: gVisor acts on every
+// IPv4 destination unreachable code for TCP (with Linux's errnos), but a
+// UDP socket of gVisor's reports port unreachable only, where a connected
+// Linux socket also reports the other "fatal" codes (administratively
+// prohibited: EHOSTUNREACH). Those are handed to gVisor as port
+// unreachable, with the errno noted.
+func (n *unreachNotes) adaptUnreach4(p []byte) bool {
+	if len(p) < header.IPv4MinimumSize || p[0]>>4 != 4 || p[9] != uint8(header.ICMPv4ProtocolNumber) {
+		return false
+	}
+	ihl := int(p[0]&0xf) * 4
+	if len(p) < ihl+header.ICMPv4MinimumSize+header.IPv4MinimumSize || header.ICMPv4Type(p[ihl]) != header.ICMPv4DstUnreachable {
+		return false
+	}
+	q := p[ihl+header.ICMPv4MinimumSize:]
+	qihl := int(q[0]&0xf) * 4
+	if q[0]>>4 != 4 || q[9] != uint8(header.UDPProtocolNumber) || qihl < header.IPv4MinimumSize || len(q) < qihl+4 {
+		return false
+	}
+	qip := header.IPv4(q)
+	k := flowKey{
+		proto:     uint8(header.UDPProtocolNumber),
+		localPort: binary.BigEndian.Uint16(q[qihl:]),
+		remote:    netip.AddrPortFrom(netip.AddrFrom4(qip.DestinationAddress().As4()), binary.BigEndian.Uint16(q[qihl+2:])),
+	}
+	code := p[ihl+1]
+	errno, fatal := unreach4Errno(code)
+	switch {
+	case code == uint8(header.ICMPv4PortUnreachable):
+		n.take(k) // gVisor's own errno is Linux's: an older note is stale
+		return false
+	case !fatal:
+		return false
+	}
+	n.put(k, errno)
+	setICMPCode(p[ihl:], uint8(header.ICMPv4PortUnreachable))
+	return true
 }

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"gvisor.dev/gvisor/pkg/tcpip"
+	"gvisor.dev/gvisor/pkg/tcpip/checksum"
 	"gvisor.dev/gvisor/pkg/tcpip/header"
 )
 
@@ -124,5 +125,74 @@ func TestSetICMPv6CodeKeepsTheChecksum(t *testing.T) {
 		if icmp.Checksum() != want || check(pkt) != verified {
 			t.Fatalf("%d bytes, code %d: checksum %#04x, want %#04x", len(pkt), b[i+1], icmp.Checksum(), want)
 		}
+	}
+}
+
+// icmpv4Unreachable is an ICMPv4 destination unreachable with the given
+// code for the IPv4 packet orig, sent by orig's destination.
+func icmpv4Unreachable(orig []byte, code uint8) []byte {
+	quoted := orig[:min(len(orig), 28)]
+	pkt := make([]byte, header.IPv4MinimumSize+header.ICMPv4MinimumSize+len(quoted))
+	o := header.IPv4(orig)
+	ip := header.IPv4(pkt)
+	ip.Encode(&header.IPv4Fields{TotalLength: uint16(len(pkt)), TTL: 64, Protocol: uint8(header.ICMPv4ProtocolNumber),
+		SrcAddr: o.DestinationAddress(), DstAddr: o.SourceAddress()})
+	ip.SetChecksum(^ip.CalculateChecksum())
+	icmp := header.ICMPv4(pkt[header.IPv4MinimumSize:])
+	icmp.SetType(header.ICMPv4DstUnreachable)
+	icmp.SetCode(header.ICMPv4Code(code))
+	copy(icmp[header.ICMPv4MinimumSize:], quoted)
+	icmp.SetChecksum(^checksum.Checksum(icmp, 0))
+	return pkt
+}
+
+// TestICMPv4UnreachableCodesOnUDPAsLinux answers a datagram of a
+// connected IPv4 UDP socket with each destination unreachable code and
+// checks that the socket reports what Linux's does (icmp_err_convert,
+// __udp4_lib_err): the "fatal" codes with their errno (administratively
+// prohibited: EHOSTUNREACH), the others not at all. gVisor alone reports
+// port unreachable only.
+func TestICMPv4UnreachableCodesOnUDPAsLinux(t *testing.T) {
+	const basePort = 9200
+	a, _ := wiredPair(t, func(from *peer, pkt []byte) bool {
+		if pkt[0]>>4 != 4 || pkt[9] != uint8(header.UDPProtocolNumber) {
+			return true
+		}
+		port := binary.BigEndian.Uint16(pkt[header.IPv4MinimumSize+2:])
+		if port < basePort || port > basePort+16 {
+			return true
+		}
+		from.deliver(icmpv4Unreachable(pkt, uint8(port-basePort)))
+		return false
+	})
+	for code := range uint8(17) {
+		want, fatal := unreach4Errno(code)
+		addr := fmt.Sprintf("198.18.0.2:%d", basePort+int(code))
+		u, err := a.s.Dial(testCtx(t, 10*time.Second), "udp4", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := u.Write([]byte("anyone?")); err != nil {
+			t.Fatal(err)
+		}
+		wait := 2 * time.Second
+		if !fatal {
+			wait = 200 * time.Millisecond
+		}
+		u.SetReadDeadline(time.Now().Add(wait))
+		_, err = u.Read(make([]byte, 10))
+		u.Close()
+		var ne net.Error
+		switch {
+		case fatal && !errors.Is(err, want):
+			t.Errorf("code %d: udp read: %v, want %v", code, err, want)
+		case !fatal && !(errors.As(err, &ne) && ne.Timeout()):
+			t.Errorf("code %d: udp read: %v, want nothing (Linux does not report it)", code, err)
+		default:
+			t.Logf("code %d: %v", code, err)
+		}
+	}
+	if n := a.s.ns.Stats().ICMP.V4.PacketsReceived.Invalid.Value(); n != 0 {
+		t.Errorf("gVisor found %d ICMP packets invalid (a rewritten checksum?)", n)
 	}
 }

@@ -12,6 +12,7 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -371,6 +372,50 @@ func eventfdLatency(b *testing.B) []time.Duration {
 	return lat
 }
 
+// futexLatency is eventfdLatency with a futex instead of an eventfd: the
+// waiter sleeps in FUTEX_WAIT on a word of a shared mapping (as a stream's
+// region would be; not FUTEX_PRIVATE), the waker adds one to the word and
+// calls FUTEX_WAKE. It answers whether a futex would wake faster than the
+// eventfd the streams use (which epoll can wait for, a futex cannot).
+func futexLatency(b *testing.B) []time.Duration {
+	mem, err := unix.Mmap(-1, 0, 4096, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_ANONYMOUS)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer unix.Munmap(mem)
+	word := u32at(mem, 0)
+	futex := func(op, val uint32) {
+		unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(word)), uintptr(op), uintptr(val), 0, 0, 0)
+	}
+	n := b.N
+	stamps := make([]atomic.Int64, n)
+	base := time.Now()
+	go func() {
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		for i := 0; i < n; i++ {
+			time.Sleep(200 * time.Microsecond)
+			stamps[i].Store(int64(time.Since(base)))
+			atomic.AddUint32(word, 1)
+			futex(1, 1) // FUTEX_WAKE
+		}
+	}()
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	lat := make([]time.Duration, n)
+	for i := range lat {
+		for {
+			v := atomic.LoadUint32(word)
+			if v > uint32(i) {
+				break
+			}
+			futex(0, v) // FUTEX_WAIT: returns at once if the word moved
+		}
+		lat[i] = time.Since(base) - time.Duration(stamps[i].Load())
+	}
+	return lat
+}
+
 // spinLowPriority is the body of a spinner process: nice 19, it burns
 // whatever CPU nobody else wants, for at most 60 s or until its standard
 // input closes. Two of them keep both vCPUs from halting, so that a
@@ -412,8 +457,8 @@ func startSpinners(b *testing.B) func() {
 }
 
 // BenchmarkWakeup separates the parts of a parked wake-up (receiver
-// asleep in the kernel, 200 µs between packets): a bare eventfd between
-// two OS threads against the stream, with the vCPUs left to halt when
+// asleep in the kernel, 200 µs between packets): a bare eventfd and a bare
+// futex between two OS threads against the stream, with the vCPUs left to halt when
 // idle (the normal case) and kept busy by two nice-19 spinner processes
 // (then no wake-up has to revive a halted vCPU through the hypervisor).
 // The difference between the two rows is what the VM's idle vCPUs cost.
@@ -426,9 +471,12 @@ func BenchmarkWakeup(b *testing.B) {
 				defer startSpinners(b)()
 			}
 			e := eventfdLatency(b)
+			f := futexLatency(b)
 			s := streamLatency(b, 64, true)
 			b.ReportMetric(float64(pct(e, 0.5).Nanoseconds()), "eventfd-p50-ns")
 			b.ReportMetric(float64(pct(e, 0.99).Nanoseconds()), "eventfd-p99-ns")
+			b.ReportMetric(float64(pct(f, 0.5).Nanoseconds()), "futex-p50-ns")
+			b.ReportMetric(float64(pct(f, 0.99).Nanoseconds()), "futex-p99-ns")
 			b.ReportMetric(float64(pct(s, 0.5).Nanoseconds()), "stream-p50-ns")
 			b.ReportMetric(float64(pct(s, 0.99).Nanoseconds()), "stream-p99-ns")
 			b.ReportMetric(0, "ns/op")

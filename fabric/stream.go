@@ -214,7 +214,7 @@ func (s *Stream) markBroken(err error) {
 // Health reports Broken if the peer is gone or misbehaved, Sick if the
 // stream dropped packets since the Tick before last, Normal otherwise.
 func (s *Stream) Health() Health {
-	if s.broken.Load() || s.closed.Load() || s.peerGone.Load() || atomic.LoadUint32(s.peerState) == stateClosed {
+	if s.broken.Load() || s.closed.Load() || s.peerGone.Load() || s.peerClosedMapped() {
 		return Broken
 	}
 	if s.dropped.Load() > s.tickPrev.Load() {
@@ -250,9 +250,24 @@ func (s *Stream) Stats() Stats {
 // authoritative.
 func (s *Stream) PeerDrops() uint64 {
 	if s.side == AppSide {
+		s.lifeMu.Lock()
+		defer s.lifeMu.Unlock()
+		if s.mem == nil {
+			return 0 // closed and unmapped
+		}
 		return atomic.LoadUint64(s.recv.v.drops)
 	}
 	return s.dropped.Load()
+}
+
+// peerClosedMapped reads the peer's state word for callers outside the
+// gates (Health, from a metrics loop): under lifeMu, which release holds
+// while it unmaps, so a concurrent Close cannot unmap under the load. A
+// stream already unmapped counts as closed.
+func (s *Stream) peerClosedMapped() bool {
+	s.lifeMu.Lock()
+	defer s.lifeMu.Unlock()
+	return s.mem == nil || atomic.LoadUint32(s.peerState) == stateClosed
 }
 
 func (s *Stream) dead() error {
@@ -443,6 +458,8 @@ func (s *Stream) release() {
 	if s.memfd >= 0 {
 		unix.Close(s.memfd)
 	}
+	s.lifeMu.Lock() // Health and PeerDrops look at the region under it
 	unix.Munmap(s.mem)
 	s.mem = nil
+	s.lifeMu.Unlock()
 }

@@ -249,7 +249,12 @@ func BenchmarkBridgeRXLoop(b *testing.B) {
 					}
 					el := time.Since(start)
 					got := r.b.Stats().Streams[0].RxPackets - before
-					if got < perRound*9/10 {
+					// The packet socket retires a block 1 ms after its first
+					// frame, full or not: where the generator is slow, 2048
+					// frames retire more blocks than the ring has and the
+					// kernel drops the rest (KernelRxDrops). The loop's cost
+					// per frame is still measured on what arrived.
+					if got < perRound/2 {
 						b.Fatalf("%s: a round delivered %d of %d frames (%+v)", p.name, got, perRound, r.b.Stats().Queues[0])
 					}
 					loopNs = append(loopNs, float64(el.Nanoseconds())/float64(got))

@@ -16,6 +16,7 @@ import (
 	"github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
+	"github.com/fabricbridge/fabricbridge/bridge/features"
 	"github.com/fabricbridge/fabricbridge/bridge/xsk"
 	"github.com/fabricbridge/fabricbridge/classifier"
 	fbebpf "github.com/fabricbridge/fabricbridge/ebpf"
@@ -133,10 +134,10 @@ type Bridge struct {
 	closed     bool
 
 	// Receive VLAN stripping (see vlanstrip.go), under mu.
-	ethfd       int         // datagram socket in the interface's namespace, for ethtool
-	vlanChecked bool        // the tables needed VLAN tags and the device was looked at
-	vlanBlind   atomic.Bool // it strips them and could not be made to stop
-	vlanRestore []string    // features turned off, to turn on at Close
+	feats       *features.Interface // nil for a device without ethtool features
+	vlanChecked bool                // the tables needed VLAN tags and the device was looked at
+	vlanBlind   atomic.Bool         // it strips them and could not be made to stop
+	vlanRestore []string            // features turned off, to turn on at Close
 	wg          sync.WaitGroup
 }
 
@@ -207,7 +208,7 @@ func Open(cfg Config) (*Bridge, error) {
 	if cfg.Path < PathAuto || cfg.Path > PathAFPacket {
 		return nil, fmt.Errorf("bridge: unknown path %d", cfg.Path)
 	}
-	b := &Bridge{cfg: cfg, log: cfg.Logger, clock: newMonoClock(), ethfd: -1}
+	b := &Bridge{cfg: cfg, log: cfg.Logger, clock: newMonoClock()}
 	b.streams.Store(&streamTable{})
 	if err := b.openCommon(); err != nil {
 		b.closeCommon()
@@ -265,9 +266,6 @@ func (b *Bridge) openCommon() error {
 		return fmt.Errorf("bridge: current network namespace: %w", err)
 	}
 	b.ns = ns
-	if b.ethfd, err = unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0); err != nil {
-		return fmt.Errorf("bridge: socket for ethtool: %w", err)
-	}
 	if b.nl, err = netlink.NewHandleAt(ns); err != nil {
 		return fmt.Errorf("bridge: netlink: %w", err)
 	}
@@ -280,6 +278,12 @@ func (b *Bridge) openCommon() error {
 		return fmt.Errorf("bridge: interface %q has no Ethernet address", b.cfg.Interface)
 	}
 	b.ifindex, b.mtu = a.Index, a.MTU
+	// Opened here, in the interface's namespace, for SetTables to use from
+	// any thread (see vlanstrip.go).
+	if b.feats, err = features.Open(b.cfg.Interface); err != nil {
+		b.feats = nil
+		b.log.Debug("bridge: no ethtool features", "interface", b.cfg.Interface, "err", err)
+	}
 	copy(b.mac[:], a.HardwareAddr)
 	if b.mtu+ethHeader > b.cfg.FrameSize-xdpHeadroom {
 		return fmt.Errorf("bridge: MTU %d of %s does not fit frames of %d bytes", b.mtu, b.cfg.Interface, b.cfg.FrameSize)
@@ -315,8 +319,8 @@ func (b *Bridge) closeCommon() {
 	if b.nl != nil {
 		b.nl.Close()
 	}
-	if b.ethfd >= 0 {
-		unix.Close(b.ethfd)
+	if b.feats != nil {
+		b.feats.Close()
 	}
 	if b.ns.IsOpen() {
 		b.ns.Close()

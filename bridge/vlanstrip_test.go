@@ -3,8 +3,7 @@ package bridge
 import (
 	"testing"
 
-	"golang.org/x/sys/unix"
-
+	"github.com/fabricbridge/fabricbridge/bridge/features"
 	"github.com/fabricbridge/fabricbridge/classifier"
 	"github.com/fabricbridge/fabricbridge/internal/netns"
 )
@@ -14,21 +13,17 @@ func stripping(t *testing.T, ns *netns.NS, ifname string) map[string]bool {
 	t.Helper()
 	got := map[string]bool{}
 	err := ns.Do(func() error {
-		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+		f, err := features.Open(ifname)
 		if err != nil {
 			return err
 		}
-		defer unix.Close(fd)
-		fs, err := readFeatures(fd, ifname)
-		if err != nil {
-			return err
-		}
+		defer f.Close()
 		for _, name := range vlanStripFeatures {
-			f, ok := fs.get(name)
-			if !ok {
-				t.Fatalf("%s has no feature %s", ifname, name)
+			s, err := f.Get(name)
+			if err != nil {
+				return err
 			}
-			got[name] = f.active
+			got[name] = s.Active
 		}
 		return nil
 	})

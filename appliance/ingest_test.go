@@ -5,16 +5,13 @@ import (
 	"io"
 	"net"
 	"net/netip"
-	"os"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/internal/testenv"
 )
 
 // TestIngestThroughDaemon: trigger datagrams matching an ingest rule reach
@@ -40,22 +37,6 @@ func TestIngestThroughDaemon(t *testing.T) {
 	}
 }
 
-// realtimeThreads counts this process's threads at SCHED_FIFO priority.
-func realtimeThreads(t *testing.T, priority uint32) int {
-	dirs, err := os.ReadDir("/proc/self/task")
-	if err != nil {
-		t.Fatal(err)
-	}
-	n := 0
-	for _, d := range dirs {
-		tid, _ := strconv.Atoi(d.Name())
-		if a, err := unix.SchedGetAttr(tid, 0); err == nil && a.Policy == unix.SCHED_FIFO && a.Priority == priority {
-			n++
-		}
-	}
-	return n
-}
-
 func ingestThroughDaemon(t *testing.T, tp *topo, path string) {
 	// A buffer per datagram and more: the consumer may not run before the
 	// burst is over (a real-time engine loop holds one of CI's two CPUs
@@ -69,7 +50,7 @@ rules:
 	defer d.Close()
 	if path == "realtime" {
 		// The topology's veth has one queue: one engine loop.
-		if n := realtimeThreads(t, 17); n != 1 {
+		if n := len(testenv.FIFOThreads(t, 17)); n != 1 {
 			t.Errorf("%d threads at SCHED_FIFO 17, want the engine's one loop", n)
 		}
 	}
@@ -156,7 +137,7 @@ rules:
 		if err := d.Close(); err != nil {
 			t.Fatal(err)
 		}
-		if n := realtimeThreads(t, 17); n != 0 {
+		if n := len(testenv.FIFOThreads(t, 17)); n != 0 {
 			t.Errorf("%d threads left at SCHED_FIFO 17 after the daemon stopped", n)
 		}
 	}

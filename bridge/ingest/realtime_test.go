@@ -7,30 +7,10 @@ import (
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
 	"github.com/fabricbridge/fabricbridge/internal/ingesttest"
+	"github.com/fabricbridge/fabricbridge/internal/testenv"
 )
-
-// fifoThreads counts this process's threads that run SCHED_FIFO at
-// priority.
-func fifoThreads(t *testing.T, priority uint32) int { return len(fifoTIDs(t, priority)) }
-
-func fifoTIDs(t *testing.T, priority uint32) []int {
-	dirs, err := os.ReadDir("/proc/self/task")
-	if err != nil {
-		t.Fatal(err)
-	}
-	var tids []int
-	for _, d := range dirs {
-		tid, _ := strconv.Atoi(d.Name())
-		if a, err := unix.SchedGetAttr(tid, 0); err == nil && a.Policy == unix.SCHED_FIFO && a.Priority == priority {
-			tids = append(tids, tid)
-		}
-	}
-	return tids
-}
 
 // TestPriority: with Config.Priority the engine's loops run on real-time
 // threads (one per queue, SCHED_FIFO at that priority), datagrams still
@@ -38,11 +18,11 @@ func fifoTIDs(t *testing.T, priority uint32) []int {
 // is left real-time (not the loop's, not one the runtime cloned from it).
 func TestPriority(t *testing.T) {
 	const prio = 9
-	if n := fifoThreads(t, prio); n != 0 {
+	if n := len(testenv.FIFOThreads(t, prio)); n != 0 {
 		t.Fatalf("%d real-time threads before the engine started", n)
 	}
 	tp := newTopo(t, map[uint32]fingest.Config{bufTrigger: {Buffers: 64, BufferSize: 64 << 10}}, Config{Priority: prio})
-	if n := fifoThreads(t, prio); n != 1 {
+	if n := len(testenv.FIFOThreads(t, prio)); n != 1 {
 		t.Fatalf("%d threads at SCHED_FIFO %d, want the one loop's", n, prio)
 	}
 	rd := tp.reader(bufTrigger, checkTrigger)
@@ -64,10 +44,10 @@ func TestPriority(t *testing.T) {
 	t.Logf("%d buffers; latency p50 %v p99 %v", lat.Count, time.Duration(lat.Quantile(0.5)), time.Duration(lat.Quantile(0.99)))
 	tp.eng.Close()
 	deadline := time.Now().Add(5 * time.Second)
-	for fifoThreads(t, prio) != 0 {
+	for len(testenv.FIFOThreads(t, prio)) != 0 {
 		if time.Now().After(deadline) {
 			var stats []string
-			for _, tid := range fifoTIDs(t, prio) {
+			for _, tid := range testenv.FIFOThreads(t, prio) {
 				b, _ := os.ReadFile("/proc/self/task/" + strconv.Itoa(tid) + "/stat")
 				stats = append(stats, string(b))
 			}

@@ -11,6 +11,7 @@ package testenv
 import (
 	"fmt"
 	"os"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -143,4 +144,22 @@ func require(tb testing.TB, p privileges, requireEnv string) bool {
 		return false
 	}
 	return true
+}
+
+// FIFOThreads returns the ids of this process's threads that run
+// SCHED_FIFO at priority.
+func FIFOThreads(tb testing.TB, priority uint32) []int {
+	tb.Helper()
+	dirs, err := os.ReadDir("/proc/self/task")
+	if err != nil {
+		tb.Fatal(err)
+	}
+	var tids []int
+	for _, d := range dirs {
+		tid, _ := strconv.Atoi(d.Name())
+		if a, err := unix.SchedGetAttr(tid, 0); err == nil && a.Policy == unix.SCHED_FIFO && a.Priority == priority {
+			tids = append(tids, tid)
+		}
+	}
+	return tids
 }

@@ -207,21 +207,7 @@ func TestAFPacketShortPayloads(t *testing.T) {
 	raw := tp.out.PacketSocket(t, tp.v.B.Index)
 	const want = 3 * (ingesttest.MaxShort + 1)
 	got := ingesttest.Collect(t, tp.ring.Name(), want, 5*time.Second, func() {
-		for n := 0; n <= ingesttest.MaxShort; n++ {
-			p := ingesttest.ShortPayload(n)
-			if err := v4.Send(p); err != nil {
-				t.Fatal(err)
-			}
-			if err := v6.Send(p); err != nil {
-				t.Fatal(err)
-			}
-			f := frames[n]
-			copy(f[0:6], tp.v.A.MAC)
-			copy(f[6:12], tp.v.B.MAC)
-			if err := unix.Sendto(raw, f, 0, &unix.SockaddrLinklayer{Ifindex: tp.v.B.Index}); err != nil {
-				t.Fatal(err)
-			}
-		}
+		ingesttest.SendShort(t, v4, v6, raw, frames, tp.v)
 	})
 	ingesttest.CheckShort(t, got, 5101, 5102, 5103)
 	if st := tp.eng.Stats(); st.Appended != want || st.Malformed != 0 || st.Refused != 0 {

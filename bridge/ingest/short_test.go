@@ -4,8 +4,6 @@ import (
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/fabricbridge/fabricbridge/classifier"
 	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
 	"github.com/fabricbridge/fabricbridge/internal/ingesttest"
@@ -27,21 +25,7 @@ func TestShortPayloads(t *testing.T) {
 	raw := tp.packetSocket()
 	const want = 3 * (ingesttest.MaxShort + 1)
 	got := ingesttest.Collect(t, tp.rings[bufTrigger].Name(), want, 5*time.Second, func() {
-		for n := 0; n <= ingesttest.MaxShort; n++ {
-			p := ingesttest.ShortPayload(n)
-			if err := v4.Send(p); err != nil {
-				t.Fatal(err)
-			}
-			if err := v6.Send(p); err != nil {
-				t.Fatal(err)
-			}
-			f := frames[n]
-			copy(f[0:6], tp.v.A.MAC)
-			copy(f[6:12], tp.v.B.MAC)
-			if err := unix.Sendto(raw, f, 0, &unix.SockaddrLinklayer{Ifindex: tp.v.B.Index}); err != nil {
-				t.Fatal(err)
-			}
-		}
+		ingesttest.SendShort(t, v4, v6, raw, frames, tp.v)
 	})
 	ingesttest.CheckShort(t, got, 5101, 5102, 5103)
 	cs, err := tp.prog.Counters()

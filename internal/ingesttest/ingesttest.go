@@ -18,6 +18,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
 	"github.com/fabricbridge/fabricbridge/internal/framegen"
 	"github.com/fabricbridge/fabricbridge/internal/netns"
@@ -289,6 +291,28 @@ func ShortFrames(ep Endpoints, sport, dport uint16) [][]byte {
 		out = append(out, f)
 	}
 	return out
+}
+
+// SendShort sends every payload of MaxShort bytes and less from v4 and v6,
+// and the frame of ShortFrames of the same length, addressed to v's bridge
+// end, through raw, a packet socket on v's outside end.
+func SendShort(t testing.TB, v4, v6 *Sender, raw int, frames [][]byte, v *netns.Veth) {
+	t.Helper()
+	for n := 0; n <= MaxShort; n++ {
+		p := ShortPayload(n)
+		if err := v4.Send(p); err != nil {
+			t.Fatal(err)
+		}
+		if err := v6.Send(p); err != nil {
+			t.Fatal(err)
+		}
+		f := frames[n]
+		copy(f[0:6], v.A.MAC)
+		copy(f[6:12], v.B.MAC)
+		if err := unix.Sendto(raw, f, 0, &unix.SockaddrLinklayer{Ifindex: v.B.Index}); err != nil {
+			t.Fatal(err)
+		}
+	}
 }
 
 // Collected is one record a Collect call read.

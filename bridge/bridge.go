@@ -99,7 +99,12 @@ type Config struct {
 	// 20 µs, negative: sleep at once. Waking from poll costs about as much
 	// on a VM, so the spin catches steady traffic; on cores shared with the
 	// applications, not spinning can be faster.
-	Spin   time.Duration
+	Spin time.Duration
+	// CPUs, if set, pins the loops: the i-th served queue's loop runs only
+	// on CPUs[i%len(CPUs)]. A loop that spins for latency wants a core of
+	// its own, near the interrupts of its NIC queue; each CPU must be one
+	// this process may run on.
+	CPUs   []int
 	Logger *slog.Logger
 
 	// manual (tests): no loops run; tests drive rxOnce and round themselves.
@@ -156,6 +161,7 @@ type queue struct {
 	rxPackets, rxBytes, rxRingFull, rxNoStream, rxMalformed, rxTooBig atomic.Uint64
 	rxBatches, sleeps                                                 atomic.Uint64
 	tid                                                               atomic.Int32 // the loop's thread, for benchmarks' CPU accounting
+	cpu                                                               int          // Config.CPUs' choice for the loop, -1: anywhere
 	txPackets, txBytes, txKernel                                      atomic.Uint64
 	txRejects                                                         [numReasons]atomic.Uint64
 }
@@ -201,6 +207,9 @@ func Open(cfg Config) (*Bridge, error) {
 	}
 	if cfg.FrameSize != 2048 && cfg.FrameSize != 4096 {
 		return nil, fmt.Errorf("bridge: frame size %d, want 2048 or 4096", cfg.FrameSize)
+	}
+	if err := checkCPUs(cfg.CPUs); err != nil {
+		return nil, err
 	}
 	if cfg.FrameCount < 128 || cfg.FrameCount&(cfg.FrameCount-1) != 0 {
 		return nil, fmt.Errorf("bridge: frame count %d, want a power of two of at least 128", cfg.FrameCount)
@@ -249,12 +258,26 @@ func Open(cfg Config) (*Bridge, error) {
 		}
 	}
 	b.log.Info("bridge: running", "interface", cfg.Interface, "path", b.path.String(), "queues", len(b.queues))
+	for i, q := range b.queues {
+		if len(cfg.CPUs) > 0 {
+			q.cpu = cfg.CPUs[i%len(cfg.CPUs)]
+		}
+	}
+	var loopErrs []error
 	for _, q := range b.queues {
 		if cfg.manual {
 			break
 		}
+		started := make(chan error, 1)
 		b.wg.Add(1)
-		go func() { defer b.wg.Done(); q.loop() }()
+		go func() { defer b.wg.Done(); q.loop(started) }()
+		if err := <-started; err != nil {
+			loopErrs = append(loopErrs, err)
+		}
+	}
+	if len(loopErrs) > 0 {
+		b.Close()
+		return nil, errors.Join(loopErrs...)
 	}
 	return b, nil
 }
@@ -332,7 +355,7 @@ func (b *Bridge) newQueue(id int, rx rxPort, tx txPort) (*queue, error) {
 	if err != nil {
 		return nil, fmt.Errorf("bridge: eventfd: %w", err)
 	}
-	q := &queue{id: id, b: b, rx: rx, wakefd: fd, sleepfd: -1}
+	q := &queue{id: id, b: b, rx: rx, wakefd: fd, sleepfd: -1, cpu: -1}
 	if q.tx, err = newTxSide(b, q, tx); err != nil {
 		unix.Close(fd)
 		return nil, err
@@ -381,10 +404,21 @@ func schedYield() { unix.Syscall(unix.SYS_SCHED_YIELD, 0, 0, 0) }
 // the socket and the sleep set. That sleep is safe for TX because the TX
 // round that found nothing left every stream armed (fabric.EventQueue.Poll):
 // a packet from then on makes the event queue's descriptor readable.
-func (q *queue) loop() {
+//
+// It reports on started whether its thread runs where Config.CPUs says. A
+// pinned thread is never handed back to the Go runtime: the loop ends with
+// it still locked, so the thread exits instead of serving other goroutines
+// on one CPU.
+func (q *queue) loop(started chan<- error) {
 	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
+	if q.cpu < 0 {
+		defer runtime.UnlockOSThread()
+	} else if err := pinThread(q.cpu); err != nil {
+		started <- fmt.Errorf("bridge: queue %d: %w", q.id, err)
+		return
+	}
 	q.tid.Store(int32(unix.Gettid()))
+	started <- nil
 	var (
 		d         dispatcher
 		idleSince time.Time

@@ -28,6 +28,11 @@
 // its streams. The TX round that found nothing (EventQueue.Poll returning
 // 0) left every stream armed, so a packet written after it wakes the loop.
 //
+// Config.CPUs pins the loops, for a machine with cores to give them: a
+// loop alone on its core, spinning long enough to cover the gaps between
+// packets, never pays for a wake-up. A pinned loop's thread ends with the
+// loop, so that the Go runtime never runs anything else on it.
+//
 // # RX
 //
 // The stream id comes from the XDP metadata in front of the frame

@@ -48,6 +48,8 @@ type QueueStats struct {
 	// is the mean batch), RxSleeps the times the loop found nothing to do
 	// in either direction for Config.Spin and slept in poll.
 	RxBatches, RxSleeps uint64
+	// CPU is where the queue's loop is pinned (Config.CPUs); -1: anywhere.
+	CPU int
 }
 
 // StreamStats are one stream's counters.
@@ -73,7 +75,7 @@ func (b *Bridge) Stats() Stats {
 			RxPackets: q.rxPackets.Load(), RxBytes: q.rxBytes.Load(),
 			RxDrops:   RxDrops{RingFull: q.rxRingFull.Load(), NoStream: q.rxNoStream.Load(), Malformed: q.rxMalformed.Load(), TooBig: q.rxTooBig.Load()},
 			TxPackets: q.txPackets.Load(), TxBytes: q.txBytes.Load(), TxViaKernel: q.txKernel.Load(),
-			RxBatches: q.rxBatches.Load(), RxSleeps: q.sleeps.Load(),
+			RxBatches: q.rxBatches.Load(), RxSleeps: q.sleeps.Load(), CPU: q.cpu,
 		}
 		var rej [numReasons]uint64
 		for r := range rej {

@@ -67,6 +67,29 @@ const healthInterval = time.Second
 
 // openBridge clears a stale XDP program from the interface and opens the
 // bridge on it. It must run on a thread in the interface's namespace.
+// bridgeConfig is what the bridge on interface in is opened with.
+func bridgeConfig(in config.Interface, log *slog.Logger) (bridge.Config, error) {
+	bc := bridge.Config{
+		Interface:  in.Name,
+		Queues:     in.Queues,
+		FrameSize:  int(in.FrameSize),
+		FrameCount: in.Frames,
+		BusyPoll:   time.Duration(in.BusyPoll),
+		Spin:       time.Duration(in.Spin),
+		CPUs:       in.CPUs,
+		Logger:     log,
+	}
+	if bc.Spin == 0 {
+		bc.Spin = -1 // the bridge's zero is its default; the file's is "sleep at once"
+	}
+	if in.Attach == config.AttachStrict {
+		bc.Mode = bridge.ModeStrict
+	}
+	var err error
+	bc.Path, err = bridge.ParsePath(in.Path.String())
+	return bc, err
+}
+
 func openBridge(cfg *config.Config, log *slog.Logger) (*bridgePlane, error) {
 	in := cfg.Interfaces[0]
 	if removed, err := clearStaleXDP(in.Name); err != nil {
@@ -74,19 +97,8 @@ func openBridge(cfg *config.Config, log *slog.Logger) (*bridgePlane, error) {
 	} else if removed {
 		log.Warn("removed a stale fabricbridge XDP program left attached by a crashed process", "interface", in.Name)
 	}
-	bc := bridge.Config{
-		Interface:  in.Name,
-		Queues:     in.Queues,
-		FrameSize:  int(in.FrameSize),
-		FrameCount: in.Frames,
-		BusyPoll:   time.Duration(in.BusyPoll),
-		Logger:     log,
-	}
-	if in.Attach == config.AttachStrict {
-		bc.Mode = bridge.ModeStrict
-	}
-	var err error
-	if bc.Path, err = bridge.ParsePath(in.Path.String()); err != nil {
+	bc, err := bridgeConfig(in, log)
+	if err != nil {
 		return nil, err
 	}
 	b, err := bridge.Open(bc)
@@ -286,6 +298,8 @@ var (
 	famQueueTxKernel    = metrics.Family{Name: "fabricbridge_queue_tx_via_kernel_total", Type: metrics.Counter, Help: "Packets handed to the kernel because the neighbour was not known yet."}
 	famQueueTxRejects   = metrics.Family{Name: "fabricbridge_queue_tx_rejects_total", Type: metrics.Counter, Help: "Packets refused on transmit, by reason."}
 	famQueueFillEmpty   = metrics.Family{Name: "fabricbridge_queue_fill_ring_empty_total", Type: metrics.Counter, Help: "Times the kernel found the AF_XDP fill ring empty."}
+	famQueueSleeps      = metrics.Family{Name: "fabricbridge_queue_sleeps_total", Type: metrics.Counter, Help: "Times a queue's loop found nothing to do for its spin and slept until woken."}
+	famQueueCPU         = metrics.Family{Name: "fabricbridge_queue_cpu", Type: metrics.Gauge, Help: "The CPU a queue's loop is pinned to (interfaces[].cpus); -1: not pinned."}
 	famQueueKernelDrop  = metrics.Family{Name: "fabricbridge_queue_kernel_rx_drops_total", Type: metrics.Counter, Help: "Frames the kernel dropped for want of room in the receive ring."}
 	famStreamRx         = metrics.Family{Name: "fabricbridge_stream_rx_packets_total", Type: metrics.Counter, Help: "Packets delivered into each application stream."}
 	famStreamRxBytes    = metrics.Family{Name: "fabricbridge_stream_rx_bytes_total", Type: metrics.Counter, Help: "Bytes delivered into each application stream."}
@@ -343,6 +357,8 @@ func (p *bridgePlane) Collect(w *metrics.Writer, names func(uint32) string, apps
 		rejects(w, famQueueTxRejects, q.TxRejects, l...)
 		w.AddUint(famQueueFillEmpty, q.FillRingEmpty, l...)
 		w.AddUint(famQueueKernelDrop, q.KernelRxDrops, l...)
+		w.AddUint(famQueueSleeps, q.RxSleeps, l...)
+		w.Add(famQueueCPU, float64(q.CPU), l...)
 	}
 	p.mu.Lock()
 	health := map[uint32]fabric.Health{}

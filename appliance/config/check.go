@@ -75,6 +75,16 @@ func (c *Config) checkInterfaces(d *decoder) {
 		if in.IngestPriority < 0 || in.IngestPriority > 99 {
 			d.errorAt(p+".ingest_priority", "must be a real-time priority from 1 to 99, or 0 for none, not %d", in.IngestPriority)
 		}
+		cpus := map[int]bool{}
+		for j, c := range in.CPUs {
+			cp := fmt.Sprintf("%s.cpus[%d]", p, j)
+			if c < 0 || c > 1023 {
+				d.errorAt(cp, "CPU %d is out of range 0-1023", c)
+			} else if cpus[c] {
+				d.errorAt(cp, "CPU %d is listed twice", c)
+			}
+			cpus[c] = true
+		}
 	}
 }
 

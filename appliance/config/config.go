@@ -57,6 +57,12 @@ type Interface struct {
 	// BusyPoll, if set, turns on busy polling (SO_PREFER_BUSY_POLL) on the
 	// AF_XDP sockets for this long per poll, such as 50us.
 	BusyPoll Duration `yaml:"busy_poll"`
+	// Spin is how long an idle bridge loop keeps polling before it sleeps
+	// until the next packet wakes it; 0s sleeps at once.
+	Spin Duration `yaml:"spin"`
+	// CPUs pins the bridge's queue loops: the i-th served queue's loop
+	// runs only on CPUs[i mod len]. Empty: wherever the scheduler puts them.
+	CPUs []int `yaml:"cpus"`
 	// IngestPriority, if set (1-99), runs the ingest engine's loops at
 	// this SCHED_FIFO real-time priority: a loop woken by a datagram or
 	// due to close a window preempts ordinary threads, at the price of
@@ -214,6 +220,7 @@ const (
 	DefaultSlotSize      = 2048
 	DefaultFrames        = 4096
 	DefaultFrameSize     = 2048
+	DefaultSpin          = 20 * time.Microsecond
 	DefaultReservedLo    = 61000
 	DefaultReservedHi    = 61999
 	DefaultIngestBuffers = 64
@@ -244,6 +251,7 @@ func Default() *Config {
 
 func (i *Interface) setDefaults() {
 	i.FrameSize, i.Frames = DefaultFrameSize, DefaultFrames
+	i.Spin = Duration(DefaultSpin)
 }
 
 func (g *Ingest) setDefaults() {

@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -42,6 +43,9 @@ func TestErrorsArePrecise(t *testing.T) {
 		{"frame size", "interfaces:\n  - name: eth1\n    frame_size: 3000\naddresses: [198.18.0.1]\n", []string{"t.yaml:3:5: interfaces[0].frame_size: must be 2048 or 4096, not 3000"}},
 		{"frames", "interfaces:\n  - {name: eth1, frames: 1000}\naddresses: [198.18.0.1]\n", []string{"t.yaml:2:18: interfaces[0].frames: must be a power of two from 64 to 1048576, not 1000"}},
 		{"ingest priority", "interfaces:\n  - {name: eth1, ingest_priority: 100}\naddresses: [198.18.0.1]\n", []string{"t.yaml:2:18: interfaces[0].ingest_priority: must be a real-time priority from 1 to 99, or 0 for none, not 100"}},
+		{"cpu twice", "interfaces:\n  - {name: eth1, cpus: [1, 1]}\naddresses: [198.18.0.1]\n", []string{"t.yaml:2:28: interfaces[0].cpus[1]: CPU 1 is listed twice"}},
+		{"cpu out of range", "interfaces:\n  - {name: eth1, cpus: [1024]}\naddresses: [198.18.0.1]\n", []string{"t.yaml:2:25: interfaces[0].cpus[0]: CPU 1024 is out of range 0-1023"}},
+		{"negative spin", "interfaces:\n  - {name: eth1, spin: -5us}\naddresses: [198.18.0.1]\n", []string{`t.yaml:2:24: interfaces[0].spin: "-5us" is not a duration (for example 100us, 5s)`}},
 		{"queue twice", "interfaces:\n  - {name: eth1, queues: [0, 0]}\naddresses: [198.18.0.1]\n", []string{"t.yaml:2:30: interfaces[0].queues[1]: queue 0 is listed twice"}},
 		{"integer wanted", "interfaces:\n  - {name: eth1, frames: many}\naddresses: [198.18.0.1]\n", []string{`t.yaml:2:26: interfaces[0].frames: want an integer, got "many"`}},
 		{"list wanted", base + "ingest: {name: x}\n", []string{"t.yaml:3:9: ingest: want a list, got a mapping"}},
@@ -174,7 +178,8 @@ func TestDefaults(t *testing.T) {
 		t.Fatal(err)
 	}
 	in := c.Interfaces[0]
-	if in.Attach != AttachAuto || in.Path != PathAuto || in.FrameSize != 2048 || in.Frames != 4096 || len(in.Queues) != 0 {
+	if in.Attach != AttachAuto || in.Path != PathAuto || in.FrameSize != 2048 || in.Frames != 4096 || len(in.Queues) != 0 ||
+		time.Duration(in.Spin) != 20*time.Microsecond || len(in.CPUs) != 0 {
 		t.Errorf("interface defaults: %+v", in)
 	}
 	if c.ReservedPorts != (PortRange{61000, 61999}) || c.Streams != (Streams{1024, 1024, 2048}) {
@@ -212,6 +217,8 @@ interfaces:
     path: afpacket
     frame_size: 4K
     busy_poll: 50us
+    spin: 0s
+    cpus: [3, 1]
 addresses: [198.18.0.1, "2001:db8::1", "::ffff:198.18.0.9"]
 ingest:
   - {name: a, buffer_size: 2MiB, window: 1ms}
@@ -240,7 +247,8 @@ metrics: {address: ""}
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.Interfaces[0].Attach != AttachStrict || c.Interfaces[0].Path != PathAFPacket || c.Interfaces[0].FrameSize != 4096 || len(c.Interfaces[0].Queues) != 2 || time.Duration(c.Interfaces[0].BusyPoll) != 50*time.Microsecond {
+	if c.Interfaces[0].Attach != AttachStrict || c.Interfaces[0].Path != PathAFPacket || c.Interfaces[0].FrameSize != 4096 || len(c.Interfaces[0].Queues) != 2 || time.Duration(c.Interfaces[0].BusyPoll) != 50*time.Microsecond ||
+		c.Interfaces[0].Spin != 0 || !slices.Equal(c.Interfaces[0].CPUs, []int{3, 1}) {
 		t.Errorf("interface: %+v", c.Interfaces[0])
 	}
 	if c.Addresses[2].Addr != netip.MustParseAddr("198.18.0.9") {

@@ -9,6 +9,7 @@ import (
 	"net/netip"
 	"os"
 	"os/exec"
+	"runtime"
 	"slices"
 	"strings"
 	"testing"
@@ -339,6 +340,10 @@ func TestMain(m *testing.M) {
 		runClient()
 		return
 	}
+	if os.Getenv(handoffEnv) != "" {
+		runHandoffEcho()
+		return
+	}
 	path := os.Getenv(helperEnv)
 	if path == "" {
 		os.Exit(m.Run())
@@ -374,6 +379,75 @@ func TestMain(m *testing.M) {
 		}
 		fmt.Println(sb.String())
 	}
+}
+
+// handoffEnv makes the test binary the far end of handoffRoundTrip.
+const handoffEnv = "FB_USERSTACK_HANDOFF"
+
+// runHandoffEcho answers each byte read from descriptor 3 with a byte on
+// descriptor 4, until 3 reaches its end.
+func runHandoffEcho() {
+	runtime.LockOSThread()
+	var b [1]byte
+	for {
+		if n, err := unix.Read(3, b[:]); n != 1 || err != nil {
+			return
+		}
+		unix.Write(4, b[:])
+	}
+}
+
+// handoffRoundTrip is the median time for one byte to go from this
+// process to another and back over two pipes, each side sleeping in a
+// blocking read: two hand-offs between sleeping threads of different
+// processes and nothing else. It prices the unit that a round trip's path
+// is made of: the kernel's has two hand-offs (client to server and back),
+// the bridge's four (client to bridge loop, to application, to bridge
+// loop, to client; BenchmarkRoundTripHops shows each).
+func handoffRoundTrip(b *testing.B, count int) time.Duration {
+	var req, resp [2]int
+	if err := unix.Pipe2(req[:], unix.O_CLOEXEC); err != nil {
+		b.Fatal(err)
+	}
+	if err := unix.Pipe2(resp[:], unix.O_CLOEXEC); err != nil {
+		unix.Close(req[0])
+		unix.Close(req[1])
+		b.Fatal(err)
+	}
+	childIn, childOut := os.NewFile(uintptr(req[0]), "handoff-req"), os.NewFile(uintptr(resp[1]), "handoff-resp")
+	defer unix.Close(resp[0])
+	cmd := exec.Command(os.Args[0])
+	cmd.Env = append(os.Environ(), handoffEnv+"=1")
+	cmd.ExtraFiles = []*os.File{childIn, childOut}
+	err := cmd.Start()
+	childIn.Close()
+	childOut.Close()
+	if err != nil {
+		unix.Close(req[1])
+		b.Fatal(err)
+	}
+	runtime.LockOSThread()
+	ds := make([]time.Duration, 0, count)
+	var buf [1]byte
+	for i := range count + 100 {
+		start := monoNow()
+		if _, err := unix.Write(req[1], buf[:]); err != nil {
+			b.Fatal(err)
+		}
+		if n, err := unix.Read(resp[0], buf[:]); n != 1 {
+			b.Fatalf("hand-off echo: read %d bytes: %v", n, err)
+		}
+		if i >= 100 { // warm-up
+			ds = append(ds, time.Duration(monoNow()-start))
+		}
+	}
+	runtime.UnlockOSThread()
+	unix.Close(req[1]) // the echo's read ends, and so does it
+	if err := cmd.Wait(); err != nil {
+		b.Fatalf("hand-off echo: %v", err)
+	}
+	slices.Sort(ds)
+	return pct(ds, 0.5)
 }
 
 // helperProc is the application process.
@@ -503,6 +577,7 @@ func BenchmarkEndToEnd(b *testing.B) {
 		if err != nil {
 			b.Fatal(err)
 		}
+		handoff := handoffRoundTrip(b, 5000)
 		kcps, err := client.connsPerSecond(at(5004), 2*time.Second)
 		if err != nil {
 			b.Fatal(err)
@@ -535,6 +610,13 @@ func BenchmarkEndToEnd(b *testing.B) {
 			child/1e6, child/kernOff, pct(crr, 0.5), pct(crr, 0.99), float64(pct(crr, 0.5))/float64(pct(krr, 0.5))))
 		b.ReportMetric(child/1e6, "own-process-userstack-Mbit/s")
 		b.ReportMetric(float64(pct(crr, 0.5).Microseconds()), "own-process-rr-p50-µs")
+		// The floor: the bridge's path with its two extra hand-offs and no
+		// processing at all. Where it is above the goal's 1.2, only loops
+		// that poll on cores of their own (no hand-offs) can reach it.
+		floor := float64(pct(krr, 0.5)+handoff) / float64(pct(krr, 0.5))
+		b.ReportMetric(float64(handoff.Microseconds()), "handoff-rtt-p50-µs")
+		b.ReportMetric(floor, "rr-floor-ratio")
+		b.Log(fmt.Sprintf("hand-offs: a pipe round trip between two processes (two hand-offs) takes %v (p50); the bridge's path has two more hand-offs than the kernel's, so even with no processing its RR p50 is at least %.2f× the kernel's here", handoff, floor))
 		b.Log(fmt.Sprintf("connections/s: kernel %.0f, userstack %.0f", kcps, ucps))
 		b.Logf("userstack link: %+v", s.LinkStats())
 	}

@@ -56,16 +56,7 @@ func (c *Config) checkInterfaces(d *decoder) {
 		default:
 			names[in.Name] = p
 		}
-		queues := map[int]bool{}
-		for j, q := range in.Queues {
-			qp := fmt.Sprintf("%s.queues[%d]", p, j)
-			if q < 0 || q > 1023 {
-				d.errorAt(qp, "queue %d is out of range 0-1023", q)
-			} else if queues[q] {
-				d.errorAt(qp, "queue %d is listed twice", q)
-			}
-			queues[q] = true
-		}
+		checkIndexList(d, p+".queues", "queue", in.Queues)
 		if in.FrameSize != 2048 && in.FrameSize != 4096 {
 			d.errorAt(p+".frame_size", "must be 2048 or 4096, not %d", in.FrameSize)
 		}
@@ -75,16 +66,22 @@ func (c *Config) checkInterfaces(d *decoder) {
 		if in.IngestPriority < 0 || in.IngestPriority > 99 {
 			d.errorAt(p+".ingest_priority", "must be a real-time priority from 1 to 99, or 0 for none, not %d", in.IngestPriority)
 		}
-		cpus := map[int]bool{}
-		for j, c := range in.CPUs {
-			cp := fmt.Sprintf("%s.cpus[%d]", p, j)
-			if c < 0 || c > 1023 {
-				d.errorAt(cp, "CPU %d is out of range 0-1023", c)
-			} else if cpus[c] {
-				d.errorAt(cp, "CPU %d is listed twice", c)
-			}
-			cpus[c] = true
+		checkIndexList(d, p+".cpus", "CPU", in.CPUs)
+	}
+}
+
+// checkIndexList checks a list of queue or CPU numbers: each in 0-1023,
+// none twice.
+func checkIndexList(d *decoder, field, what string, list []int) {
+	seen := map[int]bool{}
+	for j, n := range list {
+		at := fmt.Sprintf("%s[%d]", field, j)
+		if n < 0 || n > 1023 {
+			d.errorAt(at, "%s %d is out of range 0-1023", what, n)
+		} else if seen[n] {
+			d.errorAt(at, "%s %d is listed twice", what, n)
 		}
+		seen[n] = true
 	}
 }
 

@@ -257,12 +257,12 @@ func Open(cfg Config) (*Bridge, error) {
 			return nil, err
 		}
 	}
-	b.log.Info("bridge: running", "interface", cfg.Interface, "path", b.path.String(), "queues", len(b.queues))
 	for i, q := range b.queues {
 		if len(cfg.CPUs) > 0 {
 			q.cpu = cfg.CPUs[i%len(cfg.CPUs)]
 		}
 	}
+	b.log.Info("bridge: running", "interface", cfg.Interface, "path", b.path.String(), "queues", len(b.queues), "cpus", cfg.CPUs)
 	var loopErrs []error
 	for _, q := range b.queues {
 		if cfg.manual {

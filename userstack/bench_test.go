@@ -426,7 +426,15 @@ func handoffRoundTrip(b *testing.B, count int) time.Duration {
 		unix.Close(req[1])
 		b.Fatal(err)
 	}
+	ended := false
+	defer func() { // on a failure too: the echo's read ends, and so does it
+		if !ended {
+			unix.Close(req[1])
+			cmd.Wait()
+		}
+	}()
 	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
 	ds := make([]time.Duration, 0, count)
 	var buf [1]byte
 	for i := range count + 100 {
@@ -441,8 +449,8 @@ func handoffRoundTrip(b *testing.B, count int) time.Duration {
 			ds = append(ds, time.Duration(monoNow()-start))
 		}
 	}
-	runtime.UnlockOSThread()
-	unix.Close(req[1]) // the echo's read ends, and so does it
+	ended = true
+	unix.Close(req[1])
 	if err := cmd.Wait(); err != nil {
 		b.Fatalf("hand-off echo: %v", err)
 	}

@@ -109,17 +109,7 @@ func TestAFPacketPath(t *testing.T) {
 		senders = append(senders, tp.sender(i%4 == 3, uint16(6000+i), afpPort+uint16(i%4)))
 	}
 	start := fingest.Now()
-	var buf [1500]byte
-	for base := 0; base < perSender; base += chunk {
-		for _, s := range senders {
-			for seq := base; seq < base+chunk; seq++ {
-				if err := s.Send(ingesttest.TriggerPayload(buf[:], s.Port, uint32(seq))); err != nil {
-					t.Fatal(err)
-				}
-			}
-		}
-		rd.WaitRecords(t, uint64(flows*(base+chunk)), 10*time.Second)
-	}
+	ingesttest.SendPaced(t, rd, senders, perSender, chunk)
 	end := fingest.Now()
 	rd.CloseComplete(t, flows, perSender)
 	for i, s := range rd.Ref.Sources {

@@ -29,19 +29,10 @@ func TestKernelSenders(t *testing.T) {
 		tp.sender(true, 5004, portTrigger),
 	}
 	const perSender, chunk = 1500, 25
+	// Paced by the consumer: this test is about correctness, the
+	// overload test about drops.
+	ingesttest.SendPaced(t, rd, senders, perSender, chunk)
 	var buf [1500]byte
-	for base := 0; base < perSender; base += chunk {
-		for _, s := range senders {
-			for seq := base; seq < base+chunk; seq++ {
-				if err := s.Send(triggerPayload(buf[:], s.Port, uint32(seq))); err != nil {
-					t.Fatal(err)
-				}
-			}
-		}
-		// Pace the senders by the consumer: this test is about
-		// correctness, the overload test about drops.
-		rd.WaitRecords(t, uint64(len(senders)*(base+chunk)), 10*time.Second)
-	}
 	o := tp.sender(false, 5005, portOther)
 	for seq := range 50 {
 		o.Send(triggerPayload(buf[:], o.Port, uint32(seq)))

@@ -26,17 +26,7 @@ func TestSeveralQueues(t *testing.T) {
 	for i := range flows {
 		senders = append(senders, tp.sender(i%4 == 3, uint16(6000+i), portTrigger+uint16(i%4)))
 	}
-	var buf [1500]byte
-	for base := 0; base < perSender; base += chunk {
-		for _, s := range senders {
-			for seq := base; seq < base+chunk; seq++ {
-				if err := s.Send(triggerPayload(buf[:], s.Port, uint32(seq))); err != nil {
-					t.Fatal(err)
-				}
-			}
-		}
-		rd.WaitRecords(t, uint64(flows*(base+chunk)), 10*time.Second)
-	}
+	ingesttest.SendPaced(t, rd, senders, perSender, chunk)
 	rd.CloseComplete(t, flows, perSender)
 	st := tp.eng.Stats()
 	if st.Appended != flows*perSender || st.Dropped != 0 || st.Malformed != 0 || st.KernelDrops != 0 {

@@ -28,17 +28,7 @@ func TestPriority(t *testing.T) {
 	rd := tp.reader(bufTrigger, checkTrigger)
 	senders := []*ingesttest.Sender{tp.sender(false, 5001, portTrigger), tp.sender(true, 5002, portTrigger+1)}
 	const perSender, chunk = 500, 25
-	var buf [1500]byte
-	for base := 0; base < perSender; base += chunk {
-		for _, s := range senders {
-			for seq := base; seq < base+chunk; seq++ {
-				if err := s.Send(triggerPayload(buf[:], s.Port, uint32(seq))); err != nil {
-					t.Fatal(err)
-				}
-			}
-		}
-		rd.WaitRecords(t, uint64(len(senders)*(base+chunk)), 10*time.Second)
-	}
+	ingesttest.SendPaced(t, rd, senders, perSender, chunk)
 	rd.CloseComplete(t, len(senders), perSender)
 	lat := rd.C.Stats().Latency
 	t.Logf("%d buffers; latency p50 %v p99 %v", lat.Count, time.Duration(lat.Quantile(0.5)), time.Duration(lat.Quantile(0.99)))

@@ -210,6 +210,26 @@ func (r *Reader) WaitRecords(tb testing.TB, n uint64, d time.Duration) {
 	}
 }
 
+// SendPaced sends perSender trigger payloads (TriggerPayload) from every
+// sender, chunk from each in turn, and after each round waits until r has
+// seen them all: the senders go at the consumer's pace, so a test about
+// correctness loses nothing to a full ring. r must have seen no records
+// before.
+func SendPaced(tb testing.TB, r *Reader, senders []*Sender, perSender, chunk int) {
+	tb.Helper()
+	var buf [1500]byte
+	for base := 0; base < perSender; base += chunk {
+		for _, s := range senders {
+			for seq := base; seq < base+chunk; seq++ {
+				if err := s.Send(TriggerPayload(buf[:], s.Port, uint32(seq))); err != nil {
+					tb.Fatal(err)
+				}
+			}
+		}
+		r.WaitRecords(tb, uint64(len(senders)*(base+chunk)), 10*time.Second)
+	}
+}
+
 // Endpoints are the addresses of a veth's outside end (Src) and inside
 // end (Dst), for building frames by hand.
 type Endpoints struct {

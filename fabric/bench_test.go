@@ -335,19 +335,11 @@ func BenchmarkAdaptiveSpin(b *testing.B) {
 	}
 }
 
-// eventfdLatency is the wake-up without fabric: one OS thread blocks in
-// read(2) on an eventfd, another writes it 200 µs after the previous
-// wake-up. It is the kernel's and the hypervisor's share of a parked
-// wake-up, the floor under the stream's.
-func eventfdLatency(b *testing.B) []time.Duration {
-	// A semaphore eventfd: each read takes one write, so a late reader
-	// cannot swallow two wake-ups and then wait forever.
-	efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_SEMAPHORE) // blocking
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer unix.Close(efd)
-	n := b.N
+// parkedWakeups times n wake-ups of a thread parked in sleep: another OS
+// thread calls wake 200 µs after the previous wake-up, and each latency is
+// from just before wake to just after sleep(i) returns. sleep returns once
+// the i-th wake-up (counting from 0) has come.
+func parkedWakeups(b *testing.B, n int, wake func(), sleep func(i int) error) []time.Duration {
 	stamps := make([]atomic.Int64, n)
 	base := time.Now()
 	go func() {
@@ -356,20 +348,36 @@ func eventfdLatency(b *testing.B) []time.Duration {
 		for i := 0; i < n; i++ {
 			time.Sleep(200 * time.Microsecond)
 			stamps[i].Store(int64(time.Since(base)))
-			unix.Write(efd, eventfdOne[:])
+			wake()
 		}
 	}()
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	lat := make([]time.Duration, n)
-	var buf [8]byte
 	for i := range lat {
-		if _, err := unix.Read(efd, buf[:]); err != nil {
+		if err := sleep(i); err != nil {
 			b.Fatal(err)
 		}
 		lat[i] = time.Since(base) - time.Duration(stamps[i].Load())
 	}
 	return lat
+}
+
+// eventfdLatency is the wake-up without fabric: one OS thread blocks in
+// read(2) on an eventfd, another writes it. It is the kernel's and the
+// hypervisor's share of a parked wake-up, the floor under the stream's.
+func eventfdLatency(b *testing.B) []time.Duration {
+	// A semaphore eventfd: each read takes one write, so a late reader
+	// cannot swallow two wake-ups and then wait forever.
+	efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_SEMAPHORE) // blocking
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer unix.Close(efd)
+	var buf [8]byte
+	return parkedWakeups(b, b.N,
+		func() { unix.Write(efd, eventfdOne[:]) },
+		func(int) error { _, err := unix.Read(efd, buf[:]); return err })
 }
 
 // futexLatency is eventfdLatency with a futex instead of an eventfd: the
@@ -387,33 +395,17 @@ func futexLatency(b *testing.B) []time.Duration {
 	futex := func(op, val uint32) {
 		unix.Syscall6(unix.SYS_FUTEX, uintptr(unsafe.Pointer(word)), uintptr(op), uintptr(val), 0, 0, 0)
 	}
-	n := b.N
-	stamps := make([]atomic.Int64, n)
-	base := time.Now()
-	go func() {
-		runtime.LockOSThread()
-		defer runtime.UnlockOSThread()
-		for i := 0; i < n; i++ {
-			time.Sleep(200 * time.Microsecond)
-			stamps[i].Store(int64(time.Since(base)))
+	return parkedWakeups(b, b.N,
+		func() {
 			atomic.AddUint32(word, 1)
 			futex(1, 1) // FUTEX_WAKE
-		}
-	}()
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	lat := make([]time.Duration, n)
-	for i := range lat {
-		for {
-			v := atomic.LoadUint32(word)
-			if v > uint32(i) {
-				break
+		},
+		func(i int) error {
+			for v := atomic.LoadUint32(word); v <= uint32(i); v = atomic.LoadUint32(word) {
+				futex(0, v) // FUTEX_WAIT: returns at once if the word moved
 			}
-			futex(0, v) // FUTEX_WAIT: returns at once if the word moved
-		}
-		lat[i] = time.Since(base) - time.Duration(stamps[i].Load())
-	}
-	return lat
+			return nil
+		})
 }
 
 // spinLowPriority is the body of a spinner process: nice 19, it burns

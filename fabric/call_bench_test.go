@@ -19,6 +19,20 @@ func threadCPU(tb testing.TB) time.Duration {
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
+// perCallCPU locks the benchmark to its OS thread and starts the timer; the
+// function it returns reports the thread's CPU time per iteration
+// (cpu-ns/op) and unlocks the thread.
+func perCallCPU(b *testing.B) (report func()) {
+	runtime.LockOSThread()
+	b.ReportAllocs()
+	b.ResetTimer()
+	cpu := threadCPU(b)
+	return func() {
+		b.ReportMetric(float64(threadCPU(b)-cpu)/float64(b.N), "cpu-ns/op")
+		runtime.UnlockOSThread()
+	}
+}
+
 // BenchmarkCall is the per-call cost of a stream on one core, without
 // cache traffic between cores: one goroutine sends one 64-byte packet
 // (application side, TX ring) and takes it back out on the bridge side,
@@ -38,12 +52,7 @@ func BenchmarkCall(b *testing.B) {
 		defer br.Close()
 		defer app.Close()
 		pk, out := mkBufs(1, 64), mkBufs(1, 2048)
-		runtime.LockOSThread()
-		defer runtime.UnlockOSThread()
-		b.ReportAllocs()
-		b.ResetTimer()
-		cpu := threadCPU(b)
-		defer func() { b.ReportMetric(float64(threadCPU(b)-cpu)/float64(b.N), "cpu-ns/op") }()
+		defer perCallCPU(b)()
 		for range b.N {
 			if _, err := app.Send(pk); err != nil {
 				b.Fatal(err)
@@ -59,12 +68,7 @@ func BenchmarkCall(b *testing.B) {
 			b.Fatal(err)
 		}
 		pk, out := mkBufs(1, 64), mkBufs(1, 2048)
-		runtime.LockOSThread()
-		defer runtime.UnlockOSThread()
-		b.ReportAllocs()
-		b.ResetTimer()
-		cpu := threadCPU(b)
-		defer func() { b.ReportMetric(float64(threadCPU(b)-cpu)/float64(b.N), "cpu-ns/op") }()
+		defer perCallCPU(b)()
 		for range b.N {
 			if _, err := p.Produce(pk); err != nil {
 				b.Fatal(err)

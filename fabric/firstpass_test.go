@@ -9,7 +9,7 @@ import (
 // costs about what a later pass does. Where a hypervisor backs and maps
 // guest pages lazily (this project's VM), it cost 13–80 times a later pass
 // before both sides wrote every page of their mapping at creation (see
-// backEveryPage). The best of five streams is compared, so that a pass
+// NewPair and Attach, and package pages). The best of five streams is compared, so that a pass
 // that lost its CPU for a moment does not decide.
 func TestFirstPassCostsNoMore(t *testing.T) {
 	pkt := [][]byte{make([]byte, 1500)}

@@ -6,11 +6,12 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"sync/atomic"
 	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/fabricbridge/fabricbridge/internal/pages"
 )
 
 // helloLen is the size of the handshake messages on the Unix socket:
@@ -49,7 +50,13 @@ func NewShm(cfg Config) (*Stream, error) {
 	if err != nil {
 		return fail(fmt.Errorf("fabric: mmap: %w", err))
 	}
-	backEveryPage(mem)
+	// Both sides write every page of their mapping once, now: on this
+	// project's VM the first pass of 1500-byte packets through a new stream
+	// cost 3–13 µs a packet against 0.2 µs later (package pages,
+	// TestFirstPassCostsNoMore). A side's share is about 5–10 ms for the
+	// default 4 MiB region.
+	pages.MapWritable(mem)
+	pages.WriteZero(mem) // the fresh region is all zeros
 	writeHeader(mem, l)
 	fds := make([]int, 3)
 	for i := range fds {
@@ -218,7 +225,8 @@ func AttachShm(conn *net.UnixConn) (*Stream, error) {
 		closeAll()
 		return nil, err
 	}
-	touchEveryPage(mem)
+	pages.MapWritable(mem)
+	pages.AddZero(mem) // the creator may be writing already
 	if _, err := conn.Write(reply[:]); err != nil {
 		unix.Munmap(mem)
 		closeAll()
@@ -287,40 +295,6 @@ func DialShm(path string) (*Stream, error) {
 	}
 	return s, nil
 }
-
-// First writes. Where a hypervisor backs guest memory lazily and shadows
-// each mapping's page tables (as on this project's VM), the first write to
-// a page through a mapping costs microseconds that the guest never sees as
-// a fault: the first pass of 1500-byte packets through a new stream cost
-// 3–13 µs a packet against 0.2 µs on later passes. Both sides therefore
-// write every page of their mapping once before the stream is used
-// (TestFirstPassCostsNoMore), which moves that cost to the stream's
-// creation: about 5–10 ms a side for the default 4 MiB region.
-
-// backEveryPage writes every page of a new, all-zero region once, through
-// the creator's mapping.
-func backEveryPage(mem []byte) {
-	mapWritable(mem)
-	for off := 0; off < len(mem); off += pageSize {
-		mem[off] = 0
-	}
-}
-
-// touchEveryPage writes every page of an attached region once without
-// changing it: an atomic add of zero leaves a word the peer may be writing
-// as it is.
-func touchEveryPage(mem []byte) {
-	mapWritable(mem)
-	for off := 0; off+8 <= len(mem); off += pageSize {
-		atomic.AddUint64((*uint64)(unsafe.Pointer(&mem[off])), 0)
-	}
-}
-
-// mapWritable maps every page of a shared mapping writable now, without
-// changing its contents (MAP_POPULATE maps a shared mapping for reading
-// only). MADV_POPULATE_WRITE is Linux 5.14; older kernels refuse it and
-// the writes above fault the pages in instead.
-func mapWritable(mem []byte) { _ = unix.Madvise(mem, unix.MADV_POPULATE_WRITE) }
 
 // NewPair returns both ends of a stream in this process, connected through
 // the real shm handover over a socketpair. Tests and benchmarks use it; the

@@ -9,7 +9,7 @@ import (
 )
 
 // TestRingFirstTouchCostsNoMore: reading every page of a new RX ring costs
-// about what it costs later (see touchEveryPage). Before the ring was
+// about what it costs later (see NewRx). Before the ring was
 // touched at NewRx it cost 100-200 times as much on this project's VM. The
 // best of three rings is compared, so that a pass that lost its CPU does
 // not decide.

@@ -7,6 +7,8 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/fabricbridge/fabricbridge/internal/pages"
 )
 
 // Defaults for UmemConfig.
@@ -86,10 +88,7 @@ func NewUmem(cfg UmemConfig) (*Umem, error) {
 	// microseconds the guest never sees as a fault: the first pass over a
 	// new UMEM cost 2.5-5 µs a frame against 10 ns later, and it would fall
 	// on the first few thousand packets (TestUmemFirstTouchCostsNoMore).
-	page := unix.Getpagesize()
-	for off := 0; off < size; off += page {
-		area[off] = 0
-	}
+	pages.WriteZero(area)
 	u := &Umem{
 		area:      area,
 		frameSize: uint64(cfg.FrameSize),

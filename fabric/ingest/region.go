@@ -8,6 +8,8 @@ import (
 	"strings"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/fabricbridge/fabricbridge/internal/pages"
 )
 
 // region is a mapped, sealed memfd.
@@ -67,7 +69,7 @@ func mapNew(l layout, name string, flags int) (*region, error) {
 		unix.Close(fd)
 		return nil, fmt.Errorf("ingest: mmap %d bytes: %w", l.size, err)
 	}
-	prefault(mem)
+	pages.MapWritable(mem)
 	// Write every page once, now. The memfd is new and all zeros, so
 	// this changes nothing; but a page's first write costs far more than
 	// later ones where the hypervisor backs guest memory lazily, and it
@@ -76,10 +78,7 @@ func mapNew(l layout, name string, flags int) (*region, error) {
 	// one (170–235 ns against 12 ns per 64-byte append) with no fault the
 	// guest could see (TestFirstPassCostsNoMore). Creating such a ring
 	// takes about 0.2 s longer instead.
-	page := unix.Getpagesize()
-	for off := 0; off < len(mem); off += page {
-		mem[off] = 0
-	}
+	pages.WriteZero(mem)
 	return &region{fd: fd, mem: mem}, nil
 }
 
@@ -112,19 +111,11 @@ func attachRegion(fd int, size uint64) (*region, error) {
 	if err != nil {
 		return nil, fmt.Errorf("ingest: mmap: %w", err)
 	}
-	prefault(mem)
+	pages.MapWritable(mem)
 	// Best effort: the consumer's view locked too.
 	_ = unix.Mlock(mem)
 	return &region{fd: fd, mem: mem}, nil
 }
-
-// prefault maps every page of a shared mapping writable now, without
-// changing its contents: MAP_POPULATE (and mlock) map a shared mapping for
-// reading, and each page's first write would take a fault on the data path
-// (a quarter of the first-pass cost TestFirstPassCostsNoMore guards
-// against). MADV_POPULATE_WRITE is Linux 5.14; older kernels refuse it and
-// nothing changes.
-func prefault(mem []byte) { _ = unix.Madvise(mem, unix.MADV_POPULATE_WRITE) }
 
 func (r *region) close() error {
 	err := unix.Munmap(r.mem)

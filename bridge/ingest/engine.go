@@ -13,7 +13,7 @@
 // batch under the ring's lock, so the ring has one producer at a time and
 // a queue's datagrams stay in order. A source's datagrams stay in order
 // because its flow hashes to one queue (see "Several receive queues, one
-// ring" in fabric/ingest).
+// ring" in docs/ingest.md).
 //
 // Where XDP cannot attach, the bridge runs on AF_PACKET and classifies
 // frames itself; an engine made by StartFed then takes its ingest

@@ -11,12 +11,15 @@ import (
 )
 
 // An application on the bridge's host opens its stack through the daemon's
-// control socket, under the name the daemon's configuration gives it, and
-// serves HTTP on a net.Listener like any other. The bridge steers the
-// listener's port to this application only once Listen has claimed it.
+// control socket, under the name the daemon's configuration gives it. It
+// serves HTTP on a net.Listener like any other: the bridge steers port 80
+// to this application once Listen has claimed it. It dials out with a
+// net.Conn: the bridge reserves the source port and installs the flow
+// before the stack sends the SYN, so the answer reaches this stack and not
+// the kernel.
 //
-// This example needs a running fabricbridge daemon, so it is compiled but
-// not run by go test.
+// This example needs a running fabricbridge daemon, so go test compiles it
+// but does not run it.
 func ExampleOpen() {
 	ctx := context.Background()
 	s, err := userstack.Open(ctx, userstack.Options{
@@ -32,32 +35,13 @@ func ExampleOpen() {
 	if err != nil {
 		log.Fatal(err)
 	}
-	log.Fatal(http.Serve(l, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	go http.Serve(l, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		fmt.Fprintln(w, "served by a user-space stack")
-	})))
-}
-
-// Dial opens an outgoing connection from one of the application's
-// addresses; the bridge reserves the source port and installs the flow
-// before the stack sends the SYN, so the answer reaches this stack and not
-// the kernel.
-//
-// This example needs a running fabricbridge daemon, so it is compiled but
-// not run by go test.
-func ExampleStack_Dial() {
-	ctx := context.Background()
-	s, err := userstack.Open(ctx, userstack.Options{
-		App:     "web",
-		Control: "/run/fabricbridge/control.sock",
-	})
-	if err != nil {
-		log.Fatal(err)
-	}
-	defer s.Close()
+	}))
 
 	c, err := s.Dial(ctx, "tcp", "198.18.0.1:80")
 	if err != nil {
-		log.Fatal(err) // errors.Is(err, syscall.ECONNREFUSED) etc. hold as for kernel sockets
+		log.Fatal(err) // errors.Is(err, syscall.ECONNREFUSED) and the like hold as for kernel sockets
 	}
 	defer c.Close()
 	fmt.Fprintf(c, "GET / HTTP/1.0\r\nHost: example\r\n\r\n")

@@ -40,7 +40,7 @@ import (
 // engine fed, an ingest-matched datagram the classifier calls malformed
 // (a fragment, a bad length) is dropped rather than passed to the kernel.
 //
-// Where nftables and the classifier part ways (documented in doc.go): later
+// Where nftables and the classifier part ways (docs/bridge.md): later
 // fragments reach the kernel (it cannot reassemble them without the dropped
 // first fragment and discards them silently); a frame with two VLAN tags is
 // not IP to the netdev hook and reaches the kernel (which has no device for

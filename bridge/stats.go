@@ -19,7 +19,7 @@ type Stats struct {
 	KernelSendErrors uint64
 	// VLANRulesBlind: the tables have rules on VLAN ids, but the interface
 	// strips VLAN tags before XDP and could not be made to stop, so those
-	// rules cannot match (see the package doc).
+	// rules cannot match (see docs/bridge.md, VLANs).
 	VLANRulesBlind bool
 }
 

@@ -5,7 +5,7 @@ import (
 )
 
 // vlanStripFeatures are the kernel's names of the receive VLAN stripping
-// features (see the package doc, VLANs).
+// features (see docs/bridge.md, VLANs).
 var vlanStripFeatures = []string{"rx-vlan-hw-parse", "rx-vlan-stag-hw-parse"}
 
 // tablesMatchVLAN reports whether any rule matches on a VLAN id.

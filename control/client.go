@@ -80,7 +80,7 @@ func DialLocal(ctx context.Context, path, app string) (*Client, error) {
 }
 
 // DialRemote connects to a bridge's control port over TCP and runs the
-// mutual challenge-response with secret (see the package documentation).
+// mutual challenge-response with secret (see docs/control.md).
 func DialRemote(ctx context.Context, addr, app string, secret []byte) (*Client, error) {
 	var d net.Dialer
 	conn, err := d.DialContext(ctx, "tcp", addr)

@@ -29,7 +29,7 @@ const (
 )
 
 // Request is every message a client sends; which fields are meaningful
-// depends on Op (see the package documentation).
+// depends on Op (see docs/control.md, Operations).
 type Request struct {
 	ID uint64 `json:"id"`
 	Op string `json:"op"`

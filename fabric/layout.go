@@ -7,22 +7,51 @@ import (
 )
 
 // Layout constants. They are the wire contract between the bridge and an
-// application (see the package documentation); changing any of them means
-// bumping Version so that mismatched peers refuse each other instead of
-// misreading memory.
+// application (the protocol over them is in docs/fabric.md); changing any
+// of them means bumping Version so that mismatched peers refuse each other
+// instead of misreading memory.
+//
+// All integers are little-endian (the host's order; big-endian builds are
+// refused at compile time), offsets are bytes from the start of the region.
+// The bridge zeroes the region, writes the header and writes the magic
+// last. A region is laid out as: the header at 0, RX's control block at
+// 128, TX's at 512, the RX data area at 4096 and TX's right after it, the
+// whole rounded up to a page (computeLayout); a reader takes the offsets
+// from the ring descriptors, not from this placement.
 const (
 	// Magic is the first word of a stream region: the bytes "FBST".
 	Magic uint32 = 0x54534246
 	// Version is the layout version this package writes and accepts.
 	Version uint32 = 2
 
+	// Sizes. A record sits at an offset of the data area that is a multiple
+	// of recAlign:
+	//
+	//	0  u32  len   payload bytes, at most max_record-8; or skipMark: a skip record
+	//	4  u32  meta  producer-defined (the bridge: the classifier's rule id)
+	//	8  len bytes of packet (an IP packet, from its IP header), then 0-7
+	//	   bytes of padding: the record takes 8 + (len rounded up to 8) bytes
+	//
+	// A skip record (only its len word matters) stands for the bytes from
+	// its offset to the end of the data area; the next record is at 0.
 	headerLen = 128 // bytes of the region header
 	ctlLen    = 384 // bytes of one ring control block (three 128-byte lines, the last reserved)
 	recHdr    = 8   // bytes of record header: u32 length, u32 meta
 	recAlign  = 8   // records start at multiples of 8 bytes
 	skipMark  = ^uint32(0)
 
-	// Header field offsets.
+	// Header, at offset 0, headerLen bytes:
+	//
+	//	0   u32  magic         Magic
+	//	4   u32  version       Version
+	//	8   u32  header_len    128
+	//	12  u32  flags         0
+	//	16  u64  region_len    total bytes, = the memfd's size (a multiple of 4096)
+	//	24  u32  bridge_state  stateInit, stateOpen, stateClosed (written by the bridge)
+	//	28  u32  app_state     the same states (written by the application)
+	//	32  ring descriptor of RX (bridge to application), 32 bytes
+	//	64  ring descriptor of TX (application to bridge), 32 bytes
+	//	96  32 bytes zero
 	offMagic       = 0
 	offVersion     = 4
 	offHeaderLen   = 8
@@ -33,20 +62,41 @@ const (
 	offRxDesc      = 32
 	offTxDesc      = 64
 
-	// Ring descriptor field offsets (relative to the descriptor).
+	// Ring descriptor, 32 bytes, offsets relative to the descriptor:
+	//
+	//	0   u64  ctl_off     control block offset, a multiple of 128
+	//	8   u64  data_off    data area offset, a multiple of 64
+	//	16  u32  depth       most records queued at once; a power of two, 2..1<<20
+	//	20  u32  max_record  largest record in bytes (largest packet: max_record-8),
+	//	                     a multiple of 64 in 64..65536
+	//	24  u32  data_len    data area bytes, exactly (depth+1) × max_record, at most 1<<30
+	//	28  u32  reserved, 0
 	descCtl     = 0
 	descData    = 8
 	descDepth   = 16
 	descMaxRec  = 20
 	descDataLen = 24
 
-	// Ring control block offsets (relative to the block). Each group sits
-	// on its own 128-byte line pair so that the producer's and consumer's
-	// stores never share a cache line (nor an adjacent-line prefetch pair).
+	// Ring control block, ctlLen bytes, offsets relative to the block.
+	// Each group sits on its own 128-byte line pair so that the producer's
+	// and consumer's stores never share a cache line (nor an adjacent-line
+	// prefetch pair):
+	//
+	//	0    u32  write_pos       producer's byte position after its last published record
+	//	4    u32  lazy_read_pos   producer's last-seen read_pos (informational)
+	//	8    u64  drops           packets the producer dropped (informational)
+	//	16   u32  cons_armed      1: the consumer sleeps, signal it on new data
+	//	128  u32  read_pos        consumer's byte position after its last released record
+	//	132  u32  read_count      records (not skip records) released so far; read_pos and
+	//	                          read_count are one u64, accessed with single 64-bit atomics
+	//	136  u32  lazy_write_pos  consumer's last-seen write_pos (informational)
+	//	140  u32  prod_armed      1: the producer sleeps, signal it on free space
+	//	256  128 bytes reserved, 0
 	//
 	// Each armed flag lives on the line of the side that tests and clears
 	// it after every batch, so a busy ring moves no extra cache line; the
-	// sleeper writes it only when it is about to sleep.
+	// sleeper writes it only when it is about to sleep. The lazy words
+	// mirror what each side last saw of the other; nobody reads them back.
 	ctlProd      = 0   // producer line: write index
 	ctlProdLazy  = 4   // producer line: producer's lazy copy of read index
 	ctlDrops     = 8   // producer line: u64 packets dropped by producer
@@ -93,7 +143,7 @@ var (
 
 // Config sizes a stream. Zero fields take defaults.
 //
-// The rings hold variable-length records (see the package documentation),
+// The rings hold variable-length records (see the layout constants),
 // so the fields keep their slot-ring meaning as guarantees: a ring holds
 // at most RxSlots (TxSlots) packets, and always has room for that many
 // packets of the largest size; its data area is (slots+1) × SlotSize
@@ -155,8 +205,8 @@ func checkRing(depth, maxRec uint64) (uint64, error) {
 // dataLen is the data area of a ring: one record of the largest size more
 // than depth of them, which is what guarantees room for a largest packet
 // whenever fewer than depth packets are queued, whatever padding the
-// no-wrap rule left at the end (the proof is in the package
-// documentation).
+// no-wrap rule left at the end (the proof is in docs/fabric.md,
+// "Room for the largest record").
 func dataLen(depth, maxRec uint64) uint64 { return (depth + 1) * maxRec }
 
 // computeLayout places the header and both control blocks in the first

@@ -14,7 +14,7 @@ import (
 // and singly. It is the benchmark behind the choice of variable-length
 // records (layout version 2) over fixed slots (version 1): the same
 // matrix was measured against the version 1 slot ring and a record-ring
-// prototype, and BENCHMARKS.md keeps both sets of numbers.
+// prototype: docs/performance.md#why-records keeps both sets of numbers.
 //
 //	go test -run '^$' -bench 'RingRate' -benchtime 1000000x ./fabric/
 func BenchmarkRingRate(b *testing.B) {

@@ -15,8 +15,18 @@ import (
 )
 
 // helloLen is the size of the handshake messages on the Unix socket:
-// u32 magic, u32 version, u32 number of descriptors, u32 reserved,
-// u64 region length (the last field is zero in the application's reply).
+//
+//	0   u32  magic              Magic
+//	4   u32  version            Version
+//	8   u32  descriptor count   4 (0 in the application's reply)
+//	12  u32  reserved, 0
+//	16  u64  region length      bytes of the memfd (0 in the application's reply)
+//
+// The bridge's message carries, as SCM_RIGHTS and in this order, the
+// region's memfd, the RX-data eventfd (the bridge signals, the application
+// sleeps), the TX-data eventfd (the application signals, the bridge
+// sleeps) and the TX-space eventfd (the bridge signals, the application
+// sleeps for room). A signal is a write of the 8-byte value 1.
 const helloLen = 24
 
 // HandshakeTimeout bounds how long either side waits for the other's

@@ -343,7 +343,7 @@ func (r *receiver) once() error {
 		// now. Otherwise this goroutine goes back into Recv, spins and
 		// sleeps in poll(2) still holding the P, and what it readied waits
 		// until the runtime's monitor takes the P back: measured at ~120 µs
-		// per packet on 2 vCPUs (BENCHMARKS.md, Userstack).
+		// per packet on 2 vCPUs (docs/performance.md#the-receive-loop).
 		runtime.Gosched()
 	}
 	return err

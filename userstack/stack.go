@@ -46,7 +46,7 @@ type Options struct {
 	// stream before it sleeps until the bridge signals. Zero, the default,
 	// sleeps at once: where cores are shared, a spinning loop holds the
 	// CPU that the bridge's loops and the peer need next, which measured
-	// costs more than the wake-up it saves (BENCHMARKS.md, Userstack).
+	// costs more than the wake-up it saves (docs/performance.md#the-receive-loop).
 	// Give a few tens of µs when the application has cores to itself.
 	Spin time.Duration
 }

@@ -13,7 +13,7 @@
 // batch under the ring's lock, so the ring has one producer at a time and
 // a queue's datagrams stay in order. A source's datagrams stay in order
 // because its flow hashes to one queue (see "Several receive queues, one
-// ring" in fabric/ingest).
+// ring" in docs/ingest.md).
 //
 // Where XDP cannot attach, the bridge runs on AF_PACKET and classifies
 // frames itself; an engine made by StartFed then takes its ingest
@@ -79,7 +79,7 @@ type Config struct {
 	// so while traffic keeps a window open it holds its CPU against
 	// every ordinary thread (up to the kernel's real-time limit), and
 	// the process needs a Go processor (GOMAXPROCS) per real-time
-	// thread plus its other work's. Measured in BENCHMARKS.md (Ingest):
+	// thread plus its other work's. Measured in docs/performance.md#the-latency-tail:
 	// p99.9 cut from tens of ms to about 1 ms on a loaded 2-vCPU VM.
 	Priority int
 

@@ -2,75 +2,35 @@
 // completion rings, and sockets with RX and TX rings, all mapped from the
 // kernel and driven without locks on the hot path.
 //
-// # Pieces
-//
-// A Umem is one area of equal frames (2048 or 4096 bytes) registered with the
-// kernel, plus a free pool of frames nobody uses. Frames move between five
-// places and are always in exactly one of them:
+// A Umem is one area of equal frames registered with the kernel, plus a
+// free pool. A Socket, opened on it with Umem.Open, is bound to one
+// (interface, queue); sockets on the same queue share its Fill and
+// Completion rings, which is how a second consumer can receive beside the
+// bridge on a queue it serves. Frames are always in exactly one place:
 //
 //	free pool ─Alloc─► user ─FillRing.Fill─► fill ring ─kernel─► RX ring ─RxRing.Receive─► user
 //	user ─TxRing.Send─► TX ring ─kernel─► completion ring ─CompletionRing.Reap─► user ─Free─► free pool
 //
-// (plus "in the kernel": taken from the fill or TX ring and not yet put in the
-// RX or completion ring). Umem.Account checks that invariant frame by frame;
-// tests call it after heavy traffic.
+// Umem.Account checks that invariant frame by frame; tests call it after
+// heavy traffic. Open sockets on a thread in the interface's network
+// namespace: the socket and the interface index belong to it.
 //
-// A Socket is bound to one (interface, queue). The first socket on a Umem
-// registers the area with the kernel on its own descriptor; later ones bind
-// with XDP_SHARED_UMEM. A socket belongs to the network namespace of the
-// thread that opens it, and so does the interface index it binds to: open
-// sockets on a thread that is in the interface's namespace. Sockets on the same (interface, queue) share that queue's
-// fill and completion rings (the kernel gives them one buffer pool); a socket
-// on another queue gets its own pair. That is how a second consumer — the
-// ingest engine next to the bridge — can receive on a queue the bridge already
-// uses: it opens its socket on the bridge's Umem and puts it in its own
-// XSKMAP; frames it receives go back through the shared fill ring.
+// # Rings
 //
-// # Rings and ordering
+// Each ring is single-producer/single-consumer, shared with the kernel, in
+// batches of up to MaxBatch. Fill and Send may take fewer entries than
+// asked even when the ring has room: the kernel publishes how far it has
+// consumed only when it has used up what it last saw. Keep what they refuse
+// and offer it again (dropping it loses the frame for good), and size the
+// fill and TX rings at twice the frames they carry. The rings are not safe
+// for concurrent use, except FillRing.Fill and CompletionRing.Reap, which
+// take a per-ring lock once per batch because sockets on one queue share
+// them.
 //
-// Each ring is single-producer/single-consumer shared with the kernel: the
-// producer writes entries then publishes its index with a release store; the
-// consumer loads the other side's index with an acquire load, reads entries,
-// then publishes its own index. Go's sync/atomic operations are sequentially
-// consistent, which is at least acquire/release. Each side caches the other's
-// index and reloads it only when the cached value says the ring is full (or
-// empty), so a batch costs one shared load and one store. Batches are up to
-// MaxBatch entries.
-//
-// The kernel works the same way on its side, and publishes how far it has
-// consumed the fill and TX rings only when it has used up the entries it
-// last saw. A producer can therefore find a ring full that the kernel has in
-// fact emptied: Fill and Send may take fewer entries than asked even when
-// every frame the caller owns would fit. Keep what they refuse and offer it
-// again (dropping it loses the frame for good), and size the fill and TX
-// rings at twice the frames they carry, so that they never look full.
-//
-// RxRing, TxRing, FillRing and CompletionRing are not safe for concurrent use,
-// with one exception: FillRing.Fill and CompletionRing.Reap take a small
-// per-ring lock, once per batch, because sockets that share a queue share
-// those rings and may be driven from different goroutines.
-//
-// # Wake-ups and busy polling
-//
-// Sockets bind with XDP_USE_NEED_WAKEUP unless told otherwise: the kernel
-// sets a flag in the fill or TX ring when it needs a system call to make
-// progress (FillRing.NeedWakeup, TxRing.NeedWakeup), so a busy ring costs no
-// system calls. In copy mode every TX batch needs a Kick. BusyPoll sets
-// SO_PREFER_BUSY_POLL, SO_BUSY_POLL and SO_BUSY_POLL_BUDGET so that WakeRX
-// and Kick run the driver's NAPI in the caller's context.
-//
-// # Zero copy
-//
-// BindZeroCopy asks for XDP_ZEROCOPY and fails where the driver cannot do it
-// (veth, for instance); BindCopy forces copy mode; BindAny lets the kernel try
-// zero copy and fall back. Socket.ZeroCopy reports what was granted. A failed
-// bind leaves the Umem registered with the kernel in an unusable state on some
-// kernels, so callers retrying in another mode should start from a fresh Umem.
-//
-// # Frame layout
-//
-// A received descriptor's address points at the first byte of the frame;
-// the XDP program's metadata, if any, lies just before it (Meta gives it).
-// Frames for TX are written at their frame's base address. Addresses are
-// offsets into the area; Base rounds one down to its frame.
+// Sockets bind with XDP_USE_NEED_WAKEUP, so a busy ring costs no system
+// calls; in copy mode every TX batch needs a Kick. BindZeroCopy fails where
+// the driver cannot do zero copy (veth), BindAny lets the kernel fall back,
+// and Socket.ZeroCopy reports what was granted; after a failed bind start
+// again from a fresh Umem. A received frame's XDP metadata lies just before
+// it (Umem.Meta). How the rings order their index updates: docs/bridge.md.
 package xsk

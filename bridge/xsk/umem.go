@@ -31,7 +31,7 @@ type UmemConfig struct {
 
 // Umem is a registered frame area and its free pool. Open binds sockets on
 // it. Alloc, Free, Open and Account are safe for concurrent use; the rings
-// follow the rules in the package documentation.
+// follow the rules in the package documentation (Rings).
 type Umem struct {
 	area      []byte
 	frameSize uint64

@@ -161,8 +161,9 @@ func (b *Buffer) Latency() time.Duration {
 	return time.Duration(b.WakeNs - b.FirstNs)
 }
 
-// Data is the buffer's records as they lie in memory (see the package
-// documentation for the format), for consumers that parse them themselves.
+// Data is the buffer's records as they lie in memory (the record layout is
+// beside the record header offsets in layout.go), for consumers that parse
+// them themselves.
 func (b *Buffer) Data() []byte { return b.data }
 
 // Iter iterates over the buffer's records.

@@ -2,8 +2,8 @@
  *
  * fb_ingest.h: the memory layout of a fabricbridge ingest ring (version 1),
  * for C and CUDA consumers that read the region in place. The Go package
- * github.com/fabricbridge/fabricbridge/fabric/ingest is the reference; its
- * package documentation explains the protocol, and its tests compile this
+ * github.com/fabricbridge/fabricbridge/fabric/ingest is the reference;
+ * docs/ingest.md explains the protocol, and the package's tests compile this
  * header and compare every offset with the Go side.
  *
  * All fields are little-endian. Shared words that change after the header

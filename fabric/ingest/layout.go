@@ -10,6 +10,13 @@ import (
 // Layout constants: the contract with every consumer, including C and CUDA
 // programs (fb_ingest.h spells the same numbers). Changing any of them
 // means bumping Version, so that mismatched sides refuse each other.
+//
+// A region is little-endian (the host's order; big-endian builds do not
+// compile), page aligned, and 2 MiB aligned in size when on hugetlb pages.
+// It holds the header page, then N descriptors, then the source table, then
+// N buffers of B bytes each, page aligned; the header gives each part's
+// offset. The producer zeroes the region, writes the header and stores the
+// magic last. The protocol over this layout is in docs/ingest.md.
 const (
 	// Magic is the first word of an ingest region: the bytes "FBIN".
 	Magic uint32 = 0x4e494246
@@ -30,7 +37,33 @@ const (
 	maxRegionBytes = 1 << 40
 )
 
-// Header offsets.
+// Header offsets. The header, at offset 0, headerLen bytes:
+//
+//	0    u32  magic           Magic, "FBIN"
+//	4    u32  version         Version
+//	8    u32  header_len      4096
+//	12   u32  flags           FlagHugetlb, FlagLocked, FlagAlignedWindows
+//	16   u64  region_len      total bytes (= the memfd's size)
+//	24   u32  buffer_count    N, 2..65536
+//	28   u32  buffer_size     B, a multiple of 4096
+//	32   u64  desc_off        descriptor array (N × 64 bytes)
+//	40   u64  sources_off     source table (max_sources × 32 bytes)
+//	48   u32  max_sources
+//	52   u32  record_align    RecordAlign
+//	56   u64  buffers_off     buffer k at buffers_off + k·B (page aligned)
+//	64   u64  window_ns
+//	72   u32  buffer_id       the ingest rule's buffer (stream) id
+//	producer's line (the producer writes, the consumer reads):
+//	128  u64  published       buffers published so far (the next sequence number)
+//	136  u32  source_count    valid entries in the source table
+//	140  u32  producer_state  sideOpen, sideClosed
+//	144  u64  records         records written (informational)
+//	152  u64  dropped         datagrams dropped (informational)
+//	160  u32  cons_armed      1: the consumer sleeps; the producer clears it and signals
+//	consumer's line (the consumer writes):
+//	256  u32  consumer_state  1 attached, 2 closed
+//	264  u64  next_seq        the consumer's next sequence number (informational)
+//	272  u64  released        buffers released (informational)
 const (
 	hMagic        = 0
 	hVersion      = 4
@@ -64,7 +97,18 @@ const (
 	FlagAlignedWindows = 1 << 2 // windows are aligned to multiples of the window on the RX clock
 )
 
-// Descriptor offsets (descriptor k at desc_off + k*64).
+// Descriptor offsets. Descriptor k, one cache line at desc_off + 64·k:
+//
+//	0   u32  state       stateFree (the producer's), stateReady (the consumer's)
+//	4   u32  records     records in the buffer, at least 1
+//	8   u64  seq         publication number; k = seq mod N
+//	16  u32  bytes       bytes of records from the buffer's start, at most B
+//	20  u32  flags       BufWindow, BufFull, BufFlushed, BufContinued
+//	24  u64  first_ns    earliest RX time of its records (CLOCK_MONOTONIC)
+//	32  u64  last_ns     latest RX time of its records
+//	40  u64  window_ns   start of the buffer's window
+//	48  u64  publish_ns  when it was published
+//	56  u64  reserved
 const (
 	dState     = 0
 	dRecords   = 4
@@ -92,7 +136,13 @@ const (
 	BufContinued = 1 << 3 // aligned windows: the window goes on in the next buffer
 )
 
-// Source-table offsets (entry j at sources_off + j*32).
+// Source-table offsets. Entry j, at sources_off + 32·j:
+//
+//	0   16 bytes  address   IPv6, or IPv4-mapped (::ffff:a.b.c.d)
+//	16  u16       src_port
+//	18  u16       dst_port
+//	20  u32       flags     1: IPv6
+//	24  u64       first_ns  RX time of its first datagram
 const (
 	sAddr    = 0
 	sSrcPort = 16
@@ -101,7 +151,18 @@ const (
 	sFirstNs = 24
 )
 
-// Record header offsets (a record at any multiple of 8 inside a buffer).
+// Record header offsets. A record starts at a multiple of RecordAlign
+// inside a buffer, the first at offset 0:
+//
+//	0   u32  size         bytes to the next record: RecordHeader + payload, rounded up to 8
+//	4   u16  payload_len
+//	6   u16  source       index into the source table
+//	8   u64  rx_ns        RX timestamp (CLOCK_MONOTONIC: from XDP, or the packet
+//	                      socket's stamp on the AF_PACKET path)
+//	16  u32  seq          per-source sequence: every datagram of the source that
+//	                      reached the producer, stored or dropped
+//	20  u32  reserved, 0
+//	24  payload, 8-byte aligned
 const (
 	rSize       = 0
 	rPayloadLen = 4

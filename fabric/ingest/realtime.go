@@ -11,7 +11,7 @@ import (
 // thread SCHED_FIFO at priority (1-99; needs CAP_SYS_NICE). A woken
 // real-time thread preempts ordinary ones at once instead of waiting for
 // its turn, which is what the latency tail on a shared machine is made of
-// (see BENCHMARKS.md, Ingest). Call it at the top of the goroutine that
+// (docs/performance.md#the-latency-tail). Call it at the top of the goroutine that
 // will wait in Next, open that consumer with NoYield, and call unlock
 // before the goroutine ends: it gives the thread its old policy back and
 // unlocks it. (A goroutine that ends locked takes its thread with it,

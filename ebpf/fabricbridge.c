@@ -214,9 +214,9 @@ struct frame {
 
 // Where the L3 steps found the parts of an IP packet.
 struct l3 {
-	__u32 off;  // the IP header
-	__u32 l4;   // the L4 header
-	__u32 end;  // the IP packet's end; what follows is padding
+	__u64 off;  // the IP header
+	__u64 l4;   // the L4 header
+	__u64 end;  // the IP packet's end; what follows is padding
 	__u8 proto; // the L4 protocol
 	__u8 first; // a first fragment: its result is remembered for the rest
 };
@@ -442,9 +442,9 @@ static __always_inline void icmp_error(const struct frame *f, const struct l3 *i
 				       struct pkt *p, struct fb_meta *m)
 {
 	__u8 *data = f->data, *data_end = f->data_end;
-	__u32 l4 = ip3->l4, end = ip3->end;
+	__u64 l4 = ip3->l4, end = ip3->end;
 	__u8 *icmp = data + l4;
-	__u32 q = l4 + ICMP_HDR_LEN; // the quoted IP header
+	__u64 q = l4 + ICMP_HDR_LEN; // the quoted IP header
 	__u8 *ip;
 
 	if (l4 + ICMP_HDR_LEN > end || icmp + ICMP_HDR_LEN > data_end)
@@ -650,7 +650,7 @@ static __always_inline enum step parse_ipv6(const struct frame *f, struct fb_met
 static __always_inline enum step parse_l4(const struct frame *f, struct fb_meta *m, const struct l3 *ip,
 					  struct pkt *p, __u32 *ulen)
 {
-	__u32 l4 = ip->l4;
+	__u64 l4 = ip->l4;
 	__u8 *th = f->data + l4;
 
 	m->l4_offset = l4;

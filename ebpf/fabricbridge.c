@@ -733,6 +733,20 @@ static __always_inline void classify(struct xdp_md *ctx, struct fb_meta *m, stru
 		remember_first_fragment(&frag, m);
 }
 
+// size_meta sizes the metadata area in front of the frame to exactly size
+// bytes, whatever it held before (empty from a driver; ours again when a test
+// run repeats). It counts a failure, and then the frame is as it was.
+static __always_inline int size_meta(struct xdp_md *ctx, long size)
+{
+	long held = (long)ctx->data - (long)ctx->data_meta;
+
+	if (bpf_xdp_adjust_meta(ctx, held - size)) {
+		count_event(FB_EVENT_META_FAILED);
+		return -1;
+	}
+	return 0;
+}
+
 // ingest redirects a datagram to the ingest socket of its queue, stripped to
 // its payload with an fb_ingest_meta in front; classifier.Ingest is its
 // reference. The redirect is asked first: without a socket the frame goes to
@@ -762,12 +776,12 @@ static __always_inline int ingest(struct xdp_md *ctx, struct fb_meta *m, struct 
 		im.src[0] = p->src[0];
 		im.src[1] = p->src[1];
 	} else {
-		__u8 *b = (__u8 *)&im.src[1];
+		__u8 *b = (__u8 *)im.src;
 
 		// ::ffff:a.b.c.d, the IPv4-mapped form.
-		b[2] = 0xff;
-		b[3] = 0xff;
-		__builtin_memcpy(b + 4, p->src, IPV4_ADDR_LEN);
+		b[10] = 0xff;
+		b[11] = 0xff;
+		__builtin_memcpy(b + 12, p->src, IPV4_ADDR_LEN);
 	}
 	im.buffer_id = m->stream_id;
 	im.rule_id = m->rule_id;
@@ -780,11 +794,8 @@ static __always_inline int ingest(struct xdp_md *ctx, struct fb_meta *m, struct 
 
 	// Size the metadata first: adjust_head carries it along, and a failure
 	// here leaves the frame whole.
-	long held = (long)ctx->data - (long)ctx->data_meta;
-	if (bpf_xdp_adjust_meta(ctx, held - (long)sizeof(im))) {
-		count_event(FB_EVENT_META_FAILED);
+	if (size_meta(ctx, sizeof(im)))
 		return XDP_PASS;
-	}
 	if (bpf_xdp_adjust_head(ctx, strip)) {
 		count_event(FB_EVENT_STRIP_FAILED);
 		return XDP_PASS;
@@ -807,13 +818,8 @@ static __always_inline int redirect(struct xdp_md *ctx, struct fb_meta *m)
 	long ret;
 
 	m->rx_timestamp_ns = bpf_ktime_get_ns();
-	// Size the metadata area to exactly our struct, whatever it held
-	// before (empty from a driver; ours again when a test run repeats).
-	long held = (long)ctx->data - (long)ctx->data_meta;
-	if (bpf_xdp_adjust_meta(ctx, held - (long)sizeof(*m))) {
-		count_event(FB_EVENT_META_FAILED);
+	if (size_meta(ctx, sizeof(*m)))
 		return XDP_PASS;
-	}
 	struct fb_meta *meta = (void *)(long)ctx->data_meta;
 	if ((void *)(meta + 1) > (void *)(long)ctx->data) {
 		count_event(FB_EVENT_META_FAILED);

@@ -89,6 +89,15 @@ type bpfFbIngestMeta struct {
 	Flags         uint8
 }
 
+type bpfFbLimit uint32
+
+const (
+	bpfFbLimitFB_MAX_RULES       bpfFbLimit = 1024
+	bpfFbLimitFB_MAX_RULE_ID     bpfFbLimit = 16383
+	bpfFbLimitFB_MAX_EXT_HEADERS bpfFbLimit = 8
+	bpfFbLimitFB_FRAG_ENTRIES    bpfFbLimit = 8192
+)
+
 type bpfFbListenKey struct {
 	_      structs.HostLayout
 	Family uint8
@@ -176,6 +185,7 @@ const (
 	bpfVarUnusedEvent      = "unused_event"
 	bpfVarUnusedFlag       = "unused_flag"
 	bpfVarUnusedIngestMeta = "unused_ingest_meta"
+	bpfVarUnusedLimit      = "unused_limit"
 	bpfVarUnusedMeta       = "unused_meta"
 	bpfVarUnusedRuleset    = "unused_ruleset"
 	bpfVarUnusedVerdict    = "unused_verdict"
@@ -253,6 +263,7 @@ type bpfVariableSpecs struct {
 	UnusedEvent      *ebpf.VariableSpec `ebpf:"unused_event"`
 	UnusedFlag       *ebpf.VariableSpec `ebpf:"unused_flag"`
 	UnusedIngestMeta *ebpf.VariableSpec `ebpf:"unused_ingest_meta"`
+	UnusedLimit      *ebpf.VariableSpec `ebpf:"unused_limit"`
 	UnusedMeta       *ebpf.VariableSpec `ebpf:"unused_meta"`
 	UnusedRuleset    *ebpf.VariableSpec `ebpf:"unused_ruleset"`
 	UnusedVerdict    *ebpf.VariableSpec `ebpf:"unused_verdict"`
@@ -315,6 +326,7 @@ type bpfVariables struct {
 	UnusedEvent      *ebpf.Variable `ebpf:"unused_event"`
 	UnusedFlag       *ebpf.Variable `ebpf:"unused_flag"`
 	UnusedIngestMeta *ebpf.Variable `ebpf:"unused_ingest_meta"`
+	UnusedLimit      *ebpf.Variable `ebpf:"unused_limit"`
 	UnusedMeta       *ebpf.Variable `ebpf:"unused_meta"`
 	UnusedRuleset    *ebpf.Variable `ebpf:"unused_ruleset"`
 	UnusedVerdict    *ebpf.Variable `ebpf:"unused_verdict"`

@@ -9,144 +9,90 @@
 #include <linux/bpf.h>
 #include <bpf/bpf_helpers.h>
 
-#define MAX_RULES 1024
-#define MAX_RULE_ID 16383
-#define MAX_EXT_HEADERS 8
-#define FRAG_ENTRIES 8192
+#include "fabricbridge.h"
+
 #define FLOW_ENTRIES 262144
 #define LISTEN_ENTRIES 65536
 #define MAX_QUEUES 256
 
-enum fb_verdict {
-	FB_VERDICT_PASS = 0,
-	FB_VERDICT_DROP = 1,
-	FB_VERDICT_STEER = 2,
-	FB_VERDICT_INGEST = 3,
-	FB_VERDICT_MALFORMED = 4,
-	FB_VERDICT_FRAG_MISS = 5,
-	FB_NUM_VERDICTS = 6,
-};
+// The wire format the parser reads. Where package classifier names a
+// constant, the name here is the same one.
 
-enum fb_action {
-	FB_ACTION_STEER = 1,
-	FB_ACTION_INGEST = 2,
-	FB_ACTION_PASS = 3,
-	FB_ACTION_DROP = 4,
-};
+// EtherTypes the parser knows.
+#define ETHER_IPV4 0x0800
+#define ETHER_IPV6 0x86dd
+#define ETHER_VLAN 0x8100
+#define ETHER_QINQ 0x88a8
+#define MAX_VLAN_TAGS 2 // behind a third, the EtherType is the kernel's to find
 
-enum fb_flag {
-	FB_FLAG_IPV6 = 1,
-	FB_FLAG_FRAGMENT = 2,
-	FB_FLAG_LATER_FRAGMENT = 4,
-};
+// IPv6 extension headers the parser walks.
+#define IPV6_HOP_BY_HOP 0
+#define IPV6_ROUTING 43
+#define IPV6_FRAGMENT 44
+#define IPV6_AH 51
+#define IPV6_DST_OPTS 60
 
-// Events that are not verdicts, counted per CPU.
-enum fb_event {
-	FB_EVENT_REDIRECT_FAILED = 0, // no AF_XDP socket on the queue: the kernel got it
-	FB_EVENT_META_FAILED = 1,     // the driver gave no metadata room: the kernel got it
-	FB_EVENT_STRIP_FAILED = 2,    // an ingest frame could not be stripped: the kernel got it whole
-	FB_NUM_EVENTS = 3,
-};
+// IP protocols.
+#define PROTO_ICMPV4 1
+#define PROTO_TCP 6
+#define PROTO_UDP 17
+#define PROTO_ICMPV6 58
 
-// Written in front of every redirected frame. Keep in step with
-// classifier.Meta; the Go tests compare them field by field.
-struct fb_meta {
-	__u64 rx_timestamp_ns;
-	__u32 stream_id;
-	__u32 rule_id;
-	__u16 l3_offset;
-	__u16 l4_offset;
-	__u16 vlan;
-	__u8 verdict;
-	__u8 flags;
-};
+// ICMP errors, the only ICMP messages the program steers.
+#define ICMPV4_UNREACH 3
+#define ICMPV4_TIME_EXCEEDED 11
+#define ICMPV4_PARAM_PROBLEM 12
+#define ICMPV6_PARAM_PROBLEM 4 // types 1 to 4 are the ICMPv6 errors
 
-// Written in front of every ingest frame, after its headers are stripped.
-// Keep in step with classifier.IngestMeta. Like fb_meta it ends with the
-// verdict and flags, so the byte in front of a frame names the layout.
-struct fb_ingest_meta {
-	__u64 rx_timestamp_ns;
-	__u64 src[2]; // the address's bytes in order; IPv4 as ::ffff:a.b.c.d
-	__u32 buffer_id;
-	__u16 rule_id;
-	__u16 src_port; // host order
-	__u16 dst_port;
-	__u16 payload_len;
-	__u8 payload_offset; // payload start in the stripped frame
-	__u8 pad;
-	__u8 verdict;
-	__u8 flags;
-};
+// Header lengths: the fixed ones, and the least the others can be.
+#define ETH_HDR_LEN 14
+#define VLAN_HDR_LEN 4
+#define IPV4_HDR_LEN 20
+#define IPV6_HDR_LEN 40
+#define IPV6_EXT_HDR_LEN 8
+#define IPV6_FRAG_HDR_LEN 8
+#define TCP_HDR_LEN 20
+#define UDP_HDR_LEN 8
+#define ICMP_HDR_LEN 8
+#define QUOTED_L4_LEN 8 // the first 64 bits of the quoted L4 header, all RFC 792 promises
+#define IPV4_ADDR_LEN 4
+#define IPV6_ADDR_LEN 16
+// classifier.MinStrippedFrame: bpf_xdp_adjust_head leaves at least an
+// Ethernet header's worth of frame.
+#define MIN_STRIPPED_FRAME ETH_HDR_LEN
 
-struct fb_flow_key {
-	__u8 family;
-	__u8 proto;
-	__u16 sport; // host order, as are all ports in the tables
-	__u16 dport;
-	__u16 pad;
-	// Addresses are held in wide words so that copies and compares are
-	// whole loads, not byte by byte; the bytes are the address's, in order.
-	__u64 src[2];
-	__u64 dst[2];
-};
+// Byte offsets of the fields the parser reads, each from the start of its
+// header. An IPv6 extension header starts with the next header and, but for
+// a fragment header, its length.
+#define ETH_TYPE 12
+#define VLAN_TCI 0
+#define VLAN_TYPE 2
+#define IPV4_TOT_LEN 2
+#define IPV4_ID 4
+#define IPV4_FRAG_OFF 6
+#define IPV4_PROTO 9
+#define IPV4_SRC 12
+#define IPV4_DST 16
+#define IPV6_PAYLOAD_LEN 4
+#define IPV6_NEXT 6
+#define IPV6_SRC 8
+#define IPV6_DST 24
+#define EXT_NEXT 0
+#define EXT_LEN 1
+#define IPV6_FRAG_OFF 2
+#define IPV6_FRAG_ID 4
+#define L4_SPORT 0
+#define L4_DPORT 2
+#define UDP_LEN 4
+#define TCP_DOFF 12
+#define ICMP_TYPE 0
 
-struct fb_listen_key {
-	__u8 family;
-	__u8 proto;
-	__u16 port;
-	__u32 addr[4]; // all zero: any address of the family
-};
-
-struct fb_target {
-	__u32 stream_id;
-	__u32 rule_id;
-};
-
-struct fb_frag_key {
-	__u8 family;
-	__u8 proto;
-	__u16 pad;
-	__u32 id;
-	__u64 src[2];
-	__u64 dst[2];
-};
-
-struct fb_frag_result {
-	__u32 stream_id;
-	__u32 rule_id;
-	__u8 verdict;
-	__u8 pad[3];
-};
-
-struct fb_rule {
-	__u32 id;
-	__u32 stream_id;
-	__u8 action;
-	__u8 family; // 0: any
-	__u8 proto;  // 0: any
-	__u8 pad;
-	__u16 vlan; // 0: any
-	__u16 sport_lo;
-	__u16 sport_hi;
-	__u16 dport_lo;
-	__u16 dport_hi;
-	__u16 pad2;
-	__u64 src_net[2];
-	__u64 src_mask[2];
-	__u64 dst_net[2];
-	__u64 dst_mask[2];
-};
-
-struct fb_ruleset {
-	__u32 count;
-	__u32 pad;
-	struct fb_rule rules[MAX_RULES];
-};
-
-struct fb_counter {
-	__u64 packets;
-	__u64 bytes;
-};
+// Bits within those fields.
+#define VLAN_VID_MASK 0x0fff
+#define IPV4_MF 0x2000
+#define IPV4_OFFSET_MASK 0x1fff
+#define IPV6_MF 0x0001
+#define IPV6_OFFSET_MASK 0xfff8
 
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
@@ -180,7 +126,7 @@ struct {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, FRAG_ENTRIES);
+	__uint(max_entries, FB_FRAG_ENTRIES);
 	__type(key, struct fb_frag_key);
 	__type(value, struct fb_frag_result);
 } fragments SEC(".maps");
@@ -208,7 +154,7 @@ struct {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, MAX_RULE_ID + 1);
+	__uint(max_entries, FB_MAX_RULE_ID + 1);
 	__type(key, __u32);
 	__type(value, struct fb_counter);
 } rule_counters SEC(".maps");
@@ -240,6 +186,7 @@ struct {
 const struct fb_meta *unused_meta __attribute__((unused));
 const struct fb_ingest_meta *unused_ingest_meta __attribute__((unused));
 const struct fb_ruleset *unused_ruleset __attribute__((unused));
+const enum fb_limit *unused_limit __attribute__((unused));
 const enum fb_verdict *unused_verdict __attribute__((unused));
 const enum fb_action *unused_action __attribute__((unused));
 const enum fb_flag *unused_flag __attribute__((unused));
@@ -254,6 +201,32 @@ struct pkt {
 	__u16 dport;
 	__u64 src[2];
 	__u64 dst[2];
+};
+
+// The frame as the parser reads it. Every scalar check against len or an IP
+// packet's end is the semantic one; the pointer checks beside them only
+// convince the verifier and never decide alone.
+struct frame {
+	__u8 *data;
+	__u8 *data_end;
+	__u64 len;
+};
+
+// Where the L3 steps found the parts of an IP packet.
+struct l3 {
+	__u64 off;  // the IP header
+	__u64 l4;   // the L4 header
+	__u64 end;  // the IP packet's end; what follows is padding
+	__u8 proto; // the L4 protocol
+	__u8 first; // a first fragment: its result is remembered for the rest
+};
+
+// Each parsing step either hands the frame on to the next or decides it: the
+// verdict in the metadata is then final, FB_VERDICT_PASS leaving the frame to
+// the kernel.
+enum step {
+	NEXT,
+	DECIDED,
 };
 
 struct rule_scan {
@@ -272,6 +245,41 @@ static __always_inline __u32 load_be32(const __u8 *p)
 	return ((__u32)p[0] << 24) | ((__u32)p[1] << 16) | ((__u32)p[2] << 8) | p[3];
 }
 
+static __always_inline __u8 ip_version(const __u8 *ip)
+{
+	return ip[0] >> 4;
+}
+
+static __always_inline __u32 ipv4_hdr_len(const __u8 *ip)
+{
+	return (ip[0] & 0x0f) * 4; // IHL counts 32-bit words
+}
+
+static __always_inline __u32 tcp_hdr_len(const __u8 *th)
+{
+	return (th[TCP_DOFF] >> 4) * 4; // the data offset counts 32-bit words
+}
+
+static __always_inline int is_ipv6_ext(__u8 proto)
+{
+	return proto == IPV6_HOP_BY_HOP || proto == IPV6_ROUTING || proto == IPV6_FRAGMENT ||
+	       proto == IPV6_AH || proto == IPV6_DST_OPTS;
+}
+
+// ipv6_ext_len is the length of extension header h, not a fragment header.
+static __always_inline __u32 ipv6_ext_len(__u8 proto, const __u8 *h)
+{
+	if (proto == IPV6_AH)
+		return ((__u32)h[EXT_LEN] + 2) * 4; // 32-bit words, less two (RFC 4302)
+	return ((__u32)h[EXT_LEN] + 1) * 8; // 8-octet units, less one
+}
+
+static __always_inline enum step malformed(struct fb_meta *m)
+{
+	m->verdict = FB_VERDICT_MALFORMED;
+	return DECIDED;
+}
+
 static __always_inline int prefix_holds(const __u64 *a, const __u64 *net, const __u64 *mask)
 {
 	return (a[0] & mask[0]) == net[0] && (a[1] & mask[1]) == net[1];
@@ -283,7 +291,7 @@ static long match_rule(__u32 i, void *data)
 	struct pkt *p = s->p;
 	struct fb_rule *r;
 
-	if (i >= MAX_RULES)
+	if (i >= FB_MAX_RULES)
 		return 1;
 	r = &s->set->rules[i];
 	if (r->vlan && r->vlan != p->vlan)
@@ -343,11 +351,11 @@ static __always_inline int steer(struct pkt *p, struct fb_meta *m)
 	fk.dst[1] = p->dst[1];
 	t = bpf_map_lookup_elem(&flows, &fk);
 	if (!t) {
-		__builtin_memcpy(lk.addr, p->dst, 16); // both 4-byte aligned: four word copies
+		__builtin_memcpy(lk.addr, p->dst, IPV6_ADDR_LEN); // both 4-byte aligned: four word copies
 		t = bpf_map_lookup_elem(&listeners, &lk);
 	}
 	if (!t) {
-		__builtin_memset(lk.addr, 0, 16);
+		__builtin_memset(lk.addr, 0, IPV6_ADDR_LEN);
 		t = bpf_map_lookup_elem(&listeners, &lk);
 	}
 	if (!t)
@@ -374,8 +382,8 @@ static __always_inline void lookup(struct pkt *p, struct fb_meta *m)
 		return;
 	struct rule_scan scan = { .set = set, .p = p };
 	__u32 n = set->count;
-	if (n > MAX_RULES)
-		n = MAX_RULES;
+	if (n > FB_MAX_RULES)
+		n = FB_MAX_RULES;
 	bpf_loop(n, match_rule, &scan, 0);
 	struct fb_rule *r = scan.hit;
 	if (!r)
@@ -397,6 +405,8 @@ static __always_inline void lookup(struct pkt *p, struct fb_meta *m)
 	}
 }
 
+// later_fragment decides a fragment other than the first as its first
+// fragment was decided, if that one was seen.
 static __always_inline void later_fragment(struct fb_frag_key *k, struct fb_meta *m)
 {
 	struct fb_frag_result *r = bpf_map_lookup_elem(&fragments, k);
@@ -411,240 +421,330 @@ static __always_inline void later_fragment(struct fb_frag_key *k, struct fb_meta
 	m->rule_id = r->rule_id;
 }
 
+// remember_first_fragment keeps a first fragment's result for the fragments
+// that follow it, which carry no L4 header to be classified by.
+static __always_inline void remember_first_fragment(struct fb_frag_key *k, const struct fb_meta *m)
+{
+	struct fb_frag_result r = {
+		.stream_id = m->stream_id,
+		.rule_id = m->rule_id,
+		.verdict = m->verdict,
+	};
+
+	bpf_map_update_elem(&fragments, k, &r, BPF_ANY);
+}
+
 // icmp_error mirrors classifier's icmpError: an ICMP error quoting a TCP or
 // UDP packet that the local side sent is steered to the flow or listener of
 // the quoted tuple, looked up reversed; anything else is left to the kernel.
 // p holds the outer family; its other fields are overwritten.
-static __always_inline void icmp_error(__u8 *data, __u8 *data_end, __u32 l4, __u32 end,
-				       __u8 proto, struct pkt *p, struct fb_meta *m)
+static __always_inline void icmp_error(const struct frame *f, const struct l3 *ip3,
+				       struct pkt *p, struct fb_meta *m)
 {
+	__u8 *data = f->data, *data_end = f->data_end;
+	__u64 l4 = ip3->l4, end = ip3->end;
 	__u8 *icmp = data + l4;
-	__u32 q = l4 + 8; // the quoted IP header
+	__u64 q = l4 + ICMP_HDR_LEN; // the quoted IP header
 	__u8 *ip;
 
-	if (l4 + 8 > end || icmp + 8 > data_end)
+	if (l4 + ICMP_HDR_LEN > end || icmp + ICMP_HDR_LEN > data_end)
 		return;
 	ip = data + q;
-	if (p->family == 4) {
+	if (p->family == FB_FAMILY_IPV4) {
 		__u32 ihl;
 
-		if (proto != 1)
+		if (ip3->proto != PROTO_ICMPV4)
 			return;
-		if (icmp[0] != 3 && icmp[0] != 11 && icmp[0] != 12)
+		if (icmp[ICMP_TYPE] != ICMPV4_UNREACH && icmp[ICMP_TYPE] != ICMPV4_TIME_EXCEEDED &&
+		    icmp[ICMP_TYPE] != ICMPV4_PARAM_PROBLEM)
 			return;
-		if (q + 20 > end || ip + 20 > data_end || (ip[0] >> 4) != 4)
+		if (q + IPV4_HDR_LEN > end || ip + IPV4_HDR_LEN > data_end ||
+		    ip_version(ip) != FB_FAMILY_IPV4)
 			return;
-		ihl = (ip[0] & 0x0f) * 4;
+		ihl = ipv4_hdr_len(ip);
 		// A later fragment quotes no L4 header.
-		if (ihl < 20 || q + ihl + 8 > end || (load_be16(ip + 6) & 0x1fff))
+		if (ihl < IPV4_HDR_LEN || q + ihl + QUOTED_L4_LEN > end ||
+		    (load_be16(ip + IPV4_FRAG_OFF) & IPV4_OFFSET_MASK))
 			return;
-		p->proto = ip[9];
-		__builtin_memcpy(p->src, ip + 16, 4);
-		__builtin_memcpy(p->dst, ip + 12, 4);
+		p->proto = ip[IPV4_PROTO];
+		__builtin_memcpy(p->src, ip + IPV4_DST, IPV4_ADDR_LEN);
+		__builtin_memcpy(p->dst, ip + IPV4_SRC, IPV4_ADDR_LEN);
 		q += ihl;
 	} else {
-		if (proto != 58)
+		if (ip3->proto != PROTO_ICMPV6)
 			return;
-		if (icmp[0] == 0 || icmp[0] > 4)
+		if (icmp[ICMP_TYPE] == 0 || icmp[ICMP_TYPE] > ICMPV6_PARAM_PROBLEM)
 			return;
-		if (q + 48 > end || ip + 48 > data_end || (ip[0] >> 4) != 6)
+		if (q + IPV6_HDR_LEN + QUOTED_L4_LEN > end ||
+		    ip + IPV6_HDR_LEN + QUOTED_L4_LEN > data_end || ip_version(ip) != FB_FAMILY_IPV6)
 			return;
-		p->proto = ip[6];
-		__builtin_memcpy(p->src, ip + 24, 16);
-		__builtin_memcpy(p->dst, ip + 8, 16);
-		q += 40;
+		p->proto = ip[IPV6_NEXT]; // extension headers in the quote are not followed
+		__builtin_memcpy(p->src, ip + IPV6_DST, IPV6_ADDR_LEN);
+		__builtin_memcpy(p->dst, ip + IPV6_SRC, IPV6_ADDR_LEN);
+		q += IPV6_HDR_LEN;
 	}
-	if (p->proto != 6 && p->proto != 17)
+	if (p->proto != PROTO_TCP && p->proto != PROTO_UDP)
 		return;
 	__u8 *th = data + q;
-	if (th + 8 > data_end)
+	if (th + QUOTED_L4_LEN > data_end)
 		return;
 	p->vlan = m->vlan;
-	p->sport = load_be16(th + 2);
-	p->dport = load_be16(th);
+	p->sport = load_be16(th + L4_DPORT);
+	p->dport = load_be16(th + L4_SPORT);
 	steer(p, m);
 }
 
-// classify mirrors classifier.Classifier.Classify statement by statement.
-// Every scalar check against len or end is the semantic one; the pointer
-// checks beside them only convince the verifier and never decide alone.
-// For an ingest verdict it leaves the packet's fields in p and the UDP
-// length in ulen.
-static __always_inline void classify(struct xdp_md *ctx, struct fb_meta *m, struct pkt *pp, __u32 *ulenp)
+// parse_l2 steps over the Ethernet header and up to MAX_VLAN_TAGS VLAN tags,
+// noting the innermost VLAN id, and leaves the EtherType behind them in
+// *etype.
+static __always_inline enum step parse_l2(const struct frame *f, struct fb_meta *m, __u16 *etype)
 {
-	__u8 *data = (void *)(long)ctx->data;
-	__u8 *data_end = (void *)(long)ctx->data_end;
-	__u64 len = data_end - data;
-	struct fb_frag_key fkey = {};
-	struct pkt p = {};
-	__u32 off, l4, end, ulen = 0;
-	__u16 etype;
-	__u8 proto;
-	int first = 0;
+	__u32 off = ETH_HDR_LEN;
 
-	if (data + 14 > data_end)
-		goto malformed;
-	etype = load_be16(data + 12);
-	off = 14;
+	if (f->data + ETH_HDR_LEN > f->data_end)
+		return malformed(m);
+	*etype = load_be16(f->data + ETH_TYPE);
 #pragma unroll
-	for (int i = 0; i < 2; i++) {
-		if (etype != 0x8100 && etype != 0x88a8)
+	for (int i = 0; i < MAX_VLAN_TAGS; i++) {
+		if (*etype != ETHER_VLAN && *etype != ETHER_QINQ)
 			break;
-		if (data + off + 4 > data_end)
-			goto malformed;
-		m->vlan = load_be16(data + off) & 0x0fff;
-		etype = load_be16(data + off + 2);
-		off += 4;
+		if (f->data + off + VLAN_HDR_LEN > f->data_end)
+			return malformed(m);
+		m->vlan = load_be16(f->data + off + VLAN_TCI) & VLAN_VID_MASK;
+		*etype = load_be16(f->data + off + VLAN_TYPE);
+		off += VLAN_HDR_LEN;
 	}
 	m->l3_offset = off;
+	return NEXT;
+}
 
-	if (etype == 0x0800) {
-		__u8 *ip = data + off;
-		__u32 ihl, total;
-		__u16 frag;
+// parse_ipv4 checks the IPv4 header at ip->off and finds the L4 header
+// behind it. A fragment is keyed in *frag; a later fragment is decided here.
+static __always_inline enum step parse_ipv4(const struct frame *f, struct fb_meta *m, struct l3 *ip,
+					    struct pkt *p, struct fb_frag_key *frag)
+{
+	__u8 *h = f->data + ip->off;
+	__u32 hlen, total;
+	__u16 frag_off;
 
-		if (ip + 20 > data_end || (ip[0] >> 4) != 4)
-			goto malformed;
-		ihl = (ip[0] & 0x0f) * 4;
-		total = load_be16(ip + 2);
-		if (ihl < 20 || total < ihl || off + total > len)
-			goto malformed;
-		end = off + total;
-		l4 = off + ihl;
-		proto = ip[9];
-		p.family = 4;
-		__builtin_memcpy(p.src, ip + 12, 4);
-		__builtin_memcpy(p.dst, ip + 16, 4);
-		frag = load_be16(ip + 6);
-		if (frag & 0x3fff) {
-			m->flags |= FB_FLAG_FRAGMENT;
-			fkey.family = 4;
-			fkey.proto = proto;
-			fkey.id = load_be16(ip + 4);
-			fkey.src[0] = p.src[0];
-			fkey.dst[0] = p.dst[0];
-			if (frag & 0x1fff) {
-				m->l4_offset = l4;
-				later_fragment(&fkey, m);
-				return;
-			}
-			first = 1;
-		}
-	} else if (etype == 0x86dd) {
-		__u8 *ip = data + off;
-
-		if (ip + 40 > data_end || (ip[0] >> 4) != 6)
-			goto malformed;
-		m->flags |= FB_FLAG_IPV6;
-		end = off + 40 + load_be16(ip + 4);
-		if (end > len)
-			goto malformed;
-		proto = ip[6];
-		p.family = 6;
-		__builtin_memcpy(p.src, ip + 8, 16);
-		__builtin_memcpy(p.dst, ip + 24, 16);
-		l4 = off + 40;
-#pragma unroll
-		for (int depth = 0; depth <= MAX_EXT_HEADERS; depth++) {
-			__u8 *h;
-			__u32 hlen;
-
-			if (proto != 0 && proto != 43 && proto != 44 && proto != 51 && proto != 60)
-				break;
-			if (depth == MAX_EXT_HEADERS)
-				return; // too deep to follow: the kernel's
-			if (l4 + 8 > end)
-				goto malformed;
-			h = data + l4;
-			if (h + 8 > data_end)
-				goto malformed;
-			if (proto == 44) {
-				__u16 fo;
-
-				if (m->flags & FB_FLAG_FRAGMENT)
-					goto malformed;
-				fo = load_be16(h + 2);
-				if (fo & 0xfff9) {
-					m->flags |= FB_FLAG_FRAGMENT;
-					fkey.family = 6;
-					fkey.proto = h[0];
-					fkey.id = load_be32(h + 4);
-					fkey.src[0] = p.src[0];
-					fkey.src[1] = p.src[1];
-					fkey.dst[0] = p.dst[0];
-					fkey.dst[1] = p.dst[1];
-					if (fo & 0xfff8) {
-						m->l4_offset = l4 + 8;
-						later_fragment(&fkey, m);
-						return;
-					}
-					first = 1;
-				}
-				proto = h[0];
-				l4 += 8;
-				continue;
-			}
-			if (proto == 51)
-				hlen = ((__u32)h[1] + 2) * 4;
-			else
-				hlen = ((__u32)h[1] + 1) * 8;
-			if (l4 + hlen > end)
-				goto malformed;
-			proto = h[0];
-			l4 += hlen;
-		}
-	} else {
-		return; // not IP, or a third VLAN tag: the kernel's
+	if (h + IPV4_HDR_LEN > f->data_end || ip_version(h) != FB_FAMILY_IPV4)
+		return malformed(m);
+	hlen = ipv4_hdr_len(h);
+	total = load_be16(h + IPV4_TOT_LEN);
+	if (hlen < IPV4_HDR_LEN || total < hlen || ip->off + total > f->len)
+		return malformed(m);
+	ip->end = ip->off + total;
+	ip->l4 = ip->off + hlen;
+	ip->proto = h[IPV4_PROTO];
+	p->family = FB_FAMILY_IPV4;
+	__builtin_memcpy(p->src, h + IPV4_SRC, IPV4_ADDR_LEN);
+	__builtin_memcpy(p->dst, h + IPV4_DST, IPV4_ADDR_LEN);
+	frag_off = load_be16(h + IPV4_FRAG_OFF);
+	if (!(frag_off & (IPV4_MF | IPV4_OFFSET_MASK)))
+		return NEXT;
+	m->flags |= FB_FLAG_FRAGMENT;
+	frag->family = FB_FAMILY_IPV4;
+	frag->proto = ip->proto;
+	frag->id = load_be16(h + IPV4_ID);
+	frag->src[0] = p->src[0];
+	frag->dst[0] = p->dst[0];
+	if (frag_off & IPV4_OFFSET_MASK) {
+		m->l4_offset = ip->l4;
+		later_fragment(frag, m);
+		return DECIDED;
 	}
-	m->l4_offset = l4;
+	ip->first = 1;
+	return NEXT;
+}
 
-	__u8 *th = data + l4;
-	if (proto == 6) {
+// ipv6_fragment reads the fragment header h at ip->l4 and steps over it. A
+// fragment is keyed in *frag; a later fragment is decided here. An atomic
+// fragment (offset 0, no more fragments) is a whole packet.
+static __always_inline enum step ipv6_fragment(const __u8 *h, struct fb_meta *m, struct l3 *ip,
+					       const struct pkt *p, struct fb_frag_key *frag)
+{
+	__u16 frag_off;
+
+	if (m->flags & FB_FLAG_FRAGMENT)
+		return malformed(m); // a second fragment header
+	frag_off = load_be16(h + IPV6_FRAG_OFF);
+	if (frag_off & (IPV6_OFFSET_MASK | IPV6_MF)) {
+		m->flags |= FB_FLAG_FRAGMENT;
+		frag->family = FB_FAMILY_IPV6;
+		frag->proto = h[EXT_NEXT];
+		frag->id = load_be32(h + IPV6_FRAG_ID);
+		frag->src[0] = p->src[0];
+		frag->src[1] = p->src[1];
+		frag->dst[0] = p->dst[0];
+		frag->dst[1] = p->dst[1];
+		if (frag_off & IPV6_OFFSET_MASK) {
+			m->l4_offset = ip->l4 + IPV6_FRAG_HDR_LEN;
+			later_fragment(frag, m);
+			return DECIDED;
+		}
+		ip->first = 1;
+	}
+	ip->proto = h[EXT_NEXT];
+	ip->l4 += IPV6_FRAG_HDR_LEN;
+	return NEXT;
+}
+
+// walk_ipv6_ext follows up to FB_MAX_EXT_HEADERS extension headers from
+// ip->l4 to the L4 header; a longer chain is the kernel's.
+static __always_inline enum step walk_ipv6_ext(const struct frame *f, struct fb_meta *m, struct l3 *ip,
+					       const struct pkt *p, struct fb_frag_key *frag)
+{
+#pragma unroll
+	for (int depth = 0; depth <= FB_MAX_EXT_HEADERS; depth++) {
+		__u8 *h;
+		__u32 hlen;
+
+		if (!is_ipv6_ext(ip->proto))
+			break;
+		if (depth == FB_MAX_EXT_HEADERS)
+			return DECIDED; // too deep to follow: the kernel's
+		if (ip->l4 + IPV6_EXT_HDR_LEN > ip->end)
+			return malformed(m);
+		h = f->data + ip->l4;
+		if (h + IPV6_EXT_HDR_LEN > f->data_end)
+			return malformed(m);
+		if (ip->proto == IPV6_FRAGMENT) {
+			if (ipv6_fragment(h, m, ip, p, frag) == DECIDED)
+				return DECIDED;
+			continue;
+		}
+		hlen = ipv6_ext_len(ip->proto, h);
+		if (ip->l4 + hlen > ip->end)
+			return malformed(m);
+		ip->proto = h[EXT_NEXT];
+		ip->l4 += hlen;
+	}
+	return NEXT;
+}
+
+// parse_ipv6 checks the IPv6 header at ip->off and finds the L4 header
+// behind its extension headers.
+static __always_inline enum step parse_ipv6(const struct frame *f, struct fb_meta *m, struct l3 *ip,
+					    struct pkt *p, struct fb_frag_key *frag)
+{
+	__u8 *h = f->data + ip->off;
+
+	if (h + IPV6_HDR_LEN > f->data_end || ip_version(h) != FB_FAMILY_IPV6)
+		return malformed(m);
+	m->flags |= FB_FLAG_IPV6;
+	ip->end = ip->off + IPV6_HDR_LEN + load_be16(h + IPV6_PAYLOAD_LEN);
+	if (ip->end > f->len)
+		return malformed(m);
+	ip->proto = h[IPV6_NEXT];
+	p->family = FB_FAMILY_IPV6;
+	__builtin_memcpy(p->src, h + IPV6_SRC, IPV6_ADDR_LEN);
+	__builtin_memcpy(p->dst, h + IPV6_DST, IPV6_ADDR_LEN);
+	ip->l4 = ip->off + IPV6_HDR_LEN;
+	return walk_ipv6_ext(f, m, ip, p, frag);
+}
+
+// parse_l4 checks the TCP or UDP header at ip->l4 and reads its ports into p,
+// and a UDP header's length into *ulen. Any other protocol is decided here:
+// an ICMP error may be steered to the flow it quotes, the rest is the
+// kernel's.
+static __always_inline enum step parse_l4(const struct frame *f, struct fb_meta *m, const struct l3 *ip,
+					  struct pkt *p, __u32 *ulen)
+{
+	__u64 l4 = ip->l4;
+	__u8 *th = f->data + l4;
+
+	m->l4_offset = l4;
+	if (ip->proto == PROTO_TCP) {
 		__u32 doff;
 
-		if (l4 + 20 > end || th + 20 > data_end)
-			goto malformed;
-		doff = (th[12] >> 4) * 4;
-		if (doff < 20 || l4 + doff > end)
-			goto malformed;
-	} else if (proto == 17) {
-		if (l4 + 8 > end || th + 8 > data_end)
-			goto malformed;
-		ulen = load_be16(th + 4);
-		if (ulen < 8 || (!first && l4 + ulen > end))
-			goto malformed;
+		if (l4 + TCP_HDR_LEN > ip->end || th + TCP_HDR_LEN > f->data_end)
+			return malformed(m);
+		doff = tcp_hdr_len(th);
+		if (doff < TCP_HDR_LEN || l4 + doff > ip->end)
+			return malformed(m);
+	} else if (ip->proto == PROTO_UDP) {
+		if (l4 + UDP_HDR_LEN > ip->end || th + UDP_HDR_LEN > f->data_end)
+			return malformed(m);
+		*ulen = load_be16(th + UDP_LEN);
+		// A first fragment's UDP length covers the whole datagram.
+		if (*ulen < UDP_HDR_LEN || (!ip->first && l4 + *ulen > ip->end))
+			return malformed(m);
 	} else {
 		if (!(m->flags & FB_FLAG_FRAGMENT))
-			icmp_error(data, data_end, l4, end, proto, &p, m);
-		return;
+			icmp_error(f, ip, p, m);
+		return DECIDED;
 	}
-	p.proto = proto;
-	p.vlan = m->vlan;
-	p.sport = load_be16(th);
-	p.dport = load_be16(th + 2);
+	p->proto = ip->proto;
+	p->vlan = m->vlan;
+	p->sport = load_be16(th + L4_SPORT);
+	p->dport = load_be16(th + L4_DPORT);
+	return NEXT;
+}
+
+// ingest_fits reports whether a datagram may be ingested: offload takes whole
+// datagrams whose UDP length is the IP payload's, since anything else would
+// put a partial or ambiguous payload into a buffer.
+static __always_inline int ingest_fits(const struct fb_meta *m, const struct l3 *ip, __u32 ulen)
+{
+	return !(m->flags & FB_FLAG_FRAGMENT) && ip->l4 + ulen == ip->end;
+}
+
+// classify is classifier.Classifier.Classify, step by step. For an ingest
+// verdict it leaves the packet's fields in pp and the UDP length in ulenp.
+static __always_inline void classify(struct xdp_md *ctx, struct fb_meta *m, struct pkt *pp, __u32 *ulenp)
+{
+	struct frame f = {
+		.data = (void *)(long)ctx->data,
+		.data_end = (void *)(long)ctx->data_end,
+	};
+	struct fb_frag_key frag = {};
+	struct l3 ip = {};
+	struct pkt p = {};
+	__u32 ulen = 0;
+	__u16 etype;
+	enum step s;
+
+	f.len = f.data_end - f.data;
+	if (parse_l2(&f, m, &etype) == DECIDED)
+		return;
+	ip.off = m->l3_offset;
+	if (etype == ETHER_IPV4)
+		s = parse_ipv4(&f, m, &ip, &p, &frag);
+	else if (etype == ETHER_IPV6)
+		s = parse_ipv6(&f, m, &ip, &p, &frag);
+	else
+		return; // not IP, or a third VLAN tag: the kernel's
+	if (s == DECIDED || parse_l4(&f, m, &ip, &p, &ulen) == DECIDED)
+		return;
+
 	lookup(&p, m);
 	if (m->verdict == FB_VERDICT_INGEST) {
-		// Whole datagrams only, with the UDP length the IP payload's.
-		if ((m->flags & FB_FLAG_FRAGMENT) || l4 + ulen != end) {
-			m->verdict = FB_VERDICT_MALFORMED;
-			m->stream_id = 0;
-		} else {
+		if (ingest_fits(m, &ip, ulen)) {
 			*pp = p;
 			*ulenp = ulen;
+		} else {
+			// The rule id stays, so the refusal is counted under
+			// the rule as well as a malformed frame.
+			m->verdict = FB_VERDICT_MALFORMED;
+			m->stream_id = 0;
 		}
 	}
-	if (first && m->rule_id) {
-		struct fb_frag_result r = {
-			.stream_id = m->stream_id,
-			.rule_id = m->rule_id,
-			.verdict = m->verdict,
-		};
-		bpf_map_update_elem(&fragments, &fkey, &r, BPF_ANY);
-	}
-	return;
+	if (ip.first && m->rule_id)
+		remember_first_fragment(&frag, m);
+}
 
-malformed:
-	m->verdict = FB_VERDICT_MALFORMED;
+// size_meta sizes the metadata area in front of the frame to exactly size
+// bytes, whatever it held before (empty from a driver; ours again when a test
+// run repeats). It counts a failure, and then the frame is as it was.
+static __always_inline int size_meta(struct xdp_md *ctx, long size)
+{
+	long held = (long)ctx->data - (long)ctx->data_meta;
+
+	if (bpf_xdp_adjust_meta(ctx, held - size)) {
+		count_event(FB_EVENT_META_FAILED);
+		return -1;
+	}
+	return 0;
 }
 
 // ingest redirects a datagram to the ingest socket of its queue, stripped to
@@ -664,40 +764,38 @@ static __always_inline int ingest(struct xdp_md *ctx, struct fb_meta *m, struct 
 	}
 
 	__u32 len = ctx->data_end - ctx->data;
-	__u32 hdr = (__u32)m->l4_offset + 8;
+	__u32 hdr = (__u32)m->l4_offset + UDP_HDR_LEN;
 	__u32 strip = hdr;
-	// The kernel keeps at least an Ethernet header's worth of frame; a
-	// shorter payload keeps some header bytes in front of it.
-	if (len < strip + 14)
-		strip = len - 14;
+	// A payload shorter than the frame the kernel must leave keeps some
+	// header bytes in front of it.
+	if (len < strip + MIN_STRIPPED_FRAME)
+		strip = len - MIN_STRIPPED_FRAME;
 
 	im.rx_timestamp_ns = bpf_ktime_get_ns();
 	if (m->flags & FB_FLAG_IPV6) {
 		im.src[0] = p->src[0];
 		im.src[1] = p->src[1];
 	} else {
-		__u8 *b = (__u8 *)&im.src[1];
+		__u8 *b = (__u8 *)im.src;
 
-		b[2] = 0xff;
-		b[3] = 0xff;
-		__builtin_memcpy(b + 4, p->src, 4);
+		// ::ffff:a.b.c.d, the IPv4-mapped form.
+		b[10] = 0xff;
+		b[11] = 0xff;
+		__builtin_memcpy(b + 12, p->src, IPV4_ADDR_LEN);
 	}
 	im.buffer_id = m->stream_id;
 	im.rule_id = m->rule_id;
 	im.src_port = p->sport;
 	im.dst_port = p->dport;
-	im.payload_len = ulen - 8;
+	im.payload_len = ulen - UDP_HDR_LEN;
 	im.payload_offset = hdr - strip;
 	im.verdict = FB_VERDICT_INGEST;
 	im.flags = m->flags & FB_FLAG_IPV6;
 
 	// Size the metadata first: adjust_head carries it along, and a failure
 	// here leaves the frame whole.
-	long held = (long)ctx->data - (long)ctx->data_meta;
-	if (bpf_xdp_adjust_meta(ctx, held - (long)sizeof(im))) {
-		count_event(FB_EVENT_META_FAILED);
+	if (size_meta(ctx, sizeof(im)))
 		return XDP_PASS;
-	}
 	if (bpf_xdp_adjust_head(ctx, strip)) {
 		count_event(FB_EVENT_STRIP_FAILED);
 		return XDP_PASS;
@@ -713,6 +811,28 @@ static __always_inline int ingest(struct xdp_md *ctx, struct fb_meta *m, struct 
 	return ret;
 }
 
+// redirect hands a steered frame to the AF_XDP socket of its queue with m in
+// front of it.
+static __always_inline int redirect(struct xdp_md *ctx, struct fb_meta *m)
+{
+	long ret;
+
+	m->rx_timestamp_ns = bpf_ktime_get_ns();
+	if (size_meta(ctx, sizeof(*m)))
+		return XDP_PASS;
+	struct fb_meta *meta = (void *)(long)ctx->data_meta;
+	if ((void *)(meta + 1) > (void *)(long)ctx->data) {
+		count_event(FB_EVENT_META_FAILED);
+		return XDP_PASS;
+	}
+	*meta = *m;
+
+	ret = bpf_redirect_map(&xsks, ctx->rx_queue_index, XDP_PASS);
+	if (ret != XDP_REDIRECT)
+		count_event(FB_EVENT_REDIRECT_FAILED);
+	return ret;
+}
+
 SEC("xdp")
 int fabricbridge(struct xdp_md *ctx)
 {
@@ -720,7 +840,6 @@ int fabricbridge(struct xdp_md *ctx)
 	struct pkt p = {};
 	__u32 ulen = 0;
 	__u64 bytes = ctx->data_end - ctx->data;
-	long ret;
 
 	classify(ctx, &m, &p, &ulen);
 	if (record_last) {
@@ -729,39 +848,19 @@ int fabricbridge(struct xdp_md *ctx)
 		bpf_map_update_elem(&last_meta, &zero, &m, BPF_ANY);
 	}
 	count(&verdict_counters, m.verdict, bytes);
-	if (m.rule_id && m.rule_id <= MAX_RULE_ID)
+	if (m.rule_id && m.rule_id <= FB_MAX_RULE_ID)
 		count(&rule_counters, m.rule_id, bytes);
 
 	switch (m.verdict) {
 	case FB_VERDICT_DROP:
 		return XDP_DROP;
 	case FB_VERDICT_STEER:
-		break;
+		return redirect(ctx, &m);
 	case FB_VERDICT_INGEST:
 		return ingest(ctx, &m, &p, ulen);
 	default:
 		return XDP_PASS;
 	}
-
-	m.rx_timestamp_ns = bpf_ktime_get_ns();
-	// Size the metadata area to exactly our struct, whatever it held
-	// before (empty from a driver; ours again when a test run repeats).
-	long held = (long)ctx->data - (long)ctx->data_meta;
-	if (bpf_xdp_adjust_meta(ctx, held - (long)sizeof(m))) {
-		count_event(FB_EVENT_META_FAILED);
-		return XDP_PASS;
-	}
-	struct fb_meta *meta = (void *)(long)ctx->data_meta;
-	if ((void *)(meta + 1) > (void *)(long)ctx->data) {
-		count_event(FB_EVENT_META_FAILED);
-		return XDP_PASS;
-	}
-	*meta = m;
-
-	ret = bpf_redirect_map(&xsks, ctx->rx_queue_index, XDP_PASS);
-	if (ret != XDP_REDIRECT)
-		count_event(FB_EVENT_REDIRECT_FAILED);
-	return ret;
 }
 
 // pass_all is the yardstick the benchmarks measure fabricbridge against.

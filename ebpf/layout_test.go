@@ -128,6 +128,20 @@ func TestSharedConstants(t *testing.T) {
 			t.Errorf("flag: C %d, Go %d", c, g)
 		}
 	}
+	for _, l := range []struct {
+		name string
+		c    bpfFbLimit
+		g    int
+	}{
+		{"MaxRules", bpfFbLimitFB_MAX_RULES, classifier.MaxRules},
+		{"MaxRuleID", bpfFbLimitFB_MAX_RULE_ID, classifier.MaxRuleID},
+		{"MaxExtHeaders", bpfFbLimitFB_MAX_EXT_HEADERS, classifier.MaxExtHeaders},
+		{"DefaultFragmentCapacity", bpfFbLimitFB_FRAG_ENTRIES, classifier.DefaultFragmentCapacity},
+	} {
+		if int(l.c) != l.g {
+			t.Errorf("%s: C %d, Go %d", l.name, l.c, l.g)
+		}
+	}
 	if n := len(bpfFbRuleset{}.Rules); n != classifier.MaxRules {
 		t.Errorf("C holds %d rules, classifier.MaxRules is %d", n, classifier.MaxRules)
 	}

@@ -15,11 +15,11 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/fabricbridge/fabricbridge/internal/netns"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 // DisableTxChecksum is `ethtool -K name tx off` inside ns.
-func DisableTxChecksum(ns *netns.NS, name string) error {
+func DisableTxChecksum(ns *topology.NS, name string) error {
 	return ns.Do(func() error {
 		_, err := ethtoolValue(name, unix.ETHTOOL_STXCSUM, 0)
 		return err
@@ -27,7 +27,7 @@ func DisableTxChecksum(ns *netns.NS, name string) error {
 }
 
 // TxChecksum reports whether transmit checksum offload is on.
-func TxChecksum(ns *netns.NS, name string) (on bool, err error) {
+func TxChecksum(ns *topology.NS, name string) (on bool, err error) {
 	err = ns.Do(func() error {
 		v, err := ethtoolValue(name, unix.ETHTOOL_GTXCSUM, 0)
 		on = v != 0

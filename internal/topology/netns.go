@@ -11,7 +11,7 @@
 // Only the benchmark ranges 198.18.0.0/15 and 2001:db8::/32 are ever assigned,
 // and Ping refuses any other destination, so a mistake in a test cannot send
 // traffic anywhere real.
-package netns
+package topology
 
 import (
 	"context"

@@ -1,5 +1,6 @@
-// Package ethtool changes interface offloads the way `ethtool -K` does, for
-// topologies of veth pairs that stand in for a wire.
+// Package ethtool changes interface offloads the way `ethtool -K` does, on
+// the veths of a topology (package topology) that stand in for a wire. Like
+// topology, tests and `fabricbridge demo` use it.
 //
 // A veth with transmit checksum offload hands its peer packets whose TCP and
 // UDP checksums are only partial: fine for the peer's kernel, which knows,

@@ -26,6 +26,7 @@ const (
 // that stack's packets. Only the benchmark sets it.
 var hopTrace atomic.Pointer[func(hop)]
 
+// traceHop serves the one hop no endpoint sees, hopReadable (conn.go).
 func traceHop(h hop) {
 	if f := hopTrace.Load(); f != nil {
 		(*f)(h)

@@ -21,7 +21,7 @@ import (
 	"time"
 
 	"github.com/fabricbridge/fabricbridge/control"
-	"github.com/fabricbridge/fabricbridge/internal/testpki"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testpki"
 )
 
 // TestMain lets a test start the test binary as an application process:

@@ -18,9 +18,9 @@ import (
 
 	"github.com/fabricbridge/fabricbridge/appliance/config"
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
-	"github.com/fabricbridge/fabricbridge/internal/ethtool"
-	"github.com/fabricbridge/fabricbridge/internal/netns"
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
+	"github.com/fabricbridge/fabricbridge/internal/topology/ethtool"
 )
 
 // syncBuffer is a log sink that tests read while the daemon writes.
@@ -43,8 +43,8 @@ func (s *syncBuffer) String() string {
 
 // topo is a bridge namespace with the daemon's interface and an outside one.
 type topo struct {
-	bridge, outside *netns.NS
-	v               *netns.Veth
+	bridge, outside *topology.NS
+	v               *topology.Veth
 	dir             string
 	// iface is appended inside the interface's flow mapping, such as
 	// ", path: afpacket".
@@ -53,7 +53,7 @@ type topo struct {
 
 func newTopo(t testing.TB) *topo {
 	testenv.RequirePrivileged(t)
-	b, o, v := netns.Pair(t, netns.VethOptions{})
+	b, o, v := topology.Pair(t, topology.VethOptions{})
 	// Complete checksums on the "wire", as a NIC would send them.
 	if err := ethtool.DisableTxChecksum(o, v.B.Name); err != nil {
 		t.Fatal(err)

@@ -11,7 +11,7 @@ import (
 
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
 )
 
 // TestIngestThroughDaemon: trigger datagrams matching an ingest rule reach

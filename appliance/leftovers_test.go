@@ -15,8 +15,8 @@ import (
 
 	"github.com/fabricbridge/fabricbridge/appliance/config"
 	"github.com/fabricbridge/fabricbridge/ebpf"
-	"github.com/fabricbridge/fabricbridge/internal/netns"
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 func TestRunLockAndStaleSocket(t *testing.T) {
@@ -71,7 +71,7 @@ func TestRunLockAndStaleSocket(t *testing.T) {
 
 func TestReservedPorts(t *testing.T) {
 	testenv.RequirePrivileged(t)
-	ns := netns.New(t)
+	ns := topology.New(t)
 	read := func() string {
 		var s string
 		if err := ns.Do(func() error {
@@ -114,7 +114,7 @@ func TestReservedPorts(t *testing.T) {
 
 func TestClearStaleXDP(t *testing.T) {
 	testenv.RequirePrivileged(t)
-	ns, _, v := netns.Pair(t, netns.VethOptions{})
+	ns, _, v := topology.Pair(t, topology.VethOptions{})
 	ifname := v.A.Name
 	attached := func() bool {
 		var x *netlink.LinkXdp
@@ -206,7 +206,7 @@ func TestClearStaleXDP(t *testing.T) {
 // its predecessor recorded, inside its range, and releases the rest.
 func TestAdoptReservation(t *testing.T) {
 	testenv.RequirePrivileged(t)
-	ns := netns.New(t)
+	ns := topology.New(t)
 	record := filepath.Join(t.TempDir(), "control.sock.ports")
 	err := ns.Do(func() error {
 		// The crashed daemon had reserved 50000-50099 (recorded); the

@@ -13,7 +13,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fabricbridge/fabricbridge/internal/netns"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 	"github.com/fabricbridge/fabricbridge/userstack"
 )
 
@@ -26,8 +26,8 @@ import (
 //	FB_REQUIRE_PRIVILEGED=1 go test -run '^$' -bench BenchmarkRemoteGoodput -benchtime 1x ./appliance
 func BenchmarkRemoteGoodput(b *testing.B) {
 	tp := newTopo(b)
-	appNS := netns.New(b)
-	link := netns.Connect(b, tp.bridge, appNS, netns.VethOptions{MTU: 1600})
+	appNS := topology.New(b)
+	link := topology.Connect(b, tp.bridge, appNS, topology.VethOptions{MTU: 1600})
 	ctl := netip.AddrPortFrom(link.A.Addr4.Addr(), 7070)
 	sf := filepath.Join(tp.dir, "far.secret")
 	if err := os.WriteFile(sf, []byte("0123456789abcdef-far-away"), 0o600); err != nil {

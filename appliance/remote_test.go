@@ -18,7 +18,7 @@ import (
 
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 	"github.com/fabricbridge/fabricbridge/control"
-	"github.com/fabricbridge/fabricbridge/internal/netns"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 	"github.com/fabricbridge/fabricbridge/userstack"
 )
 
@@ -67,7 +67,7 @@ func testRemoteApp(spec string) int {
 
 // startRemoteApp runs the test binary as the application in ns and waits
 // until it serves.
-func startRemoteApp(t *testing.T, ns *netns.NS, spec string) *exec.Cmd {
+func startRemoteApp(t *testing.T, ns *topology.NS, spec string) *exec.Cmd {
 	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
 	cmd.Env = append(os.Environ(), "FB_TEST_REMOTE_APP="+spec)
@@ -98,9 +98,9 @@ func startRemoteApp(t *testing.T, ns *netns.NS, spec string) *exec.Cmd {
 // the application frees its ports and stops the relay.
 func TestRemoteApplication(t *testing.T) {
 	tp := newTopo(t)
-	appNS := netns.New(t)
+	appNS := topology.New(t)
 	// GENEVE adds 36 bytes to the wire's packets.
-	link := netns.Connect(t, tp.bridge, appNS, netns.VethOptions{MTU: 1600})
+	link := topology.Connect(t, tp.bridge, appNS, topology.VethOptions{MTU: 1600})
 	ctl := netip.AddrPortFrom(link.A.Addr4.Addr(), 7070)
 	sf := writeSecret(t, tp.dir, "far.secret", "0123456789abcdef-far-away", 0o600)
 	cfg := tp.config(t, fmt.Sprintf(`applications:
@@ -204,8 +204,8 @@ listeners:
 // connections, half each way, byte-exact.
 func TestRemoteApplicationBothWays(t *testing.T) {
 	tp := newTopo(t)
-	appNS := netns.New(t)
-	link := netns.Connect(t, tp.bridge, appNS, netns.VethOptions{MTU: 1600})
+	appNS := topology.New(t)
+	link := topology.Connect(t, tp.bridge, appNS, topology.VethOptions{MTU: 1600})
 	ctl := netip.AddrPortFrom(link.A.Addr4.Addr(), 7070)
 	secret := "0123456789abcdef-far-away"
 	sf := writeSecret(t, tp.dir, "far.secret", secret, 0o600)

@@ -11,7 +11,7 @@ import (
 
 	"github.com/fabricbridge/fabricbridge/control"
 	"github.com/fabricbridge/fabricbridge/fabric"
-	"github.com/fabricbridge/fabricbridge/internal/ippkt"
+	"github.com/fabricbridge/fabricbridge/internal/testing/ippkt"
 )
 
 // TestStreamThroughDaemon registers an application over the control socket

@@ -14,10 +14,10 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/fabricbridge/fabricbridge/fabric"
-	"github.com/fabricbridge/fabricbridge/internal/ippkt"
-	"github.com/fabricbridge/fabricbridge/internal/netns"
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
-	"github.com/fabricbridge/fabricbridge/internal/xdpgen"
+	"github.com/fabricbridge/fabricbridge/internal/testing/ippkt"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/xdpgen"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 // Benchmarks of the bridge on a veth pair, all driven by the AF_XDP TX
@@ -35,7 +35,7 @@ type dropCounter struct {
 	l     link.Link
 }
 
-func newDropCounter(tb testing.TB, ns *netns.NS, ifindex int) *dropCounter {
+func newDropCounter(tb testing.TB, ns *topology.NS, ifindex int) *dropCounter {
 	tb.Helper()
 	m, err := ciliumebpf.NewMap(&ciliumebpf.MapSpec{Type: ciliumebpf.PerCPUArray, KeySize: 4, ValueSize: 8, MaxEntries: 1})
 	if err != nil {
@@ -82,7 +82,7 @@ func (d *dropCounter) total() uint64 {
 
 // benchFrame is an Ethernet frame of size bytes (without FCS) carrying UDP
 // to dst.
-func benchFrame(v *netns.Veth, dst netip.AddrPort, size int) []byte {
+func benchFrame(v *topology.Veth, dst netip.AddrPort, size int) []byte {
 	return ippkt.Ether(v.A.MAC, v.B.MAC, ippkt.UDP(netip.AddrPortFrom(v.B.Addr4.Addr(), 40000), dst, make([]byte, size-14-20-8)))
 }
 
@@ -111,7 +111,7 @@ func BenchmarkBridgeRX(b *testing.B) {
 			self := int32(unix.Gettid())
 
 			// Ceiling.
-			br, out, v := netns.Pair(b, netns.VethOptions{})
+			br, out, v := topology.Pair(b, topology.VethOptions{})
 			d := newDropCounter(b, br, v.A.Index)
 			frame := benchFrame(v, netip.AddrPortFrom(v.A.Addr4.Addr(), udpPort1), size)
 			m := newCPUMeter(self)

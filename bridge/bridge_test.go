@@ -10,8 +10,8 @@ import (
 
 	"github.com/fabricbridge/fabricbridge/classifier"
 	"github.com/fabricbridge/fabricbridge/fabric"
-	"github.com/fabricbridge/fabricbridge/internal/ippkt"
-	"github.com/fabricbridge/fabricbridge/internal/netns"
+	"github.com/fabricbridge/fabricbridge/internal/testing/ippkt"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 func payloads(n int, tag string) [][]byte {
@@ -391,8 +391,8 @@ func TestOtherDeviceViaKernel(t *testing.T) {
 	forEachPath(t, func(t *testing.T, cfg Config) {
 		r := newRig(t, cfg)
 		r.standardTables()
-		third := netns.New(t)
-		side := netns.Connect(t, r.br, third, netns.VethOptions{})
+		third := topology.New(t)
+		side := topology.Connect(t, r.br, third, topology.VethOptions{})
 		own := r.ownership1()
 		own.Addrs = append(own.Addrs, side.A.Addr4.Addr())
 		app := r.stream(1, own, fabric.Config{})
@@ -425,7 +425,7 @@ func TestOtherDeviceViaKernel(t *testing.T) {
 // exactly once.
 func TestSeveralQueues(t *testing.T) {
 	forEachPath(t, func(t *testing.T, cfg Config) {
-		r := newRigWith(t, cfg, netns.VethOptions{Queues: 2})
+		r := newRigWith(t, cfg, topology.VethOptions{Queues: 2})
 		r.standardTables()
 		app := r.stream(1, r.ownership1(), fabric.Config{})
 		if n := len(r.b.Stats().Queues); n != 2 {

@@ -8,7 +8,7 @@ import (
 	"time"
 
 	"github.com/fabricbridge/fabricbridge/fabric"
-	"github.com/fabricbridge/fabricbridge/internal/ippkt"
+	"github.com/fabricbridge/fabricbridge/internal/testing/ippkt"
 )
 
 // recorder is a capture hook that keeps copies.

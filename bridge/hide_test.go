@@ -19,9 +19,9 @@ import (
 	"github.com/fabricbridge/fabricbridge/bridge/afpacket"
 	"github.com/fabricbridge/fabricbridge/classifier"
 	"github.com/fabricbridge/fabricbridge/fabric"
-	"github.com/fabricbridge/fabricbridge/internal/framegen"
-	"github.com/fabricbridge/fabricbridge/internal/netns"
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/framegen"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 // TestNftScript: the first transaction replaces any leftover table and
@@ -111,8 +111,8 @@ func TestNftMirrorsClassifier(t *testing.T) {
 	if _, err := nftPath(); err != nil {
 		t.Fatal(err)
 	}
-	br, out, v := netns.Pair(t, netns.VethOptions{})
-	side := netns.Connect(t, br, netns.New(t), netns.VethOptions{})
+	br, out, v := topology.Pair(t, topology.VethOptions{})
+	side := topology.Connect(t, br, topology.New(t), topology.VethOptions{})
 	var h vnetns.NsHandle
 	if err := br.Do(func() (err error) { h, err = vnetns.Get(); return err }); err != nil {
 		t.Fatal(err)
@@ -420,7 +420,7 @@ func handIDs(rs *classifier.RuleSet) []uint32 {
 // Close.
 func TestAFPacketTurnsOffMerging(t *testing.T) {
 	testenv.RequirePrivileged(t)
-	br, _, v := netns.Pair(t, netns.VethOptions{})
+	br, _, v := topology.Pair(t, topology.VethOptions{})
 	gro := func() (on bool) {
 		t.Helper()
 		if err := br.Do(func() error {

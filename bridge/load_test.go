@@ -13,10 +13,10 @@ import (
 	"github.com/fabricbridge/fabricbridge/classifier"
 	fbebpf "github.com/fabricbridge/fabricbridge/ebpf"
 	"github.com/fabricbridge/fabricbridge/fabric"
-	"github.com/fabricbridge/fabricbridge/internal/ippkt"
-	"github.com/fabricbridge/fabricbridge/internal/netns"
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
-	"github.com/fabricbridge/fabricbridge/internal/xdpgen"
+	"github.com/fabricbridge/fabricbridge/internal/testing/ippkt"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/xdpgen"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 // drain reads an application's stream until stop is closed, counting, and
@@ -180,7 +180,7 @@ func TestSlowStreamLosesOnlyItsOwn(t *testing.T) {
 }
 
 // generate sends n frames from the outside end with the AF_XDP generator.
-func generate(t testing.TB, ns *netns.NS, ifindex int, frames [][]byte, n int) int {
+func generate(t testing.TB, ns *topology.NS, ifindex int, frames [][]byte, n int) int {
 	t.Helper()
 	var g *xdpgen.Gen
 	if err := ns.Do(func() (err error) { g, err = xdpgen.New(ifindex, frames); return err }); err != nil {
@@ -345,7 +345,7 @@ func TestTxFairness(t *testing.T) {
 // RX side and go in first when there is room; none is dropped.
 func TestRefillKeepsWhatDoesNotFit(t *testing.T) {
 	testenv.RequirePrivileged(t)
-	br, out, v := netns.Pair(t, netns.VethOptions{})
+	br, out, v := topology.Pair(t, topology.VethOptions{})
 	disableTxChecksumOffload(t, out, v.B.Name)
 	prog, err := fbebpf.Load()
 	if err != nil {

@@ -17,17 +17,17 @@ import (
 
 	"github.com/fabricbridge/fabricbridge/classifier"
 	"github.com/fabricbridge/fabricbridge/fabric"
-	"github.com/fabricbridge/fabricbridge/internal/ippkt"
-	"github.com/fabricbridge/fabricbridge/internal/netns"
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/ippkt"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 // rig is the test topology: the bridge on end A of a veth in namespace br,
 // the outside kernel on end B in namespace out.
 type rig struct {
 	t       testing.TB
-	br, out *netns.NS
-	v       *netns.Veth
+	br, out *topology.NS
+	v       *topology.Veth
 	b       *Bridge
 	local4  netip.Addr // the bridge host's addresses, owned by stream 1
 	local6  netip.Addr
@@ -69,13 +69,13 @@ func forEachPath(t *testing.T, f func(t *testing.T, cfg Config)) {
 }
 
 func newRig(t testing.TB, cfg Config) *rig {
-	return newRigWith(t, cfg, netns.VethOptions{})
+	return newRigWith(t, cfg, topology.VethOptions{})
 }
 
 // newRigWith is newRig on a veth made with opts.
-func newRigWith(t testing.TB, cfg Config, opts netns.VethOptions) *rig {
+func newRigWith(t testing.TB, cfg Config, opts topology.VethOptions) *rig {
 	testenv.RequirePrivileged(t)
-	br, out, v := netns.Pair(t, opts)
+	br, out, v := topology.Pair(t, opts)
 	r := &rig{t: t, br: br, out: out, v: v,
 		local4: v.A.Addr4.Addr(), local6: v.A.Addr6.Addr(), remote4: v.B.Addr4.Addr(), remote6: v.B.Addr6.Addr()}
 	// The outside kernel hands veth packets with checksums left to
@@ -177,7 +177,7 @@ func (r *rig) stream(id uint32, own Ownership, cfg fabric.Config) *fabric.Stream
 // udpSocket opens an unconnected kernel UDP socket in ns. Unconnected, so
 // that ICMP errors (the kernel seeing steered packets on the AF_PACKET path)
 // do not turn later sends into errors.
-func udpSocket(t testing.TB, ns *netns.NS, at netip.AddrPort) *net.UDPConn {
+func udpSocket(t testing.TB, ns *topology.NS, at netip.AddrPort) *net.UDPConn {
 	t.Helper()
 	var c *net.UDPConn
 	if err := ns.Do(func() (err error) {
@@ -225,7 +225,7 @@ func recvN(t *testing.T, app *fabric.Stream, n int, wait time.Duration) [][]byte
 }
 
 // injector writes raw frames onto the outside end with an AF_PACKET socket.
-func injector(t *testing.T, ns *netns.NS, ifindex int) func(frames ...[]byte) {
+func injector(t *testing.T, ns *topology.NS, ifindex int) func(frames ...[]byte) {
 	t.Helper()
 	var fd int
 	if err := ns.Do(func() (err error) {
@@ -252,7 +252,7 @@ type capture struct {
 	fd int
 }
 
-func newCapture(t *testing.T, ns *netns.NS, ifindex int) *capture {
+func newCapture(t *testing.T, ns *topology.NS, ifindex int) *capture {
 	t.Helper()
 	return &capture{fd: ns.PacketSocket(t, ifindex)}
 }
@@ -280,7 +280,7 @@ func (c *capture) until(wait time.Duration, stop func([]byte) bool) (frames [][]
 }
 
 // disableTxChecksumOffload is `ethtool -K name tx off`.
-func disableTxChecksumOffload(t testing.TB, ns *netns.NS, name string) {
+func disableTxChecksumOffload(t testing.TB, ns *topology.NS, name string) {
 	t.Helper()
 	if err := ns.Do(func() error {
 		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)

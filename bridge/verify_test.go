@@ -5,7 +5,7 @@ import (
 	"testing"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
-	"github.com/fabricbridge/fabricbridge/internal/ippkt"
+	"github.com/fabricbridge/fabricbridge/internal/testing/ippkt"
 )
 
 func TestVerify(t *testing.T) {

@@ -16,8 +16,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/fabricbridge/fabricbridge/fabric"
-	"github.com/fabricbridge/fabricbridge/internal/ippkt"
-	"github.com/fabricbridge/fabricbridge/internal/netns"
+	"github.com/fabricbridge/fabricbridge/internal/testing/ippkt"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 // The VLAN of the VLAN tests, and its subnet: another 198.18.0.0/15 subnet
@@ -42,7 +42,7 @@ type vlanEmulation struct {
 	counts *ciliumebpf.Map // 0: frames tagged on egress; 1: tagged frames received
 }
 
-func newVLANEmulation(t *testing.T, ns *netns.NS, ifindex int) *vlanEmulation {
+func newVLANEmulation(t *testing.T, ns *topology.NS, ifindex int) *vlanEmulation {
 	t.Helper()
 	m, err := ciliumebpf.NewMap(&ciliumebpf.MapSpec{Type: ciliumebpf.Array, KeySize: 4, ValueSize: 8, MaxEntries: 2})
 	if err != nil {
@@ -290,7 +290,7 @@ func testVLAN(t *testing.T, cfg Config, kernel bool) {
 
 // addVLANDevice makes an 802.1Q device (VLAN testVID) on parent in ns, with
 // addr and mtu, and brings it up.
-func addVLANDevice(ns *netns.NS, parent string, addr netip.Prefix, mtu int) error {
+func addVLANDevice(ns *topology.NS, parent string, addr netip.Prefix, mtu int) error {
 	return ns.Do(func() error {
 		p, err := netlink.LinkByName(parent)
 		if err != nil {

@@ -5,11 +5,11 @@ import (
 
 	"github.com/fabricbridge/fabricbridge/bridge/features"
 	"github.com/fabricbridge/fabricbridge/classifier"
-	"github.com/fabricbridge/fabricbridge/internal/netns"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 // stripping reads the state of the VLAN stripping features of an interface.
-func stripping(t *testing.T, ns *netns.NS, ifname string) map[string]bool {
+func stripping(t *testing.T, ns *topology.NS, ifname string) map[string]bool {
 	t.Helper()
 	got := map[string]bool{}
 	err := ns.Do(func() error {

@@ -9,7 +9,7 @@ import (
 	"github.com/gopacket/gopacket/layers"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
-	"github.com/fabricbridge/fabricbridge/internal/framegen"
+	"github.com/fabricbridge/fabricbridge/internal/testing/framegen"
 )
 
 var (

@@ -5,8 +5,8 @@ import (
 	"time"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
-	"github.com/fabricbridge/fabricbridge/internal/framegen"
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/framegen"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
 )
 
 // benchRepeat is how many times one BPF_PROG_TEST_RUN call runs a program;

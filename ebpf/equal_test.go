@@ -10,8 +10,8 @@ import (
 	"github.com/cilium/ebpf"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
-	"github.com/fabricbridge/fabricbridge/internal/framegen"
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/framegen"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
 )
 
 // XDP return codes.

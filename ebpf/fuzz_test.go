@@ -10,7 +10,7 @@ import (
 	"testing"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
-	"github.com/fabricbridge/fabricbridge/internal/framegen"
+	"github.com/fabricbridge/fabricbridge/internal/testing/framegen"
 )
 
 // fuzzRuleSets is how many fixed rule sets FuzzEqual chooses from.

@@ -8,7 +8,7 @@ import (
 	"testing"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
-	"github.com/fabricbridge/fabricbridge/internal/framegen"
+	"github.com/fabricbridge/fabricbridge/internal/testing/framegen"
 )
 
 // TestEqualOnICMPErrors is the differential proof for ICMP errors: messages

@@ -9,8 +9,8 @@ import (
 	"github.com/gopacket/gopacket/layers"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
-	"github.com/fabricbridge/fabricbridge/internal/framegen"
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/framegen"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
 )
 
 // TestIngestUnboundPassesWhole runs the program as shipped (no test hooks):

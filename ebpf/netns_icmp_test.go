@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
-	"github.com/fabricbridge/fabricbridge/internal/netns"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 // TestICMPErrorsFromKernel: the kernel in the peer namespace answers UDP to a
@@ -19,7 +19,7 @@ import (
 // back to the kernel, whose socket then reports the refusal).
 func TestICMPErrorsFromKernel(t *testing.T) {
 	p := newPair(t)
-	bridge, _, v := netns.Pair(t, netns.VethOptions{})
+	bridge, _, v := topology.Pair(t, topology.VethOptions{})
 	const flow4, flow6 = 21, 22
 	local4 := netip.AddrPortFrom(v.A.Addr4.Addr(), 4000)
 	local6 := netip.AddrPortFrom(v.A.Addr6.Addr(), 4000)

@@ -12,7 +12,7 @@ import (
 	"github.com/vishvananda/netlink"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
-	"github.com/fabricbridge/fabricbridge/internal/netns"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 // TestAttachedToVeth attaches the program to a veth end and sends real
@@ -27,7 +27,7 @@ func TestAttachedToVeth(t *testing.T) {
 
 func testAttachedToVeth(t *testing.T, mode Mode) {
 	p := newPair(t)
-	bridge, outside, v := netns.Pair(t, netns.VethOptions{})
+	bridge, outside, v := topology.Pair(t, topology.VethOptions{})
 	local4, local6 := v.A.Addr4.Addr(), v.A.Addr6.Addr()
 
 	const (
@@ -158,7 +158,7 @@ func testAttachedToVeth(t *testing.T, mode Mode) {
 	}
 }
 
-func listenUDP(t *testing.T, ns *netns.NS, at netip.AddrPort) *net.UDPConn {
+func listenUDP(t *testing.T, ns *topology.NS, at netip.AddrPort) *net.UDPConn {
 	t.Helper()
 	var c *net.UDPConn
 	if err := ns.Do(func() (err error) {
@@ -171,7 +171,7 @@ func listenUDP(t *testing.T, ns *netns.NS, at netip.AddrPort) *net.UDPConn {
 	return c
 }
 
-func sendUDP(t *testing.T, ns *netns.NS, to netip.AddrPort, n int) {
+func sendUDP(t *testing.T, ns *topology.NS, to netip.AddrPort, n int) {
 	t.Helper()
 	if err := ns.Do(func() error {
 		c, err := net.DialUDP("udp", nil, net.UDPAddrFromAddrPort(to))
@@ -206,7 +206,7 @@ func drain(c *net.UDPConn, want int, wait time.Duration) int {
 
 // exchangeTCP connects from client to a kernel listener at addr in server
 // and moves a message each way.
-func exchangeTCP(t *testing.T, server, client *netns.NS, addr netip.AddrPort) {
+func exchangeTCP(t *testing.T, server, client *topology.NS, addr netip.AddrPort) {
 	t.Helper()
 	var ln net.Listener
 	if err := server.Do(func() (err error) {

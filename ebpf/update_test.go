@@ -6,7 +6,7 @@ import (
 	"testing"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
-	"github.com/fabricbridge/fabricbridge/internal/framegen"
+	"github.com/fabricbridge/fabricbridge/internal/testing/framegen"
 )
 
 // TestCounters checks the per-verdict and per-rule counters, summed over

@@ -6,7 +6,7 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
 	"golang.org/x/sys/unix"
 )
 

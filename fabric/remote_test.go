@@ -8,8 +8,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fabricbridge/fabricbridge/internal/netns"
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 	"golang.org/x/sys/unix"
 )
 
@@ -116,17 +116,17 @@ func runSize(seq int) int { return 40 + ((seq/6)*37)%260 }
 
 // remotes is two Remote endpoints in two namespaces joined by a veth.
 type remotes struct {
-	a, b   *netns.NS
+	a, b   *topology.NS
 	ra, rb *Remote
 	addrA  netip.Addr // A's address, of the family under test
 	addrB  netip.Addr
 	v6     bool
-	veth   *netns.Veth
+	veth   *topology.Veth
 }
 
 func newRemotes(t testing.TB, v6 bool, cfgA, cfgB RemoteConfig) *remotes {
 	t.Helper()
-	a, b, v := netns.Pair(t, netns.VethOptions{})
+	a, b, v := topology.Pair(t, topology.VethOptions{})
 	x := &remotes{a: a, b: b, v6: v6, veth: v, addrA: v.A.Addr4.Addr(), addrB: v.B.Addr4.Addr()}
 	if v6 {
 		x.addrA, x.addrB = v.A.Addr6.Addr(), v.B.Addr6.Addr()
@@ -549,7 +549,7 @@ func TestRemotePortUnreachable(t *testing.T) {
 // unblocks a Recv and a Send waiting for credit.
 func TestRemoteCloseReleasesDescriptors(t *testing.T) {
 	testenv.RequirePrivileged(t)
-	a, _, v := netns.Pair(t, netns.VethOptions{})
+	a, _, v := topology.Pair(t, topology.VethOptions{})
 	before := openFDs(t)
 	var r, peer *Remote
 	if err := a.Do(func() (err error) {

@@ -16,7 +16,7 @@ import (
 	"github.com/gopacket/gopacket/layers"
 	"golang.org/x/sys/unix"
 
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
 )
 
 // innerUDP builds a well-formed inner IP/UDP packet, the kind an

@@ -17,7 +17,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/fabricbridge/fabricbridge/internal/ethtool"
+	"github.com/fabricbridge/fabricbridge/internal/topology/ethtool"
 )
 
 // sinkServer reads each connection to its end, then answers one byte so

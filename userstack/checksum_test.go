@@ -9,7 +9,7 @@ import (
 
 	"gvisor.dev/gvisor/pkg/tcpip/header"
 
-	"github.com/fabricbridge/fabricbridge/internal/ippkt"
+	"github.com/fabricbridge/fabricbridge/internal/testing/ippkt"
 )
 
 func TestCheckVerdicts(t *testing.T) {

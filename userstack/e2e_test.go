@@ -23,9 +23,9 @@ import (
 	"github.com/fabricbridge/fabricbridge/classifier"
 	"github.com/fabricbridge/fabricbridge/control"
 	"github.com/fabricbridge/fabricbridge/fabric"
-	"github.com/fabricbridge/fabricbridge/internal/ethtool"
-	"github.com/fabricbridge/fabricbridge/internal/netns"
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
+	"github.com/fabricbridge/fabricbridge/internal/topology/ethtool"
 )
 
 // bridgePlane adapts the real bridge to control.Dataplane for these tests.
@@ -98,13 +98,13 @@ func (p *bridgePlane) SetTables(t *classifier.Tables) error { return p.b.SetTabl
 // host joined to the bridge host by a second veth.
 type e2e struct {
 	t        testing.TB
-	out, br  *netns.NS
-	wire     *netns.Veth
+	out, br  *topology.NS
+	wire     *topology.Veth
 	b        *bridge.Bridge
 	srv      *control.Server
-	path     string    // control socket
-	ctlAddr  string    // control TCP address (remote)
-	appNS    *netns.NS // remote application host
+	path     string       // control socket
+	ctlAddr  string       // control TCP address (remote)
+	appNS    *topology.NS // remote application host
 	secret   []byte
 	local4   netip.Addr // the bridge host's addresses on the wire
 	local6   netip.Addr
@@ -116,7 +116,7 @@ var e2ePorts = classifier.PortRange{Lo: 42000, Hi: 42999}
 
 func newE2E(t testing.TB) *e2e {
 	testenv.RequirePrivileged(t)
-	out, br, wire := netns.Pair(t, netns.VethOptions{})
+	out, br, wire := topology.Pair(t, topology.VethOptions{})
 	e := &e2e{t: t, out: out, br: br, wire: wire, secret: []byte("e2e-shared-secret-0123"),
 		local4: wire.B.Addr4.Addr(), local6: wire.B.Addr6.Addr(), outside4: wire.A.Addr4.Addr(), outside6: wire.A.Addr6.Addr()}
 	// A real wire carries complete checksums; a veth leaves them to
@@ -132,8 +132,8 @@ func newE2E(t testing.TB) *e2e {
 	}
 	// The application host for the remote transport. Its link carries
 	// GENEVE, 36 bytes more than the wire's packets.
-	e.appNS = netns.New(t)
-	appLink := netns.Connect(t, br, e.appNS, netns.VethOptions{MTU: 1600})
+	e.appNS = topology.New(t)
+	appLink := topology.Connect(t, br, e.appNS, topology.VethOptions{MTU: 1600})
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
 	var remote *fabric.Remote
 	var ctlL net.Listener

@@ -10,7 +10,7 @@ import (
 	"gvisor.dev/gvisor/pkg/tcpip/header"
 	"gvisor.dev/gvisor/pkg/tcpip/stack"
 
-	"github.com/fabricbridge/fabricbridge/internal/ippkt"
+	"github.com/fabricbridge/fabricbridge/internal/testing/ippkt"
 )
 
 // seg6 is an IPv6 TCP segment from src6:port to dst6:80 with the given

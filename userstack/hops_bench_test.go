@@ -13,8 +13,11 @@ import (
 	_ "unsafe" // go:linkname
 
 	"golang.org/x/sys/unix"
+	"gvisor.dev/gvisor/pkg/buffer"
+	"gvisor.dev/gvisor/pkg/tcpip/stack"
 
 	"github.com/fabricbridge/fabricbridge/bridge"
+	"github.com/fabricbridge/fabricbridge/internal/testing/ippkt"
 )
 
 // monoNow is CLOCK_MONOTONIC in ns: the clock the XDP program stamps
@@ -68,8 +71,8 @@ func timedRoundTrips(addr string, count int) ([][2]int64, error) {
 }
 
 // The points of a round trip, in the order a request and its answer pass
-// them. The application's own (hop) come from the package's hook; the
-// bridge's from its capture hook; the ends from the client process.
+// them. The application's own (hop) come from the hop tracer (trace.go);
+// the bridge's from its capture hook; the ends from the client process.
 const (
 	ptClientWrite  = iota // the client process writes the request
 	ptXDP                 // the XDP program sees it (its timestamp)
@@ -132,6 +135,70 @@ func traceInto(l *eventLog) {
 	benchLog.Store(l)
 	trace := func(h hop) { l.add(appPoint[h], monoNow()) }
 	hopTrace.Store(&trace)
+}
+
+// oneBatchLink hands out its packets on the first Recv and ends the
+// receive loop on the next.
+type oneBatchLink struct {
+	replayLink
+	given bool
+}
+
+func (l *oneBatchLink) Recv(bufs [][]byte) (int, error) {
+	if l.given {
+		return 0, io.EOF
+	}
+	l.given = true
+	return l.replayLink.Recv(bufs)
+}
+
+// TestHopTracerSeesEveryHop checks the points BenchmarkRoundTripHops
+// attributes: a traced endpoint reports each hop, in the order packets
+// pass them, and passes every packet through both ways; a stack opened
+// without a tracer attaches the endpoint itself.
+func TestHopTracerSeesEveryHop(t *testing.T) {
+	var pkts [][]byte
+	for port := range uint16(3) {
+		pkts = append(pkts, ippkt.UDP(netip.AddrPortFrom(dst4, 53+port), netip.AddrPortFrom(src4, 40000), pattern(100)))
+	}
+	link := &oneBatchLink{replayLink: replayLink{pkts: pkts}}
+	ep, err := NewLinkEndpoint(link, LinkConfig{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := withHopTrace(ep); got != stack.LinkEndpoint(ep) {
+		t.Fatalf("without a tracer the stack attaches %T, not the endpoint", got)
+	}
+
+	var hops []hop // the receive loop appends until Done, the test after
+	tracer := traceHops(ep, func(h hop) { hops = append(hops, h) })
+	d := &countingDispatcher{}
+	tracer.Attach(d)
+	<-ep.Done()
+	want := []hop{hopRecv, hopDelivered, hopDelivered, hopDelivered}
+	if !slices.Equal(hops, want) || d.packets != len(pkts) {
+		t.Fatalf("receiving %d packets: hops %v, %d delivered; want hops %v", len(pkts), hops, d.packets, want)
+	}
+
+	hops = nil
+	send := func(payload []byte) {
+		var l stack.PacketBufferList
+		pkt := stack.NewPacketBuffer(stack.PacketBufferOptions{Payload: buffer.MakeWithData(payload)})
+		l.PushBack(pkt)
+		if n, err := tracer.WritePackets(l); n != 1 || err != nil {
+			t.Fatalf("WritePackets: %d, %v", n, err)
+		}
+		pkt.DecRef()
+	}
+	send(nil)
+	send(pkts[0])
+	want = []hop{hopWrite, hopWrite, hopWriteData, hopSentData}
+	if !slices.Equal(hops, want) {
+		t.Fatalf("writing a packet without, then one with payload: hops %v, want %v", hops, want)
+	}
+	if s := ep.Stats(); s.TxPackets != 2 {
+		t.Fatalf("%d packets reached the link, want 2", s.TxPackets)
+	}
 }
 
 // BenchmarkRoundTripHops attributes the 1-byte round trip of

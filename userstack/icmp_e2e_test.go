@@ -17,7 +17,7 @@ import (
 
 	"github.com/vishvananda/netlink"
 
-	"github.com/fabricbridge/fabricbridge/internal/netns"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 // icmpCounts are the ICMP errors the application's stack has taken in.
@@ -357,10 +357,10 @@ func runICMPErrors(t *testing.T, remote bool) {
 // The far host's own end keeps 1500 bytes, so it announces a 1460-byte
 // MSS: the narrow hop is in the middle of the path, where only path MTU
 // discovery finds it.
-func routedFarHost(t *testing.T, e *e2e, mtu int) (*netns.NS, *netns.Veth) {
+func routedFarHost(t *testing.T, e *e2e, mtu int) (*topology.NS, *topology.Veth) {
 	t.Helper()
-	far := netns.New(t)
-	link := netns.Connect(t, e.out, far, netns.VethOptions{})
+	far := topology.New(t)
+	link := topology.Connect(t, e.out, far, topology.VethOptions{})
 	narrow, err := e.out.Handle().LinkByIndex(link.A.Index)
 	if err == nil {
 		err = e.out.Handle().LinkSetMTU(narrow, mtu)
@@ -379,7 +379,7 @@ func routedFarHost(t *testing.T, e *e2e, mtu int) (*netns.NS, *netns.Veth) {
 		t.Fatal(err)
 	}
 	for _, r := range []struct {
-		ns      *netns.NS
+		ns      *topology.NS
 		dst     netip.Prefix
 		via     netip.Addr
 		ifindex int

@@ -335,9 +335,7 @@ func (r *receiver) once() error {
 	}
 	n, err := r.e.link.Recv(r.bufs)
 	if n > 0 {
-		traceHop(hopRecv)
 		r.deliver(n)
-		traceHop(hopDelivered)
 		// Delivering readied goroutines: gVisor's TCP processor (runnext
 		// on this P), and through it the application. Yield the P to them
 		// now. Otherwise this goroutine goes back into Recv, spins and
@@ -445,9 +443,6 @@ func (e *LinkEndpoint) WritePackets(pkts stack.PacketBufferList) (int, tcpip.Err
 	t := &e.tx
 	t.Lock()
 	defer t.Unlock()
-	if hopTrace.Load() != nil {
-		defer traceWrite(pkts)()
-	}
 	written := 0
 	for _, pkt := range pkts.AsSlice() {
 		var err error

@@ -96,7 +96,7 @@ func newNetstack(ep *LinkEndpoint, addrs []netip.Addr, rcvMax int) (*stack.Stack
 	// application send it: generating errors here would only be dropped.
 	s.SetICMPLimit(0)
 	s.SetICMPBurst(0)
-	if err := s.CreateNICWithOptions(nicID, ep, stack.NICOptions{Name: "fabric"}); err != nil {
+	if err := s.CreateNICWithOptions(nicID, withHopTrace(ep), stack.NICOptions{Name: "fabric"}); err != nil {
 		return fail("creating the NIC", err)
 	}
 	var have4, have6 bool

@@ -21,8 +21,8 @@ import (
 	"github.com/fabricbridge/fabricbridge/classifier"
 	"github.com/fabricbridge/fabricbridge/control"
 	"github.com/fabricbridge/fabricbridge/fabric"
-	"github.com/fabricbridge/fabricbridge/internal/fakebridge"
-	"github.com/fabricbridge/fabricbridge/internal/ippkt"
+	"github.com/fabricbridge/fabricbridge/internal/testing/fakebridge"
+	"github.com/fabricbridge/fabricbridge/internal/testing/ippkt"
 )
 
 // world is a control server over the fake bridge, with two applications'

@@ -22,7 +22,7 @@ import (
 
 	"github.com/fabricbridge/fabricbridge/control"
 	"github.com/fabricbridge/fabricbridge/fabric"
-	"github.com/fabricbridge/fabricbridge/internal/ippkt"
+	"github.com/fabricbridge/fabricbridge/internal/testing/ippkt"
 )
 
 // grantAll is a bridge that says yes to every claim.

@@ -18,7 +18,7 @@ import (
 	"github.com/gopacket/gopacket"
 	"github.com/gopacket/gopacket/layers"
 
-	"github.com/fabricbridge/fabricbridge/internal/ippkt"
+	"github.com/fabricbridge/fabricbridge/internal/testing/ippkt"
 )
 
 var (

@@ -11,9 +11,9 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/fabricbridge/fabricbridge/bridge/afpacket"
-	"github.com/fabricbridge/fabricbridge/internal/ippkt"
-	"github.com/fabricbridge/fabricbridge/internal/netns"
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/ippkt"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 func tagged(frame []byte, tpid, vid uint16) []byte {
@@ -22,7 +22,7 @@ func tagged(frame []byte, tpid, vid uint16) []byte {
 	return append(out, frame[12:]...)
 }
 
-func newRx(t *testing.T, ns *netns.NS, cfg afpacket.RxConfig) *afpacket.Rx {
+func newRx(t *testing.T, ns *topology.NS, cfg afpacket.RxConfig) *afpacket.Rx {
 	t.Helper()
 	var rx *afpacket.Rx
 	if err := ns.Do(func() (err error) { rx, err = afpacket.NewRx(cfg); return err }); err != nil {
@@ -54,7 +54,7 @@ func pollUntil(rx *afpacket.Rx, marker []byte, n int, wait time.Duration) (frame
 // in order, and says which frames it rebuilt.
 func TestRxFramesAsOnTheWire(t *testing.T) {
 	testenv.RequirePrivileged(t)
-	a, b, v := netns.Pair(t, netns.VethOptions{})
+	a, b, v := topology.Pair(t, topology.VethOptions{})
 	rx := newRx(t, a, afpacket.RxConfig{Ifindex: v.A.Index})
 	inj := b.PacketSocket(t, v.B.Index)
 	src, dst := netip.MustParseAddrPort("198.18.0.2:4000"), netip.MustParseAddrPort("198.18.0.1:5000")
@@ -98,7 +98,7 @@ func TestRxFramesAsOnTheWire(t *testing.T) {
 // again afterwards.
 func TestRxIgnoresOwnAndCountsDrops(t *testing.T) {
 	testenv.RequirePrivileged(t)
-	a, b, v := netns.Pair(t, netns.VethOptions{})
+	a, b, v := topology.Pair(t, topology.VethOptions{})
 	page := unix.Getpagesize()
 	// A long retire timeout: with 1 ms, a slow writer (the race detector,
 	// a loaded machine) let both blocks retire holding only the outside's
@@ -150,7 +150,7 @@ func TestRxIgnoresOwnAndCountsDrops(t *testing.T) {
 // a full ring let the kernel overwrite that batch first.
 func TestRxHeldUntilRelease(t *testing.T) {
 	testenv.RequirePrivileged(t)
-	a, b, v := netns.Pair(t, netns.VethOptions{})
+	a, b, v := topology.Pair(t, topology.VethOptions{})
 	page := unix.Getpagesize()
 	rx := newRx(t, a, afpacket.RxConfig{Ifindex: v.A.Index, BlockSize: page, BlockCount: 2, RetireTimeoutMs: 1})
 	inj := b.PacketSocket(t, v.B.Index)
@@ -197,7 +197,7 @@ func TestRxHeldUntilRelease(t *testing.T) {
 // consumes the signal.
 func TestRxWaitWakes(t *testing.T) {
 	testenv.RequirePrivileged(t)
-	a, _, v := netns.Pair(t, netns.VethOptions{})
+	a, _, v := topology.Pair(t, topology.VethOptions{})
 	rx := newRx(t, a, afpacket.RxConfig{Ifindex: v.A.Index})
 	efd, err := unix.Eventfd(0, unix.EFD_CLOEXEC|unix.EFD_NONBLOCK)
 	if err != nil {
@@ -227,7 +227,7 @@ func TestRxWaitWakes(t *testing.T) {
 // sent them, so the ring wraps.
 func TestTxSendsInRingOrder(t *testing.T) {
 	testenv.RequirePrivileged(t)
-	a, b, v := netns.Pair(t, netns.VethOptions{})
+	a, b, v := topology.Pair(t, topology.VethOptions{})
 	var tx *afpacket.Tx
 	if err := a.Do(func() (err error) {
 		tx, err = afpacket.NewTx(afpacket.TxConfig{Ifindex: v.A.Index, FrameCount: 16})
@@ -289,7 +289,7 @@ func TestTxSendsInRingOrder(t *testing.T) {
 // and turned on again by Restore; a feature already off stays untouched.
 func TestDisableMerging(t *testing.T) {
 	testenv.RequirePrivileged(t)
-	a, _, v := netns.Pair(t, netns.VethOptions{})
+	a, _, v := topology.Pair(t, topology.VethOptions{})
 	if err := a.Do(func() error {
 		setup, err := afpacket.DisableMerging(v.A.Name)
 		if err != nil {

@@ -4,8 +4,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fabricbridge/fabricbridge/internal/netns"
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 // TestRingFirstTouchCostsNoMore: reading every page of a new RX ring costs
@@ -15,7 +15,7 @@ import (
 // not decide.
 func TestRingFirstTouchCostsNoMore(t *testing.T) {
 	testenv.RequirePrivileged(t)
-	a, _, v := netns.Pair(t, netns.VethOptions{})
+	a, _, v := topology.Pair(t, topology.VethOptions{})
 	best := 1e9
 	for range 3 {
 		var rx *Rx

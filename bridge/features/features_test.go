@@ -5,15 +5,15 @@ import (
 	"testing"
 
 	"github.com/fabricbridge/fabricbridge/bridge/features"
-	"github.com/fabricbridge/fabricbridge/internal/netns"
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 // TestGetSet turns features of a veth off and on again and reads them back,
 // as `ethtool -K` and `ethtool -k` would.
 func TestGetSet(t *testing.T) {
 	testenv.RequirePrivileged(t)
-	a, _, v := netns.Pair(t, netns.VethOptions{})
+	a, _, v := topology.Pair(t, topology.VethOptions{})
 	var f *features.Interface
 	if err := a.Do(func() (err error) { f, err = features.Open(v.A.Name); return err }); err != nil {
 		t.Fatal(err)

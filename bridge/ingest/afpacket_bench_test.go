@@ -7,7 +7,7 @@ import (
 	"github.com/fabricbridge/fabricbridge/bridge/ingest"
 	"github.com/fabricbridge/fabricbridge/classifier"
 	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
-	"github.com/fabricbridge/fabricbridge/internal/netns"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 // The package's own tests cannot import the bridge (it imports this
@@ -19,7 +19,7 @@ func init() { ingest.OpenAFPacketPath = openAFPacketPath }
 // with rules, and a fed engine (bridge.SetIngest) producing rings; close
 // stops feeding, closes the bridge and the engine, and leaves the rings
 // open for another producer.
-func openAFPacketPath(tb testing.TB, br *netns.NS, ifname string, rules []classifier.Rule, rings map[uint32]*fingest.Ring) (close func()) {
+func openAFPacketPath(tb testing.TB, br *topology.NS, ifname string, rules []classifier.Rule, rings map[uint32]*fingest.Ring) (close func()) {
 	var b *bridge.Bridge
 	if err := br.Do(func() (err error) {
 		b, err = bridge.Open(bridge.Config{Interface: ifname, Path: bridge.PathAFPacket, Mode: bridge.ModeStrict})

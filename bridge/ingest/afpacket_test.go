@@ -13,9 +13,9 @@ import (
 	"github.com/fabricbridge/fabricbridge/bridge/ingest"
 	"github.com/fabricbridge/fabricbridge/classifier"
 	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
-	"github.com/fabricbridge/fabricbridge/internal/ingesttest"
-	"github.com/fabricbridge/fabricbridge/internal/netns"
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/ingesttest"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 // afpTopo is the AF_PACKET topology: the bridge forced onto its AF_PACKET
@@ -23,8 +23,8 @@ import (
 // buffer 10 (UDP to ports 9000-9003); kernel senders on end B in out.
 type afpTopo struct {
 	t       *testing.T
-	br, out *netns.NS
-	v       *netns.Veth
+	br, out *topology.NS
+	v       *topology.Veth
 	b       *bridge.Bridge
 	eng     *ingest.Engine
 	ring    *fingest.Ring
@@ -37,7 +37,7 @@ const (
 
 func newAFPTopo(t *testing.T, queues int) *afpTopo {
 	testenv.RequirePrivileged(t)
-	br, out, v := netns.Pair(t, netns.VethOptions{Queues: queues})
+	br, out, v := topology.Pair(t, topology.VethOptions{Queues: queues})
 	tp := &afpTopo{t: t, br: br, out: out, v: v}
 	if err := br.Do(func() (err error) {
 		tp.b, err = bridge.Open(bridge.Config{Interface: v.A.Name, Path: bridge.PathAFPacket, Mode: bridge.ModeStrict, FrameCount: 256})

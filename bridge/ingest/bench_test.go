@@ -20,9 +20,9 @@ import (
 	"github.com/fabricbridge/fabricbridge/classifier"
 	fbebpf "github.com/fabricbridge/fabricbridge/ebpf"
 	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
-	"github.com/fabricbridge/fabricbridge/internal/framegen"
-	"github.com/fabricbridge/fabricbridge/internal/netns"
-	"github.com/fabricbridge/fabricbridge/internal/xdpgen"
+	"github.com/fabricbridge/fabricbridge/internal/testing/framegen"
+	"github.com/fabricbridge/fabricbridge/internal/testing/xdpgen"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 var benchTrace = os.Getenv("FB_BENCH_TRACE") != ""
@@ -75,7 +75,7 @@ func BenchmarkIngest(b *testing.B) {
 // with rules, feeding rings through a fed engine; close undoes it and
 // leaves the rings open. Set by afpacket_bench_test.go: this package's own
 // test files cannot import the bridge.
-var OpenAFPacketPath func(tb testing.TB, br *netns.NS, ifname string, rules []classifier.Rule, rings map[uint32]*fingest.Ring) (close func())
+var OpenAFPacketPath func(tb testing.TB, br *topology.NS, ifname string, rules []classifier.Rule, rings map[uint32]*fingest.Ring) (close func())
 
 func envDuration(name string) time.Duration {
 	d, _ := time.ParseDuration(os.Getenv(name))

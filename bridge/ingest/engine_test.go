@@ -9,7 +9,7 @@ import (
 
 	"github.com/fabricbridge/fabricbridge/classifier"
 	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
-	"github.com/fabricbridge/fabricbridge/internal/ingesttest"
+	"github.com/fabricbridge/fabricbridge/internal/testing/ingesttest"
 )
 
 // TestKernelSenders: kernel UDP senders on several source ports (IPv4 and

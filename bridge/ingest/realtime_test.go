@@ -8,8 +8,8 @@ import (
 	"time"
 
 	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
-	"github.com/fabricbridge/fabricbridge/internal/ingesttest"
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/ingesttest"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
 )
 
 // TestPriority: with Config.Priority the engine's loops run on real-time

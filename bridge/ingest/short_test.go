@@ -6,7 +6,7 @@ import (
 
 	"github.com/fabricbridge/fabricbridge/classifier"
 	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
-	"github.com/fabricbridge/fabricbridge/internal/ingesttest"
+	"github.com/fabricbridge/fabricbridge/internal/testing/ingesttest"
 )
 
 // TestShortPayloads: on the XDP path, payloads of 0 to

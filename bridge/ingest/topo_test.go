@@ -9,17 +9,17 @@ import (
 	"github.com/fabricbridge/fabricbridge/classifier"
 	fbebpf "github.com/fabricbridge/fabricbridge/ebpf"
 	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
-	"github.com/fabricbridge/fabricbridge/internal/ingesttest"
-	"github.com/fabricbridge/fabricbridge/internal/netns"
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/ingesttest"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 // topo is the test topology: the XDP classifier and the engine on end A of
 // a veth in namespace br, kernel UDP senders on end B in namespace out.
 type topo struct {
 	t       testing.TB
-	br, out *netns.NS
-	v       *netns.Veth
+	br, out *topology.NS
+	v       *topology.Veth
 	prog    *fbebpf.Program
 	eng     *Engine
 	rings   map[uint32]*fingest.Ring
@@ -50,13 +50,13 @@ var standardRules = []classifier.Rule{
 // ring configuration; names are filled in) and the engine configured by
 // ecfg (Program and Ifindex are filled in).
 func newTopo(t testing.TB, rings map[uint32]fingest.Config, ecfg Config) *topo {
-	return newTopoWith(t, netns.VethOptions{}, rings, ecfg)
+	return newTopoWith(t, topology.VethOptions{}, rings, ecfg)
 }
 
 // newTopoWith is newTopo on a veth made with opts.
-func newTopoWith(t testing.TB, opts netns.VethOptions, rings map[uint32]fingest.Config, ecfg Config) *topo {
+func newTopoWith(t testing.TB, opts topology.VethOptions, rings map[uint32]fingest.Config, ecfg Config) *topo {
 	testenv.RequirePrivileged(t)
-	br, out, v := netns.Pair(t, opts)
+	br, out, v := topology.Pair(t, opts)
 	tp := &topo{t: t, br: br, out: out, v: v, rings: map[uint32]*fingest.Ring{}}
 	prog, err := fbebpf.Load()
 	if err != nil {

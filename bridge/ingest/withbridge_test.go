@@ -12,8 +12,8 @@ import (
 	"github.com/fabricbridge/fabricbridge/bridge/ingest"
 	"github.com/fabricbridge/fabricbridge/classifier"
 	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
-	"github.com/fabricbridge/fabricbridge/internal/netns"
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 // TestBesideTheBridge runs the engine next to the bridge on the same
@@ -23,7 +23,7 @@ import (
 // answers ping (the bridge passes what no rule claims).
 func TestBesideTheBridge(t *testing.T) {
 	testenv.RequirePrivileged(t)
-	br, out, v := netns.Pair(t, netns.VethOptions{})
+	br, out, v := topology.Pair(t, topology.VethOptions{})
 	var b *bridge.Bridge
 	if err := br.Do(func() (err error) {
 		b, err = bridge.Open(bridge.Config{Interface: v.A.Name, FrameCount: 1024})

@@ -11,18 +11,18 @@ import (
 	"github.com/fabricbridge/fabricbridge/bridge/xsk"
 	"github.com/fabricbridge/fabricbridge/classifier"
 	"github.com/fabricbridge/fabricbridge/ebpf"
-	"github.com/fabricbridge/fabricbridge/internal/ippkt"
-	"github.com/fabricbridge/fabricbridge/internal/netns"
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/ippkt"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 const port = 7000
 
 // setup attaches the classifier to the bridge end of a veth, with a UDP
 // listener on port that steers to stream 1.
-func setup(t *testing.T, queues int) (*ebpf.Program, *netns.NS, *netns.NS, *netns.Veth) {
+func setup(t *testing.T, queues int) (*ebpf.Program, *topology.NS, *topology.NS, *topology.Veth) {
 	testenv.RequirePrivileged(t)
-	br, out, v := netns.Pair(t, netns.VethOptions{Queues: queues})
+	br, out, v := topology.Pair(t, topology.VethOptions{Queues: queues})
 	prog, err := ebpf.Load()
 	if err != nil {
 		t.Fatal(err)
@@ -43,7 +43,7 @@ func setup(t *testing.T, queues int) (*ebpf.Program, *netns.NS, *netns.NS, *netn
 	return prog, br, out, v
 }
 
-func open(t *testing.T, ns *netns.NS, u *xsk.Umem, cfg xsk.SocketConfig) (*xsk.Socket, error) {
+func open(t *testing.T, ns *topology.NS, u *xsk.Umem, cfg xsk.SocketConfig) (*xsk.Socket, error) {
 	var s *xsk.Socket
 	err := ns.Do(func() (err error) { s, err = u.Open(cfg); return err })
 	return s, err
@@ -58,7 +58,7 @@ func newUmem(t *testing.T, frames int) *xsk.Umem {
 	return u
 }
 
-func sendUDP(t *testing.T, ns *netns.NS, to netip.AddrPort, payloads [][]byte) {
+func sendUDP(t *testing.T, ns *topology.NS, to netip.AddrPort, payloads [][]byte) {
 	t.Helper()
 	if err := ns.Do(func() error {
 		c, err := net.DialUDP("udp", nil, net.UDPAddrFromAddrPort(to))

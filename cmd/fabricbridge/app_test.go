@@ -13,7 +13,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fabricbridge/fabricbridge/internal/netns"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 // syncWriter is an io.Writer tests read while an application writes.
@@ -42,7 +42,7 @@ func runApp(t *testing.T, ctx context.Context, args ...string) *syncWriter {
 
 // runAppIn is runApp with the application's sockets in ns (as on another
 // node), or in the test's namespace if ns is nil.
-func runAppIn(t *testing.T, ctx context.Context, ns *netns.NS, args ...string) *syncWriter {
+func runAppIn(t *testing.T, ctx context.Context, ns *topology.NS, args ...string) *syncWriter {
 	t.Helper()
 	out := &syncWriter{}
 	done := make(chan error, 1)

@@ -20,16 +20,16 @@ import (
 	"github.com/fabricbridge/fabricbridge/appliance"
 	"github.com/fabricbridge/fabricbridge/appliance/config"
 	"github.com/fabricbridge/fabricbridge/control"
-	"github.com/fabricbridge/fabricbridge/internal/ethtool"
-	"github.com/fabricbridge/fabricbridge/internal/ippkt"
-	"github.com/fabricbridge/fabricbridge/internal/netns"
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/ippkt"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
+	"github.com/fabricbridge/fabricbridge/internal/topology/ethtool"
 )
 
 // testBridge is the daemon in a bridge namespace with an outside host.
 type testBridge struct {
-	bridge, outside *netns.NS
-	v               *netns.Veth
+	bridge, outside *topology.NS
+	v               *topology.Veth
 	cfg             *config.Config
 	path            string // of the configuration file
 	d               *appliance.Daemon
@@ -39,7 +39,7 @@ func newTestBridge(t *testing.T, extra string) *testBridge {
 	t.Helper()
 	testenv.RequirePrivileged(t)
 	tb := &testBridge{}
-	tb.bridge, tb.outside, tb.v = netns.Pair(t, netns.VethOptions{})
+	tb.bridge, tb.outside, tb.v = topology.Pair(t, topology.VethOptions{})
 	// Complete checksums on the "wire", as a NIC would send them.
 	if err := ethtool.DisableTxChecksum(tb.outside, tb.v.B.Name); err != nil {
 		t.Fatal(err)

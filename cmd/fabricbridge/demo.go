@@ -22,8 +22,8 @@ import (
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 	"github.com/fabricbridge/fabricbridge/configs"
 	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
-	"github.com/fabricbridge/fabricbridge/internal/ethtool"
-	"github.com/fabricbridge/fabricbridge/internal/netns"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
+	"github.com/fabricbridge/fabricbridge/internal/topology/ethtool"
 	"github.com/fabricbridge/fabricbridge/userstack"
 )
 
@@ -92,7 +92,7 @@ type ruleCount struct {
 	Packets, Bytes uint64
 }
 
-// scope is a netns.TB for a program: it keeps cleanups and runs them in
+// scope is a topology.TB for a program: it keeps cleanups and runs them in
 // reverse order, and turns Fatalf into a panic that runDemo recovers.
 type scope struct {
 	cleanups []func()
@@ -147,7 +147,7 @@ func runDemo(ctx context.Context, opts demoOptions, log io.Writer) (sum demoSumm
 	}()
 
 	fmt.Fprintln(log, "building the topology: outside host <-veth-> bridge host (network namespaces)")
-	bridgeNS, outside, v := netns.Pair(s, netns.VethOptions{})
+	bridgeNS, outside, v := topology.Pair(s, topology.VethOptions{})
 	local := v.A.Addr4.Addr()
 	sum.Namespaces = []string{bridgeNS.Name, outside.Name}
 	fmt.Fprintf(log, "  bridge %s %s on %s, outside %s on %s\n", bridgeNS.Name, local, v.A.Name, outside.Name, v.B.Name)
@@ -361,7 +361,7 @@ func readCounters(s []metrics.Sample, sum *demoSummary) {
 	slices.SortFunc(sum.Rules, func(a, b ruleCount) int { return a.ID - b.ID })
 }
 
-func httpLoad(ctx context.Context, outside *netns.NS, local netip.Addr, opts demoOptions, sum *demoSummary) error {
+func httpLoad(ctx context.Context, outside *topology.NS, local netip.Addr, opts demoOptions, sum *demoSummary) error {
 	// Dial inside the outside namespace: the socket stays there, whichever
 	// thread the HTTP client later uses it on.
 	tr := &http.Transport{
@@ -409,7 +409,7 @@ func httpLoad(ctx context.Context, outside *netns.NS, local netip.Addr, opts dem
 // energies, the format the reference consumer reads) to each trigger port
 // and datagrams to the blocked port. Kernel sockets on the bridge host
 // listen on all those ports: whatever reaches them escaped XDP.
-func udpBursts(bridge, outside *netns.NS, local netip.Addr, opts demoOptions, sum *demoSummary) error {
+func udpBursts(bridge, outside *topology.NS, local netip.Addr, opts demoOptions, sum *demoSummary) error {
 	var socks []*net.UDPConn
 	defer func() {
 		for _, c := range socks {

@@ -16,10 +16,10 @@ import (
 
 	"github.com/fabricbridge/fabricbridge/appliance"
 	"github.com/fabricbridge/fabricbridge/appliance/config"
-	"github.com/fabricbridge/fabricbridge/internal/ethtool"
-	"github.com/fabricbridge/fabricbridge/internal/netns"
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
-	"github.com/fabricbridge/fabricbridge/internal/testpki"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testpki"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
+	"github.com/fabricbridge/fabricbridge/internal/topology/ethtool"
 )
 
 // TestRemoteAppMutualTLS: `fabricbridge app http --remote` with the --tls-*
@@ -29,12 +29,12 @@ import (
 // trusting the wrong CA for the bridge, it is refused and registers nothing.
 func TestRemoteAppMutualTLS(t *testing.T) {
 	testenv.RequirePrivileged(t)
-	br, outside, wire := netns.Pair(t, netns.VethOptions{})
+	br, outside, wire := topology.Pair(t, topology.VethOptions{})
 	if err := ethtool.DisableTxChecksum(outside, wire.B.Name); err != nil {
 		t.Fatal(err)
 	}
-	appNS := netns.New(t)
-	link := netns.Connect(t, br, appNS, netns.VethOptions{MTU: 1600}) // room for GENEVE
+	appNS := topology.New(t)
+	link := topology.Connect(t, br, appNS, topology.VethOptions{MTU: 1600}) // room for GENEVE
 	ctl := netip.AddrPortFrom(link.A.Addr4.Addr(), 7070)
 
 	dir := t.TempDir()

@@ -20,8 +20,8 @@ import (
 	"github.com/vishvananda/netlink"
 
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
-	"github.com/fabricbridge/fabricbridge/internal/netns"
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 // TestMain lets tests run the command itself: with FB_TEST_MAIN=1 the test
@@ -59,7 +59,7 @@ type daemonProc struct {
 	done chan error
 }
 
-func startDaemon(t *testing.T, ns *netns.NS, args ...string) *daemonProc {
+func startDaemon(t *testing.T, ns *topology.NS, args ...string) *daemonProc {
 	t.Helper()
 	self, err := os.Executable()
 	if err != nil {
@@ -101,7 +101,7 @@ func (p *daemonProc) wait(t *testing.T) error {
 }
 
 // scrapeIn reads metrics from addr inside ns.
-func scrapeIn(ns *netns.NS, addr string) ([]metrics.Sample, error) {
+func scrapeIn(ns *topology.NS, addr string) ([]metrics.Sample, error) {
 	tr := &http.Transport{DialContext: func(ctx context.Context, network, a string) (c net.Conn, err error) {
 		err = ns.Do(func() (err error) {
 			c, err = (&net.Dialer{Timeout: time.Second}).DialContext(ctx, network, a)
@@ -119,7 +119,7 @@ func scrapeIn(ns *netns.NS, addr string) ([]metrics.Sample, error) {
 }
 
 // waitMetric polls until the sample exists and satisfies ok.
-func waitMetric(t *testing.T, ns *netns.NS, addr string, p *daemonProc, ok func([]metrics.Sample) bool) []metrics.Sample {
+func waitMetric(t *testing.T, ns *topology.NS, addr string, p *daemonProc, ok func([]metrics.Sample) bool) []metrics.Sample {
 	t.Helper()
 	deadline := time.Now().Add(15 * time.Second)
 	for {
@@ -141,7 +141,7 @@ func rulePackets(s []metrics.Sample, id string) float64 {
 	return 0
 }
 
-func sendUDP(t *testing.T, from *netns.NS, to netip.AddrPort, n int) {
+func sendUDP(t *testing.T, from *topology.NS, to netip.AddrPort, n int) {
 	t.Helper()
 	if err := from.Do(func() error {
 		c, err := net.DialUDP("udp", nil, net.UDPAddrFromAddrPort(to))
@@ -158,7 +158,7 @@ func sendUDP(t *testing.T, from *netns.NS, to netip.AddrPort, n int) {
 	}
 }
 
-func xdpOn(ns *netns.NS, ifname string) bool {
+func xdpOn(ns *topology.NS, ifname string) bool {
 	on := false
 	ns.Do(func() error {
 		l, err := netlink.LinkByName(ifname)
@@ -174,7 +174,7 @@ func xdpOn(ns *netns.NS, ifname string) bool {
 // leaves leftovers that do not block a restart, SIGTERM shuts down cleanly.
 func TestRunSignals(t *testing.T) {
 	testenv.RequirePrivileged(t)
-	bridge, outside, v := netns.Pair(t, netns.VethOptions{})
+	bridge, outside, v := topology.Pair(t, topology.VethOptions{})
 	dir := t.TempDir()
 	path := filepath.Join(dir, "fb.yaml")
 	const metricsAddr = "127.0.0.1:9469" // inside the bridge namespace

@@ -3,13 +3,13 @@ package ethtool
 import (
 	"testing"
 
-	"github.com/fabricbridge/fabricbridge/internal/netns"
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 func TestDisableTxChecksum(t *testing.T) {
 	testenv.RequirePrivileged(t)
-	_, b, v := netns.Pair(t, netns.VethOptions{})
+	_, b, v := topology.Pair(t, topology.VethOptions{})
 	if on, err := TxChecksum(b, v.B.Name); err != nil || !on {
 		t.Fatalf("a new veth has tx checksum offload %v, %v; want on", on, err)
 	}

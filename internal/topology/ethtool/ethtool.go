@@ -1,5 +1,6 @@
-// Package ethtool changes interface offloads the way `ethtool -K` does, for
-// topologies of veth pairs that stand in for a wire.
+// Package ethtool changes interface offloads the way `ethtool -K` does, on
+// the veths of a topology (package topology) that stand in for a wire. Like
+// topology, tests and `fabricbridge demo` use it.
 //
 // A veth with transmit checksum offload hands its peer packets whose TCP and
 // UDP checksums are only partial: fine for the peer's kernel, which knows,
@@ -15,11 +16,11 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/fabricbridge/fabricbridge/internal/netns"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 // DisableTxChecksum is `ethtool -K name tx off` inside ns.
-func DisableTxChecksum(ns *netns.NS, name string) error {
+func DisableTxChecksum(ns *topology.NS, name string) error {
 	return ns.Do(func() error {
 		_, err := ethtoolValue(name, unix.ETHTOOL_STXCSUM, 0)
 		return err
@@ -27,7 +28,7 @@ func DisableTxChecksum(ns *netns.NS, name string) error {
 }
 
 // TxChecksum reports whether transmit checksum offload is on.
-func TxChecksum(ns *netns.NS, name string) (on bool, err error) {
+func TxChecksum(ns *topology.NS, name string) (on bool, err error) {
 	err = ns.Do(func() error {
 		v, err := ethtoolValue(name, unix.ETHTOOL_GTXCSUM, 0)
 		on = v != 0

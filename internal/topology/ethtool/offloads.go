@@ -5,7 +5,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/fabricbridge/fabricbridge/internal/netns"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 // SetOffloads turns the segmentation and checksum offloads of an interface
@@ -15,7 +15,7 @@ import (
 // offload from the kernel, with the kernel's stack with and without them.
 // Features the device cannot change (EOPNOTSUPP) are skipped: a veth whose
 // peer runs an XDP program, for one, has no TSO to turn on or off.
-func SetOffloads(ns *netns.NS, name string, on bool) error {
+func SetOffloads(ns *topology.NS, name string, on bool) error {
 	v := uint32(0)
 	if on {
 		v = 1

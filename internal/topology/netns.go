@@ -1,17 +1,20 @@
-// Package netns builds small network topologies out of real network
-// namespaces and veth pairs so that tests can exercise the kernel's own
-// datapath on one machine, with nothing leaking into the host's namespace.
+// Package topology builds small network topologies out of real network
+// namespaces and veth pairs, so that the kernel's own datapath can be driven
+// on one machine with nothing leaking into the host's namespace. Tests use
+// it, and so does `fabricbridge demo`: it is the one part of the internal
+// test tooling that the shipped binary links, and only for the demo.
 //
-// Every namespace and link made here belongs to a test: it is removed by
-// tb.Cleanup, in reverse order of creation, whether or not the test passed.
-// Namespaces are named (fb followed by eight hex digits) and bind-mounted
-// under /run/netns, so while a test is paused or hanging one can look inside
-// with `ip netns exec fbXXXXXXXX ...`. Sweep removes what a crashed run left.
+// Every namespace and link made here belongs to a TB (a test, or the demo's
+// scope): it is removed by tb.Cleanup, in reverse order of creation, whether
+// or not the test passed. Namespaces are named (fb followed by eight hex
+// digits) and bind-mounted under /run/netns, so while a test is paused or
+// hanging one can look inside with `ip netns exec fbXXXXXXXX ...`. Sweep
+// removes what a crashed run left.
 //
 // Only the benchmark ranges 198.18.0.0/15 and 2001:db8::/32 are ever assigned,
 // and Ping refuses any other destination, so a mistake in a test cannot send
 // traffic anywhere real.
-package netns
+package topology
 
 import (
 	"context"

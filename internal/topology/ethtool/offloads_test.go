@@ -3,13 +3,13 @@ package ethtool
 import (
 	"testing"
 
-	"github.com/fabricbridge/fabricbridge/internal/netns"
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 func TestSetOffloads(t *testing.T) {
 	testenv.RequirePrivileged(t)
-	_, b, v := netns.Pair(t, netns.VethOptions{})
+	_, b, v := topology.Pair(t, topology.VethOptions{})
 	for _, on := range []bool{false, true, false} {
 		if err := SetOffloads(b, v.B.Name, on); err != nil {
 			t.Fatal(err)

@@ -21,8 +21,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
-	"github.com/fabricbridge/fabricbridge/internal/framegen"
-	"github.com/fabricbridge/fabricbridge/internal/netns"
+	"github.com/fabricbridge/fabricbridge/internal/testing/framegen"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 // Sender is a kernel UDP socket in a namespace, bound to one source port,
@@ -35,7 +35,7 @@ type Sender struct {
 }
 
 // NewSender binds local:sport in ns.
-func NewSender(tb testing.TB, ns *netns.NS, local netip.Addr, sport uint16, to netip.AddrPort) *Sender {
+func NewSender(tb testing.TB, ns *topology.NS, local netip.Addr, sport uint16, to netip.AddrPort) *Sender {
 	tb.Helper()
 	var c *net.UDPConn
 	if err := ns.Do(func() (err error) {
@@ -316,7 +316,7 @@ func ShortFrames(ep Endpoints, sport, dport uint16) [][]byte {
 // SendShort sends every payload of MaxShort bytes and less from v4 and v6,
 // and the frame of ShortFrames of the same length, addressed to v's bridge
 // end, through raw, a packet socket on v's outside end.
-func SendShort(t testing.TB, v4, v6 *Sender, raw int, frames [][]byte, v *netns.Veth) {
+func SendShort(t testing.TB, v4, v6 *Sender, raw int, frames [][]byte, v *topology.Veth) {
 	t.Helper()
 	for n := 0; n <= MaxShort; n++ {
 		p := ShortPayload(n)

@@ -1,4 +1,4 @@
-package netns
+package topology
 
 import (
 	"bytes"
@@ -14,7 +14,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/fabricbridge/fabricbridge/internal/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
 	"github.com/vishvananda/netlink"
 	vnetns "github.com/vishvananda/netns"
 )

@@ -21,7 +21,7 @@ import (
 )
 
 // Benchmarks of the bridge on a veth pair, all driven by the AF_XDP TX
-// generator (internal/xdpgen) from the outside namespace. Each reports
+// generator (internal/testing/xdpgen) from the outside namespace. Each reports
 // frames per second and the ratios the issue asks for, measured in the same
 // run. They ignore b.N: run them with -benchtime 1x.
 

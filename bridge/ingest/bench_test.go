@@ -46,7 +46,7 @@ const latencyWindow = 20 * time.Microsecond
 const kernelPort = 9500
 
 // BenchmarkIngest measures, in one run and with one generator
-// (internal/xdpgen: AF_XDP TX on the outside end of the veth, four source
+// (internal/testing/xdpgen: AF_XDP TX on the outside end of the veth, four source
 // ports, paced in batches of 64), the highest rate at which every datagram
 // reaches its reader, for the offload path (XDP strip, engine, ring, a
 // consumer walking every record), for the AF_PACKET path (the bridge on

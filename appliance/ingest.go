@@ -11,8 +11,8 @@ import (
 	"github.com/fabricbridge/fabricbridge/appliance/config"
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 	"github.com/fabricbridge/fabricbridge/bridge"
-	bingest "github.com/fabricbridge/fabricbridge/bridge/ingest"
-	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/bridge/offload"
+	"github.com/fabricbridge/fabricbridge/fabric/ingest"
 )
 
 // ingestPlane is the UDP offload path: one persistent buffer ring per
@@ -22,7 +22,7 @@ import (
 // Consumers see the same rings either way.
 type ingestPlane struct {
 	b      *bridge.Bridge
-	engine *bingest.Engine
+	engine *offload.Engine
 	fed    bool // the bridge's AF_PACKET loops feed the engine
 	rings  []*ingestRing
 }
@@ -30,7 +30,7 @@ type ingestPlane struct {
 type ingestRing struct {
 	name string // as configured
 	id   uint32
-	ring *fingest.Ring
+	ring *ingest.Ring
 }
 
 // IngestPath is where consumers open the named ring of a configuration: a
@@ -60,7 +60,7 @@ func openIngest(cfg *config.Config, b *bridge.Bridge, log *slog.Logger) (_ *inge
 		} else if removed {
 			log.Warn("removed a stale ingest socket left by a crashed daemon", "path", path)
 		}
-		r, err := fingest.Create(fingest.Config{
+		r, err := ingest.Create(ingest.Config{
 			Name: path, Buffers: g.Buffers, BufferSize: int(g.BufferSize), Window: time.Duration(g.Window),
 			BufferID: cfg.IngestID(g.Name), NoHugepages: !g.Hugepages,
 		})
@@ -77,7 +77,7 @@ func openIngest(cfg *config.Config, b *bridge.Bridge, log *slog.Logger) (_ *inge
 		if err != nil {
 			return nil, err
 		}
-		p.engine, err = bingest.Start(bingest.Config{
+		p.engine, err = offload.Start(offload.Config{
 			Program: prog, Ifindex: ifc.Index, Queues: cfg.Interfaces[0].Queues, Umem: b.Umem,
 			BusyPoll: time.Duration(cfg.Interfaces[0].BusyPoll), Priority: cfg.Interfaces[0].IngestPriority,
 		})
@@ -85,7 +85,7 @@ func openIngest(cfg *config.Config, b *bridge.Bridge, log *slog.Logger) (_ *inge
 			return nil, fmt.Errorf("ingest engine: %w", err)
 		}
 	} else {
-		p.engine, p.fed = bingest.StartFed(), true
+		p.engine, p.fed = offload.StartFed(), true
 		log.Warn("ingest runs on the bridge's AF_PACKET path: RX times from the packet socket, latency floor of its block timeout", "path", b.Mode())
 	}
 	for _, r := range p.rings {

@@ -6,9 +6,9 @@ import (
 	"time"
 
 	"github.com/fabricbridge/fabricbridge/bridge/afpacket"
-	bingest "github.com/fabricbridge/fabricbridge/bridge/ingest"
+	"github.com/fabricbridge/fabricbridge/bridge/offload"
 	"github.com/fabricbridge/fabricbridge/classifier"
-	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/fabric/ingest"
 )
 
 // afpShared is the AF_PACKET path's classifiers (one per queue: each keeps
@@ -133,8 +133,8 @@ type afpRx struct {
 	onFrame func([]byte, bool, int64) // frame, bound once: no allocation per poll
 	counts  afpCounters
 
-	feed    atomic.Pointer[bingest.Feeder]
-	fd      *bingest.Feeder // feed, loaded for one poll
+	feed    atomic.Pointer[offload.Feeder]
+	fd      *offload.Feeder // feed, loaded for one poll
 	clockOK bool            // realToMono is set for this poll
 	// realToMono turns the packet socket's CLOCK_REALTIME stamps into the
 	// CLOCK_MONOTONIC ones of ingest records (as the XDP program stamps).
@@ -172,7 +172,7 @@ func (a *afpRx) ingest(f []byte, m *classifier.Meta, rxNs int64) {
 		return
 	}
 	if !a.clockOK {
-		a.realToMono = time.Now().UnixNano() - int64(fingest.Now())
+		a.realToMono = time.Now().UnixNano() - int64(ingest.Now())
 		a.clockOK = true
 	}
 	im.RxTimestampNs = uint64(rxNs - a.realToMono)

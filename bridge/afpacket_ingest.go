@@ -3,30 +3,30 @@ package bridge
 import (
 	"errors"
 
-	bingest "github.com/fabricbridge/fabricbridge/bridge/ingest"
+	"github.com/fabricbridge/fabricbridge/bridge/offload"
 	"github.com/fabricbridge/fabricbridge/classifier"
 )
 
 // SetIngest makes the AF_PACKET path feed ingest datagrams to e, an engine
-// made by bingest.StartFed: each loop classifies an ingest frame, strips it
+// made by offload.StartFed: each loop classifies an ingest frame, strips it
 // as the XDP program would (classifier.Ingest, stamped with the packet
 // socket's RX time on the XDP program's clock) and hands it to its own
 // Feeder, so the rings e fills look the same as on the XDP paths; frames
 // the classifier judges malformed are counted as e's Stats.Refused. A nil e
 // stops feeding. While an engine is fed, the nftables table hides the
 // ingest rules' frames from the kernel (see hide.go). On the XDP paths it is an error: there the engine reads
-// its own AF_XDP sockets (bingest.Start with Program and Umem).
+// its own AF_XDP sockets (offload.Start with Program and Umem).
 //
 // A loop may finish the block it is in with the previous engine after
 // SetIngest returns; closing that engine is safe at any time (it shuts its
 // rings to late feeders first).
-func (b *Bridge) SetIngest(e *bingest.Engine) error {
+func (b *Bridge) SetIngest(e *offload.Engine) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.afp == nil {
 		return errors.New("bridge: SetIngest is for the AF_PACKET path; on " + b.path.String() + " the ingest engine reads its own sockets")
 	}
-	fs := make([]*bingest.Feeder, len(b.afp.rxs))
+	fs := make([]*offload.Feeder, len(b.afp.rxs))
 	if e != nil {
 		for i, ar := range b.afp.rxs {
 			var err error

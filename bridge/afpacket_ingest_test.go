@@ -6,9 +6,9 @@ import (
 	"testing"
 	"time"
 
-	bingest "github.com/fabricbridge/fabricbridge/bridge/ingest"
+	"github.com/fabricbridge/fabricbridge/bridge/offload"
 	"github.com/fabricbridge/fabricbridge/classifier"
-	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/fabric/ingest"
 )
 
 // TestAFPacketIngestNoAllocations drives the AF_PACKET RX loop by hand
@@ -20,12 +20,12 @@ func TestAFPacketIngestNoAllocations(t *testing.T) {
 	r.setTables(&classifier.RuleSet{Rules: []classifier.Rule{
 		{ID: 1, Protocol: classifier.ProtoUDP, DstPorts: classifier.Port(port), Action: classifier.ActionIngest, Stream: buffer},
 	}})
-	ring, err := fingest.Create(fingest.Config{Name: filepath.Join(t.TempDir(), "r.sock"), Buffers: 64, BufferSize: 1 << 20, Window: time.Hour, BufferID: buffer})
+	ring, err := ingest.Create(ingest.Config{Name: filepath.Join(t.TempDir(), "r.sock"), Buffers: 64, BufferSize: 1 << 20, Window: time.Hour, BufferID: buffer})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer ring.Close()
-	eng := bingest.StartFed()
+	eng := offload.StartFed()
 	defer eng.Close() // before the ring closes
 	if err := eng.Attach(buffer, ring); err != nil {
 		t.Fatal(err)
@@ -63,7 +63,7 @@ func TestAFPacketIngestNoAllocations(t *testing.T) {
 // sockets, and SetIngest says so.
 func TestSetIngestOnlyOnAFPacket(t *testing.T) {
 	r := newRig(t, Config{Path: PathGeneric, Mode: ModeStrict})
-	eng := bingest.StartFed()
+	eng := offload.StartFed()
 	defer eng.Close()
 	if err := r.b.SetIngest(eng); err == nil {
 		t.Fatal("SetIngest accepted on the generic XDP path")

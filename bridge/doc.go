@@ -71,7 +71,7 @@
 // queue (afpacket.FanoutByQueue); a packet socket sees the whole interface,
 // so with fewer queues named than the interface has, queues fold onto loops.
 // Ingest rules work here too: SetIngest gives the loops an ingest engine
-// (bridge/ingest.StartFed) to feed, each loop strips ingest datagrams with
+// (bridge/offload.StartFed) to feed, each loop strips ingest datagrams with
 // classifier.Ingest, and while an engine is fed the table hides them from the
 // kernel. The classifier's counters, per verdict and per rule, are kept by
 // the loops (ClassifierCounters), as the XDP program keeps them in its maps.

@@ -1,6 +1,6 @@
 // Package ingest is the persistent buffer ring of fabricbridge's UDP
 // offload path: NaNet's CLOP (circular list of persistent buffers) in
-// shared memory. The offload engine (package bridge/ingest) appends the
+// shared memory. The offload engine (package bridge/offload) appends the
 // payloads of trigger datagrams, already stripped by the XDP program, as
 // records into the open buffer; a buffer is published to the consumer when
 // it is full or its time window closes, and comes back when the consumer
@@ -167,7 +167,7 @@
 // milliseconds, even tens of them, on a loaded 2-vCPU VM, and none of it
 // garbage collection. A consumer that must keep the tail short runs on a
 // real-time thread (LockRealtime, with ConsumerOptions.NoYield), as the
-// engine can (bridge/ingest Config.Priority); a process that hosts such
+// engine can (bridge/offload Config.Priority); a process that hosts such
 // threads needs more Go processors (GOMAXPROCS) than it has real-time
 // threads, or they wait for a processor instead of a CPU. See BENCHMARKS.md,
 // Ingest, for what it bought.

@@ -1,4 +1,4 @@
-package ingest_test
+package offload_test
 
 import (
 	"fmt"
@@ -10,9 +10,9 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/fabricbridge/fabricbridge/bridge"
-	"github.com/fabricbridge/fabricbridge/bridge/ingest"
+	"github.com/fabricbridge/fabricbridge/bridge/offload"
 	"github.com/fabricbridge/fabricbridge/classifier"
-	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/fabric/ingest"
 	"github.com/fabricbridge/fabricbridge/internal/ingesttest"
 	"github.com/fabricbridge/fabricbridge/internal/netns"
 	"github.com/fabricbridge/fabricbridge/internal/testenv"
@@ -26,8 +26,8 @@ type afpTopo struct {
 	br, out *netns.NS
 	v       *netns.Veth
 	b       *bridge.Bridge
-	eng     *ingest.Engine
-	ring    *fingest.Ring
+	eng     *offload.Engine
+	ring    *ingest.Ring
 }
 
 const (
@@ -58,12 +58,12 @@ func newAFPTopo(t *testing.T, queues int) *afpTopo {
 	if err := tp.b.SetTables(tables); err != nil {
 		t.Fatal(err)
 	}
-	tp.ring, err = fingest.Create(fingest.Config{Name: filepath.Join(t.TempDir(), "r.sock"), Buffers: 256, BufferSize: 64 << 10, Window: 2 * time.Millisecond, BufferID: afpBuffer})
+	tp.ring, err = ingest.Create(ingest.Config{Name: filepath.Join(t.TempDir(), "r.sock"), Buffers: 256, BufferSize: 64 << 10, Window: 2 * time.Millisecond, BufferID: afpBuffer})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { tp.ring.Close() })
-	tp.eng = ingest.StartFed()
+	tp.eng = offload.StartFed()
 	t.Cleanup(func() { tp.eng.Close() }) // before the ring closes
 	if err := tp.eng.Attach(afpBuffer, tp.ring); err != nil {
 		t.Fatal(err)
@@ -108,9 +108,9 @@ func TestAFPacketPath(t *testing.T) {
 	for i := range flows {
 		senders = append(senders, tp.sender(i%4 == 3, uint16(6000+i), afpPort+uint16(i%4)))
 	}
-	start := fingest.Now()
+	start := ingest.Now()
 	ingesttest.SendPaced(t, rd, senders, perSender, chunk)
-	end := fingest.Now()
+	end := ingest.Now()
 	rd.CloseComplete(t, flows, perSender)
 	for i, s := range rd.Ref.Sources {
 		// The packet socket's stamps, moved onto CLOCK_MONOTONIC; a
@@ -160,7 +160,7 @@ func TestAFPacketMalformed(t *testing.T) {
 		}
 	}
 	big := make([]byte, 3000)
-	fingest.PutTriggerPayload(big, 999, nil)
+	ingest.PutTriggerPayload(big, 999, nil)
 	if err := s.Send(big); err != nil {
 		t.Fatal(err)
 	}

@@ -1,4 +1,4 @@
-package ingest_test
+package offload_test
 
 import (
 	"errors"
@@ -9,9 +9,9 @@ import (
 	"time"
 
 	"github.com/fabricbridge/fabricbridge/bridge"
-	"github.com/fabricbridge/fabricbridge/bridge/ingest"
+	"github.com/fabricbridge/fabricbridge/bridge/offload"
 	"github.com/fabricbridge/fabricbridge/classifier"
-	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/fabric/ingest"
 	"github.com/fabricbridge/fabricbridge/internal/netns"
 	"github.com/fabricbridge/fabricbridge/internal/testenv"
 )
@@ -44,13 +44,13 @@ func TestBesideTheBridge(t *testing.T) {
 	if err := b.SetTables(tables); err != nil {
 		t.Fatal(err)
 	}
-	ring, err := fingest.Create(fingest.Config{Name: filepath.Join(t.TempDir(), "r.sock"), Buffers: 64, BufferSize: 64 << 10, BufferID: 10})
+	ring, err := ingest.Create(ingest.Config{Name: filepath.Join(t.TempDir(), "r.sock"), Buffers: 64, BufferSize: 64 << 10, BufferID: 10})
 	if err != nil {
 		t.Fatal(err)
 	}
-	var eng *ingest.Engine
+	var eng *offload.Engine
 	if err := br.Do(func() (err error) {
-		eng, err = ingest.Start(ingest.Config{Program: b.Program(), Ifindex: v.A.Index, Umem: b.Umem})
+		eng, err = offload.Start(offload.Config{Program: b.Program(), Ifindex: v.A.Index, Umem: b.Umem})
 		return err
 	}); err != nil {
 		ring.Close()
@@ -61,7 +61,7 @@ func TestBesideTheBridge(t *testing.T) {
 	if err := eng.Attach(10, ring); err != nil {
 		t.Fatal(err)
 	}
-	c, err := fingest.Open(ring.Name(), fingest.ConsumerOptions{})
+	c, err := ingest.Open(ring.Name(), ingest.ConsumerOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -76,12 +76,12 @@ func TestBesideTheBridge(t *testing.T) {
 	}
 	defer conn.Close()
 	dst := netip.AddrPortFrom(v.A.Addr4.Addr(), 9000)
-	var ref fingest.Reference
+	var ref ingest.Reference
 	var p [64]byte
 	const n = 500
 	got := uint64(0)
 	for seq := range uint32(n) {
-		if _, err := conn.WriteToUDPAddrPort(p[:fingest.PutTriggerPayload(p[:], seq, []uint16{uint16(seq)})], dst); err != nil {
+		if _, err := conn.WriteToUDPAddrPort(p[:ingest.PutTriggerPayload(p[:], seq, []uint16{uint16(seq)})], dst); err != nil {
 			t.Fatal(err)
 		}
 		if seq%10 != 9 {
@@ -89,7 +89,7 @@ func TestBesideTheBridge(t *testing.T) {
 		}
 		for deadline := time.Now().Add(5 * time.Second); got < uint64(seq+1); {
 			buf, err := c.Next(50 * time.Millisecond)
-			if errors.Is(err, fingest.ErrTimeout) {
+			if errors.Is(err, ingest.ErrTimeout) {
 				if time.Now().After(deadline) {
 					t.Fatalf("%d of %d records; engine %+v", got, seq+1, eng.Stats())
 				}

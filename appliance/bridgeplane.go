@@ -326,14 +326,12 @@ func rejects(w *metrics.Writer, f metrics.Family, r bridge.Rejects, labels ...me
 func (p *bridgePlane) Collect(w *metrics.Writer, names func(uint32) string, apps map[uint32]string) {
 	st := p.b.Stats()
 	in := metrics.Label{Name: "interface", Value: p.ifname}
-	if prog := p.b.Program(); prog != nil {
-		collectProgram(w, p.ifname, st.Path, prog, names)
-	} else {
-		w.Add(famAttach, 1, in, metrics.Label{Name: "mode", Value: st.Path})
-		if c, rc, ok := p.b.ClassifierCounters(); ok {
-			collectVerdicts(w, p.ifname, c)
-			collectRules(w, p.ifname, rc, names)
-		}
+	w.Add(famAttach, 1, in, metrics.Label{Name: "mode", Value: st.Path})
+	if c, err := p.b.VerdictCounters(); err == nil {
+		collectVerdicts(w, p.ifname, c)
+	}
+	if rc, err := p.b.RuleCounters(); err == nil {
+		collectRules(w, p.ifname, rc, names)
 	}
 	w.AddUint(famKernelSendErr, st.KernelSendErrors, in)
 	blind := 0.0

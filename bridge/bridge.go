@@ -535,14 +535,10 @@ func (b *Bridge) Mode() string { return b.path.String() }
 // each failed.
 func (b *Bridge) Tried() []string { return slices.Clone(b.tried) }
 
-// Program is the XDP classifier, for the ingest engine's IngestXSKMap; nil
-// on the AF_PACKET path.
-func (b *Bridge) Program() *fbebpf.Program { return b.prog }
-
-// Umem is the UMEM of one queue on the XDP paths (nil otherwise), for
-// sockets that must share the queue with the bridge (the ingest engine):
-// the kernel allows one UMEM per queue.
-func (b *Bridge) Umem(queue int) *xsk.Umem {
+// umem is the UMEM of one queue on the XDP paths (nil otherwise), for
+// the offload engine's sockets, which share the queue with the bridge: the
+// kernel allows one UMEM per queue.
+func (b *Bridge) umem(queue int) *xsk.Umem {
 	for _, q := range b.queues {
 		if x, ok := q.rx.(*xdpRx); ok && q.id == queue {
 			return x.umem

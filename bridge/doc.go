@@ -70,11 +70,12 @@
 // per queue of Config.Queues, their RX rings in a fanout group by receive
 // queue (afpacket.FanoutByQueue); a packet socket sees the whole interface,
 // so with fewer queues named than the interface has, queues fold onto loops.
-// Ingest rules work here too: SetIngest gives the loops an ingest engine
-// (bridge/offload.StartFed) to feed, each loop strips ingest datagrams with
-// classifier.Ingest, and while an engine is fed the table hides them from the
-// kernel. The classifier's counters, per verdict and per rule, are kept by
-// the loops (ClassifierCounters), as the XDP program keeps them in its maps.
+// Ingest rules work here too: StartOffload gives the loops an offload
+// engine (bridge/offload.StartFed) to feed, each loop strips ingest
+// datagrams with classifier.Ingest, and while an engine is fed the table
+// hides them from the kernel. The classifier's counters, per verdict and per rule, are kept by
+// the loops (VerdictCounters, RuleCounters), as the XDP program keeps them
+// in its maps.
 //
 // # TX
 //
@@ -105,10 +106,10 @@
 //
 // # Sharing a queue
 //
-// The kernel allows one UMEM per queue. A second consumer on a queue the
-// bridge serves (the ingest engine) opens its AF_XDP socket on Umem(queue);
-// it then shares that queue's fill ring (see package xsk). Program returns
-// the XDP program for its IngestXSKMap.
+// The kernel allows one UMEM per queue. The offload engine that
+// StartOffload runs on the XDP paths opens its AF_XDP sockets on the
+// bridge's UMEMs, so it shares each queue's fill ring (see package xsk),
+// and puts them into the program's IngestXSKMap.
 //
 // # VLANs
 //

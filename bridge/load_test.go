@@ -216,7 +216,7 @@ func TestPathFallback(t *testing.T) {
 	if g.b.Mode() != "generic" {
 		t.Fatalf("forced generic runs %v", g.b.Mode())
 	}
-	if m, ok := g.b.Program().Mode(); !ok || m.String() != "generic" {
+	if m, ok := g.b.prog.Mode(); !ok || m.String() != "generic" {
 		t.Fatalf("program attached %v %v", m, ok)
 	}
 	g.standardTables()

@@ -16,7 +16,7 @@ import (
 func init() { offload.OpenAFPacketPath = openAFPacketPath }
 
 // openAFPacketPath opens the bridge on its AF_PACKET path on ifname in br,
-// with rules, and a fed engine (bridge.SetIngest) producing rings; close
+// with rules, and its offload engine (fed by the bridge) producing rings; close
 // stops feeding, closes the bridge and the engine, and leaves the rings
 // open for another producer.
 func openAFPacketPath(tb testing.TB, br *netns.NS, ifname string, rules []classifier.Rule, rings map[uint32]*ingest.Ring) (close func()) {
@@ -31,19 +31,15 @@ func openAFPacketPath(tb testing.TB, br *netns.NS, ifname string, rules []classi
 	if err == nil {
 		err = b.SetTables(tables)
 	}
-	eng := offload.StartFed()
-	for id, r := range rings {
-		if err == nil {
-			err = eng.Attach(id, r)
-		}
-	}
+	var off *bridge.Offload
 	if err == nil {
-		err = b.SetIngest(eng)
+		off, err = b.StartOffload(bridge.OffloadConfig{}, rings)
 	}
 	close = func() {
-		b.SetIngest(nil)
+		if off != nil {
+			off.Close()
+		}
 		b.Close()
-		eng.Close()
 	}
 	if err != nil {
 		close()

@@ -10,7 +10,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/fabricbridge/fabricbridge/bridge"
-	"github.com/fabricbridge/fabricbridge/bridge/offload"
 	"github.com/fabricbridge/fabricbridge/classifier"
 	"github.com/fabricbridge/fabricbridge/fabric/ingest"
 	"github.com/fabricbridge/fabricbridge/internal/ingesttest"
@@ -26,7 +25,7 @@ type afpTopo struct {
 	br, out *netns.NS
 	v       *netns.Veth
 	b       *bridge.Bridge
-	eng     *offload.Engine
+	off     *bridge.Offload
 	ring    *ingest.Ring
 }
 
@@ -46,7 +45,7 @@ func newAFPTopo(t *testing.T, queues int) *afpTopo {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { tp.b.Close() })
-	if tp.b.Program() != nil || tp.b.Path() != bridge.PathAFPacket {
+	if tp.b.Path() != bridge.PathAFPacket {
 		t.Fatalf("the bridge runs on %s, want afpacket", tp.b.Mode())
 	}
 	tables, err := classifier.Compile(&classifier.RuleSet{Rules: []classifier.Rule{
@@ -63,19 +62,15 @@ func newAFPTopo(t *testing.T, queues int) *afpTopo {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { tp.ring.Close() })
-	tp.eng = offload.StartFed()
-	t.Cleanup(func() { tp.eng.Close() }) // before the ring closes
-	if err := tp.eng.Attach(afpBuffer, tp.ring); err != nil {
+	if tp.off, err = tp.b.StartOffload(bridge.OffloadConfig{}, map[uint32]*ingest.Ring{afpBuffer: tp.ring}); err != nil {
 		t.Fatal(err)
 	}
-	if err := tp.b.SetIngest(tp.eng); err != nil {
-		t.Fatal(err)
-	}
+	t.Cleanup(func() { tp.off.Close() }) // before the ring closes
 	return tp
 }
 
 func (tp *afpTopo) describe() string {
-	return fmt.Sprintf("engine %+v; ring %+v; bridge %+v", tp.eng.Stats(), tp.ring.Stats(), tp.b.Stats().Queues)
+	return fmt.Sprintf("engine %+v; ring %+v; bridge %+v", tp.off.Stats(), tp.ring.Stats(), tp.b.Stats().Queues)
 }
 
 func (tp *afpTopo) reader() *ingesttest.Reader {
@@ -120,7 +115,7 @@ func TestAFPacketPath(t *testing.T) {
 				i, int64(s.FirstRxNs-start), int64(s.LastRxNs-start), end-start)
 		}
 	}
-	st := tp.eng.Stats()
+	st := tp.off.Stats()
 	if st.Appended != flows*perSender || st.Dropped != 0 || st.Malformed != 0 || st.NoRing != 0 || st.Refused != 0 {
 		t.Errorf("engine %+v, want %d appended", st, flows*perSender)
 	}
@@ -168,7 +163,7 @@ func TestAFPacketMalformed(t *testing.T) {
 	rd.WaitRecords(t, 2, 5*time.Second)
 	wantRefused := uint64(len(bad) + 3)
 	deadline := time.Now().Add(5 * time.Second)
-	for tp.eng.Stats().Refused < wantRefused && time.Now().Before(deadline) {
+	for tp.off.Stats().Refused < wantRefused && time.Now().Before(deadline) {
 		time.Sleep(time.Millisecond)
 	}
 	time.Sleep(50 * time.Millisecond) // anything else that would arrive
@@ -179,7 +174,7 @@ func TestAFPacketMalformed(t *testing.T) {
 	if n := rd.Records.Load(); n != 2 || rd.Ref.Sources[0].LastSeq != 1 {
 		t.Fatalf("%d records reached the ring (%+v), want the 2 whole datagrams", n, rd.Ref.Sources)
 	}
-	if st := tp.eng.Stats(); st.Appended != 2 || st.Refused != wantRefused || st.Malformed != 0 {
+	if st := tp.off.Stats(); st.Appended != 2 || st.Refused != wantRefused || st.Malformed != 0 {
 		t.Errorf("engine %+v, want 2 appended and %d refused", st, wantRefused)
 	}
 }
@@ -200,7 +195,7 @@ func TestAFPacketShortPayloads(t *testing.T) {
 		ingesttest.SendShort(t, v4, v6, raw, frames, tp.v)
 	})
 	ingesttest.CheckShort(t, got, 5101, 5102, 5103)
-	if st := tp.eng.Stats(); st.Appended != want || st.Malformed != 0 || st.Refused != 0 {
+	if st := tp.off.Stats(); st.Appended != want || st.Malformed != 0 || st.Refused != 0 {
 		t.Errorf("engine %+v", st)
 	}
 }

@@ -17,7 +17,7 @@
 //
 // Where XDP cannot attach, the bridge runs on AF_PACKET and classifies
 // frames itself; an engine made by StartFed then takes its ingest
-// datagrams through Feeders (bridge.Bridge.SetIngest), stripped by
+// datagrams through Feeders (see bridge.Bridge.StartOffload), stripped by
 // classifier.Ingest into the same IngestMeta and payload, so that the
 // rings, and their consumers, cannot tell the paths apart — except by
 // latency: the packet socket hands frames over a block at a time (a 1 ms
@@ -47,9 +47,9 @@ import (
 
 // Config says where the engine receives. Zero fields take defaults.
 type Config struct {
-	// Program is the attached XDP classifier (bridge.Bridge.Program, or
-	// one the caller loaded and attached); the engine's sockets go into
-	// its IngestXSKMap.
+	// Program is the attached XDP classifier (the bridge's, or one the
+	// caller loaded and attached); the engine's sockets go into its
+	// IngestXSKMap.
 	Program *fbebpf.Program
 	// Ifindex is the interface, in the namespace of the thread calling
 	// Start.
@@ -57,7 +57,7 @@ type Config struct {
 	// Queues are the receive queues to serve; default queue 0.
 	Queues []int
 	// Umem, if set, returns the UMEM another socket on the queue already
-	// uses (bridge.Bridge.Umem): the engine's socket then shares it and
+	// uses (the bridge's): the engine's socket then shares it and
 	// its fill ring. If nil the engine makes its own UMEM per queue.
 	Umem func(queue int) *xsk.Umem
 	// FrameCount sizes the engine's own UMEMs (default 4096 frames of

@@ -9,7 +9,6 @@ import (
 	"time"
 
 	"github.com/fabricbridge/fabricbridge/bridge"
-	"github.com/fabricbridge/fabricbridge/bridge/offload"
 	"github.com/fabricbridge/fabricbridge/classifier"
 	"github.com/fabricbridge/fabricbridge/fabric/ingest"
 	"github.com/fabricbridge/fabricbridge/internal/netns"
@@ -17,7 +16,7 @@ import (
 )
 
 // TestBesideTheBridge runs the engine next to the bridge on the same
-// queue, as the appliance does: its socket shares the bridge's UMEM and
+// queue, as bridge.StartOffload does on an XDP path: its socket shares the bridge's UMEM and
 // fill ring and goes into the bridge's program's IngestXSKMap. Trigger
 // datagrams reach the ring whole and in order, and the kernel still
 // answers ping (the bridge passes what no rule claims).
@@ -32,7 +31,7 @@ func TestBesideTheBridge(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer b.Close()
-	if b.Program() == nil {
+	if b.Path() == bridge.PathAFPacket {
 		t.Skipf("the bridge runs on %s, without XDP", b.Mode())
 	}
 	tables, err := classifier.Compile(&classifier.RuleSet{Rules: []classifier.Rule{
@@ -48,9 +47,9 @@ func TestBesideTheBridge(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var eng *offload.Engine
+	var eng *bridge.Offload
 	if err := br.Do(func() (err error) {
-		eng, err = offload.Start(offload.Config{Program: b.Program(), Ifindex: v.A.Index, Umem: b.Umem})
+		eng, err = b.StartOffload(bridge.OffloadConfig{}, map[uint32]*ingest.Ring{10: ring})
 		return err
 	}); err != nil {
 		ring.Close()
@@ -58,9 +57,6 @@ func TestBesideTheBridge(t *testing.T) {
 	}
 	defer ring.Close() // after the engine (deferred later, runs first)
 	defer eng.Close()
-	if err := eng.Attach(10, ring); err != nil {
-		t.Fatal(err)
-	}
 	c, err := ingest.Open(ring.Name(), ingest.ConsumerOptions{})
 	if err != nil {
 		t.Fatal(err)

@@ -3,6 +3,7 @@ package appliance
 import (
 	"fmt"
 	"log/slog"
+	"net"
 	"strconv"
 	"sync"
 	"time"
@@ -13,6 +14,7 @@ import (
 	"github.com/fabricbridge/fabricbridge/bridge"
 	"github.com/fabricbridge/fabricbridge/classifier"
 	"github.com/fabricbridge/fabricbridge/control"
+	"github.com/fabricbridge/fabricbridge/ebpf"
 	"github.com/fabricbridge/fabricbridge/fabric"
 )
 
@@ -92,7 +94,11 @@ func bridgeConfig(in config.Interface, log *slog.Logger) (bridge.Config, error) 
 
 func openBridge(cfg *config.Config, log *slog.Logger) (*bridgePlane, error) {
 	in := cfg.Interfaces[0]
-	if removed, err := clearStaleXDP(in.Name); err != nil {
+	ifc, err := net.InterfaceByName(in.Name)
+	if err != nil {
+		return nil, fmt.Errorf("interface %s: %w", in.Name, err)
+	}
+	if removed, err := ebpf.DetachStale(ifc.Index); err != nil {
 		return nil, err
 	} else if removed {
 		log.Warn("removed a stale fabricbridge XDP program left attached by a crashed process", "interface", in.Name)

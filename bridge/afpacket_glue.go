@@ -2,12 +2,14 @@ package bridge
 
 import (
 	"errors"
+	"fmt"
 	"sync/atomic"
 	"time"
 
 	"github.com/fabricbridge/fabricbridge/bridge/afpacket"
 	"github.com/fabricbridge/fabricbridge/bridge/offload"
 	"github.com/fabricbridge/fabricbridge/classifier"
+	"github.com/fabricbridge/fabricbridge/classifier/nft"
 	"github.com/fabricbridge/fabricbridge/fabric/ingest"
 )
 
@@ -17,7 +19,7 @@ import (
 type afpShared struct {
 	cls  []*classifier.Classifier
 	rxs  []*afpRx // per queue, for SetIngest
-	hide *kernelHider
+	hide *nft.Table
 	offl *afpacket.Offloads // merging offloads turned off, restored on close
 }
 
@@ -25,8 +27,8 @@ type afpShared struct {
 // two, a newly steered frame is lost rather than answered by the kernel
 // (a lost SYN is sent again; a reset ends the connection).
 func (a *afpShared) setTables(t *classifier.Tables) error {
-	if err := a.hide.update(t); err != nil {
-		return err
+	if err := a.hide.Update(t); err != nil {
+		return fmt.Errorf("bridge: %w", err)
 	}
 	for _, c := range a.cls {
 		c.SetTables(t)
@@ -34,7 +36,7 @@ func (a *afpShared) setTables(t *classifier.Tables) error {
 	return nil
 }
 
-func (a *afpShared) close() error { return errors.Join(a.hide.close(), a.offl.Restore()) }
+func (a *afpShared) close() error { return errors.Join(a.hide.Close(), a.offl.Restore()) }
 
 // openAFPacket sets up the fallback: per queue of Config.Queues a TPACKET_V3
 // RX ring classified by the Go reference classifier and a TX ring. The RX
@@ -64,10 +66,10 @@ func (b *Bridge) openAFPacket() (err error) {
 	if ch := offl.Changed(); len(ch) > 0 {
 		b.log.Info("bridge: receive offloads turned off for the AF_PACKET path (restored on close)", "interface", b.cfg.Interface, "features", ch)
 	}
-	hide, err := newKernelHider(b.ns, b.cfg.Interface, empty)
+	hide, err := nft.Open(b.ns, b.cfg.Interface, empty)
 	if err != nil {
 		offl.Restore()
-		return err
+		return fmt.Errorf("bridge: %w", err)
 	}
 	var (
 		qs  []*queue
@@ -82,7 +84,7 @@ func (b *Bridge) openAFPacket() (err error) {
 				q.tx.close()
 				q.closeFds()
 			}
-			hide.close()
+			hide.Close()
 			offl.Restore()
 		}
 	}()

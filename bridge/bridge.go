@@ -19,6 +19,7 @@ import (
 	"github.com/fabricbridge/fabricbridge/bridge/features"
 	"github.com/fabricbridge/fabricbridge/bridge/xsk"
 	"github.com/fabricbridge/fabricbridge/classifier"
+	"github.com/fabricbridge/fabricbridge/classifier/nft"
 	fbebpf "github.com/fabricbridge/fabricbridge/ebpf"
 	"github.com/fabricbridge/fabricbridge/fabric"
 )
@@ -320,7 +321,7 @@ func (b *Bridge) openCommon() error {
 	if len(b.cfg.Queues) == 0 {
 		return errors.New("bridge: no queues")
 	}
-	if err := removeLeftoverTable(ns, b.cfg.Interface); err != nil {
+	if err := nft.RemoveLeftover(ns, b.cfg.Interface); err != nil {
 		b.log.Warn("bridge: removing a leftover nftables table", "interface", b.cfg.Interface, "err", err)
 	}
 	if b.kernel, err = newKernelPath(); err != nil {

@@ -51,31 +51,32 @@
 //
 // A packet socket is a tap: the kernel would get every frame too, answer
 // steered TCP with resets and steered UDP with ICMP errors, and receive what
-// drop rules drop. So Open installs an nftables table (netdev family, ingress
-// hook on the interface, which runs after the taps) that mirrors the
-// classification tables — sets of exact flows and listeners, and the rules
-// in order — and drops what the classifier steers or drops; SetTables
-// updates it in one nft transaction (sets by difference), Close removes it,
-// and every Open removes a table a crashed run left, on any path. It needs
-// the nft binary (Debian package nftables); without it the AF_PACKET path
-// does not open. The table and the classifier part ways only where nftables
-// cannot follow: later fragments always reach the kernel (which discards
-// them, having never seen their first fragment), frames with two VLAN tags
-// reach it too (it has no device for them unless one was made), and IPv6
-// packets with an authentication header or more extension headers than the
-// classifier walks may go either way (TestNftMirrorsClassifier checks the
-// rest frame by frame). The path also turns off the receive offloads that
-// merge frames before taps see them (GRO, hardware GRO, LRO, GRO lists; see
+// drop rules drop. So Open installs an nftables table (package
+// classifier/nft: netdev family, ingress hook on the interface, which runs
+// after the taps) that mirrors the classification tables — sets of exact
+// flows and listeners, and the rules in order — and drops what the
+// classifier steers or drops; SetTables updates it in one nft transaction
+// (sets by difference), Close removes it, and every Open removes a table a
+// crashed run left, on any path. It needs the nft binary (Debian package
+// nftables); without it the AF_PACKET path does not open. The table and the
+// classifier part ways only where nftables cannot follow: later fragments
+// always reach the kernel (which discards them, having never seen their
+// first fragment), frames with two VLAN tags reach it too (it has no device
+// for them unless one was made), and IPv6 packets with an authentication
+// header or more extension headers than the classifier walks may go either
+// way (classifier/nft's TestNftMirrorsClassifier checks the rest frame by
+// frame). The path also turns off the receive offloads that merge frames
+// before taps see them (GRO, hardware GRO, LRO, GRO lists; see
 // afpacket.MergingOffloads) and turns them back on at Close. It runs a loop
 // per queue of Config.Queues, their RX rings in a fanout group by receive
 // queue (afpacket.FanoutByQueue); a packet socket sees the whole interface,
 // so with fewer queues named than the interface has, queues fold onto loops.
-// Ingest rules work here too: StartOffload gives the loops an offload
-// engine (bridge/offload.StartFed) to feed, each loop strips ingest
-// datagrams with classifier.Ingest, and while an engine is fed the table
-// hides them from the kernel. The classifier's counters, per verdict and per rule, are kept by
-// the loops (VerdictCounters, RuleCounters), as the XDP program keeps them
-// in its maps.
+// Ingest rules work here too: StartOffload gives the loops an offload engine
+// (bridge/offload.StartFed) to feed, each loop strips ingest datagrams with
+// classifier.Ingest, and while an engine is fed the table hides them from
+// the kernel. The classifier's counters, per verdict and per rule, are kept
+// by the loops (VerdictCounters, RuleCounters), as the XDP program keeps
+// them in its maps.
 //
 // # TX
 //

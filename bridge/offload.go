@@ -132,5 +132,8 @@ func (b *Bridge) setIngest(e *offload.Engine) error {
 	for i, ar := range b.afp.rxs {
 		ar.feed.Store(fs[i])
 	}
-	return b.afp.hide.updateFed(t, e != nil)
+	if err := b.afp.hide.UpdateIngestFed(t, e != nil); err != nil {
+		return fmt.Errorf("bridge: %w", err)
+	}
+	return nil
 }

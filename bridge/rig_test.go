@@ -302,8 +302,6 @@ func disableTxChecksumOffload(t testing.TB, ns *netns.NS, name string) {
 	}
 }
 
-func htons(v uint16) uint16 { return v<<8 | v>>8 }
-
 // withVLAN inserts an 802.1Q (or, with tpid 0x88a8, 802.1ad) tag after the
 // MAC addresses.
 func withVLAN(frame []byte, tpid, vid uint16) []byte {

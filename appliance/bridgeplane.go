@@ -141,14 +141,6 @@ func (p *bridgePlane) tick() {
 	}
 }
 
-func ownership(own control.Ownership) bridge.Ownership {
-	o := bridge.Ownership{Addrs: own.Addrs}
-	for _, c := range own.Ports {
-		o.Ports = append(o.Ports, bridge.PortClaim{Proto: c.Proto, Port: c.Port})
-	}
-	return o
-}
-
 // gone turns errors of a closed plane into the error that tells
 // applications the bridge is gone.
 func (p *bridgePlane) gone() error {
@@ -158,13 +150,13 @@ func (p *bridgePlane) gone() error {
 	return nil
 }
 
-func (p *bridgePlane) AddStream(id uint32, s *fabric.Stream, own control.Ownership) error {
+func (p *bridgePlane) AddStream(id uint32, s *fabric.Stream, own classifier.Ownership) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := p.gone(); err != nil {
 		return err
 	}
-	o := ownership(own)
+	o := own
 	if err := p.b.AddStream(id, s, o); err != nil {
 		return err
 	}
@@ -174,7 +166,7 @@ func (p *bridgePlane) AddStream(id uint32, s *fabric.Stream, own control.Ownersh
 
 // AddRemoteStream serves a remote application's GENEVE stream through a
 // relay (the bridge takes shared-memory streams only).
-func (p *bridgePlane) AddRemoteStream(id uint32, s *fabric.RemoteStream, own control.Ownership) error {
+func (p *bridgePlane) AddRemoteStream(id uint32, s *fabric.RemoteStream, own classifier.Ownership) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := p.gone(); err != nil {
@@ -184,7 +176,7 @@ func (p *bridgePlane) AddRemoteStream(id uint32, s *fabric.RemoteStream, own con
 	if err != nil {
 		return err
 	}
-	if err := p.b.AddStream(id, r.bridge, ownership(own)); err != nil {
+	if err := p.b.AddStream(id, r.bridge, own); err != nil {
 		r.close()
 		return err
 	}
@@ -193,13 +185,13 @@ func (p *bridgePlane) AddRemoteStream(id uint32, s *fabric.RemoteStream, own con
 	return nil
 }
 
-func (p *bridgePlane) SetOwnership(id uint32, own control.Ownership) error {
+func (p *bridgePlane) SetOwnership(id uint32, own classifier.Ownership) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := p.gone(); err != nil {
 		return err
 	}
-	return p.b.SetOwnership(id, ownership(own))
+	return p.b.SetOwnership(id, own)
 }
 
 func (p *bridgePlane) RemoveStream(id uint32) error {

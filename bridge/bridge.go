@@ -576,7 +576,7 @@ func (b *Bridge) SetTables(t *classifier.Tables) error {
 
 // AddStream connects the bridge side of a fabric stream under id, the stream
 // id the classifier steers to, with what it may send.
-func (b *Bridge) AddStream(id uint32, s *fabric.Stream, own Ownership) error {
+func (b *Bridge) AddStream(id uint32, s *fabric.Stream, own classifier.Ownership) error {
 	if s == nil || s.Side() != fabric.BridgeSide {
 		return errors.New("bridge: AddStream needs the bridge side of a stream")
 	}
@@ -606,7 +606,7 @@ func (b *Bridge) AddStream(id uint32, s *fabric.Stream, own Ownership) error {
 
 // SetOwnership atomically replaces what stream id may send: each packet is
 // checked against the old or the new ownership as a whole.
-func (b *Bridge) SetOwnership(id uint32, own Ownership) error {
+func (b *Bridge) SetOwnership(id uint32, own classifier.Ownership) error {
 	o, err := compileOwnership(own)
 	if err != nil {
 		return err

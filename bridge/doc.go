@@ -88,7 +88,7 @@
 // followed through netlink link notifications, and never more than a TX
 // frame holds), source address among the
 // stream's, protocol TCP or UDP with the source port owned by the stream
-// (Ownership, replaced atomically by SetOwnership). Rejects are counted by
+// (classifier.Ownership, replaced atomically by SetOwnership). Rejects are counted by
 // reason, per stream and per queue. The Ethernet header comes from the
 // kernel's route and neighbour tables, read over netlink and refreshed by
 // netlink notifications; each loop keeps a private cache that a change

@@ -24,30 +24,16 @@ import (
 // changes nothing.
 type Dataplane interface {
 	// AddStream attaches a local application's stream (bridge side).
-	AddStream(id uint32, s *fabric.Stream, own Ownership) error
+	AddStream(id uint32, s *fabric.Stream, own classifier.Ownership) error
 	// AddRemoteStream attaches a remote application's stream.
-	AddRemoteStream(id uint32, s *fabric.RemoteStream, own Ownership) error
+	AddRemoteStream(id uint32, s *fabric.RemoteStream, own classifier.Ownership) error
 	// SetOwnership replaces what the stream may send.
-	SetOwnership(id uint32, own Ownership) error
+	SetOwnership(id uint32, own classifier.Ownership) error
 	// RemoveStream detaches a stream; the server closes it afterwards.
 	RemoveStream(id uint32) error
 	// SetTables installs a complete new classification (static rules plus
 	// every application's listeners and flows).
 	SetTables(t *classifier.Tables) error
-}
-
-// Ownership is what a stream may send, for the bridge's transmit check: its
-// source addresses, and the protocol and source port of every listener and
-// flow it holds.
-type Ownership struct {
-	Addrs []netip.Addr
-	Ports []PortClaim
-}
-
-// PortClaim is one owned protocol and port.
-type PortClaim struct {
-	Proto classifier.Protocol
-	Port  uint16
 }
 
 // registry turns the claims of all applications into classifier tables and
@@ -193,7 +179,7 @@ func (r *registry) setStatic(st Static) error {
 			}
 		}
 	}
-	before := make(map[uint32]Ownership, len(r.apps))
+	before := make(map[uint32]classifier.Ownership, len(r.apps))
 	for id, a := range r.apps {
 		before[id] = a.ownership()
 	}
@@ -265,8 +251,8 @@ func (r *registry) bind(a *app) {
 }
 
 // union is the ownership of both x and y.
-func union(x, y Ownership) Ownership {
-	out := Ownership{Addrs: slices.Clone(x.Addrs), Ports: slices.Clone(x.Ports)}
+func union(x, y classifier.Ownership) classifier.Ownership {
+	out := classifier.Ownership{Addrs: slices.Clone(x.Addrs), Ports: slices.Clone(x.Ports)}
 	for _, a := range y.Addrs {
 		if !slices.Contains(out.Addrs, a) {
 			out.Addrs = append(out.Addrs, a)
@@ -386,10 +372,10 @@ func covers(l, addr netip.Addr) bool {
 
 // ownership is what a's stream may send: its claims' ports and those of
 // its static entries.
-func (a *app) ownership() Ownership {
-	own := Ownership{Addrs: slices.Clone(a.policy.Addrs)}
+func (a *app) ownership() classifier.Ownership {
+	own := classifier.Ownership{Addrs: slices.Clone(a.policy.Addrs)}
 	add := func(proto classifier.Protocol, port uint16) {
-		pc := PortClaim{Proto: proto, Port: port}
+		pc := classifier.PortClaim{Proto: proto, Port: port}
 		if !slices.Contains(own.Ports, pc) {
 			own.Ports = append(own.Ports, pc)
 		}
@@ -413,7 +399,7 @@ func (a *app) ownership() Ownership {
 			}
 		}
 	}
-	slices.SortFunc(own.Ports, func(x, y PortClaim) int {
+	slices.SortFunc(own.Ports, func(x, y classifier.PortClaim) int {
 		if x.Proto != y.Proto {
 			return int(x.Proto) - int(y.Proto)
 		}
@@ -435,7 +421,7 @@ func dataplaneErr(err error) error {
 // and calls attach, which creates the stream and adds it to the data
 // plane; then the static entries bound to the application's name, if any,
 // start steering to it. On any error nothing is left behind.
-func (r *registry) register(name string, pol Policy, attach func(id uint32, own Ownership) error) (*app, error) {
+func (r *registry) register(name string, pol Policy, attach func(id uint32, own classifier.Ownership) error) (*app, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	_, bound := r.static.Apps[name]
@@ -786,9 +772,9 @@ func (r *registry) release(a *app, id uint64) error {
 type AppInfo struct {
 	Name      string
 	Stream    uint32
-	Listeners int         // listeners it asked for
-	Flows     int         // connections it asked for
-	Ports     []PortClaim // every port its stream owns, configured ones included
+	Listeners int                    // listeners it asked for
+	Flows     int                    // connections it asked for
+	Ports     []classifier.PortClaim // every port its stream owns, configured ones included
 }
 
 func (r *registry) snapshot() []AppInfo {

@@ -156,8 +156,7 @@ func (p *bridgePlane) AddStream(id uint32, s *fabric.Stream, own classifier.Owne
 	if err := p.gone(); err != nil {
 		return err
 	}
-	o := own
-	if err := p.b.AddStream(id, s, o); err != nil {
+	if err := p.b.AddStream(id, s, own); err != nil {
 		return err
 	}
 	p.streams[id] = &planeStream{s: s}

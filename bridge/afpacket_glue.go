@@ -18,7 +18,7 @@ import (
 // from the kernel; SetTables feeds them all.
 type afpShared struct {
 	cls  []*classifier.Classifier
-	rxs  []*afpRx // per queue, for SetIngest
+	rxs  []*afpRx // per queue, for setIngest
 	hide *nft.Table
 	offl *afpacket.Offloads // merging offloads turned off, restored on close
 }
@@ -126,7 +126,7 @@ func (b *Bridge) openAFPacket() (err error) {
 
 // afpRx classifies each frame of the RX ring with the reference classifier
 // and delivers the steered ones, and ingest datagrams to the ingest
-// engine's feeder if SetIngest gave one.
+// engine's feeder if setIngest gave one.
 type afpRx struct {
 	rx      *afpacket.Rx
 	cls     *classifier.Classifier

@@ -61,7 +61,7 @@ func (b *Bridge) StartOffload(cfg OffloadConfig, rings map[uint32]*ingest.Ring) 
 	}
 	defer func() {
 		if err != nil {
-			o.eng.Close()
+			o.Close()
 		}
 	}()
 	// Every ring is in place before the first datagram is fed, so none

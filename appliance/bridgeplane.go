@@ -3,6 +3,7 @@ package appliance
 import (
 	"fmt"
 	"log/slog"
+	"net"
 	"strconv"
 	"sync"
 	"time"
@@ -13,6 +14,7 @@ import (
 	"github.com/fabricbridge/fabricbridge/bridge"
 	"github.com/fabricbridge/fabricbridge/classifier"
 	"github.com/fabricbridge/fabricbridge/control"
+	"github.com/fabricbridge/fabricbridge/ebpf"
 	"github.com/fabricbridge/fabricbridge/fabric"
 )
 
@@ -92,7 +94,11 @@ func bridgeConfig(in config.Interface, log *slog.Logger) (bridge.Config, error) 
 
 func openBridge(cfg *config.Config, log *slog.Logger) (*bridgePlane, error) {
 	in := cfg.Interfaces[0]
-	if removed, err := clearStaleXDP(in.Name); err != nil {
+	ifc, err := net.InterfaceByName(in.Name)
+	if err != nil {
+		return nil, fmt.Errorf("interface %s: %w", in.Name, err)
+	}
+	if removed, err := ebpf.DetachStale(ifc.Index); err != nil {
 		return nil, err
 	} else if removed {
 		log.Warn("removed a stale fabricbridge XDP program left attached by a crashed process", "interface", in.Name)
@@ -135,14 +141,6 @@ func (p *bridgePlane) tick() {
 	}
 }
 
-func ownership(own control.Ownership) bridge.Ownership {
-	o := bridge.Ownership{Addrs: own.Addrs}
-	for _, c := range own.Ports {
-		o.Ports = append(o.Ports, bridge.PortClaim{Proto: c.Proto, Port: c.Port})
-	}
-	return o
-}
-
 // gone turns errors of a closed plane into the error that tells
 // applications the bridge is gone.
 func (p *bridgePlane) gone() error {
@@ -152,14 +150,13 @@ func (p *bridgePlane) gone() error {
 	return nil
 }
 
-func (p *bridgePlane) AddStream(id uint32, s *fabric.Stream, own control.Ownership) error {
+func (p *bridgePlane) AddStream(id uint32, s *fabric.Stream, own classifier.Ownership) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := p.gone(); err != nil {
 		return err
 	}
-	o := ownership(own)
-	if err := p.b.AddStream(id, s, o); err != nil {
+	if err := p.b.AddStream(id, s, own); err != nil {
 		return err
 	}
 	p.streams[id] = &planeStream{s: s}
@@ -168,7 +165,7 @@ func (p *bridgePlane) AddStream(id uint32, s *fabric.Stream, own control.Ownersh
 
 // AddRemoteStream serves a remote application's GENEVE stream through a
 // relay (the bridge takes shared-memory streams only).
-func (p *bridgePlane) AddRemoteStream(id uint32, s *fabric.RemoteStream, own control.Ownership) error {
+func (p *bridgePlane) AddRemoteStream(id uint32, s *fabric.RemoteStream, own classifier.Ownership) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := p.gone(); err != nil {
@@ -178,7 +175,7 @@ func (p *bridgePlane) AddRemoteStream(id uint32, s *fabric.RemoteStream, own con
 	if err != nil {
 		return err
 	}
-	if err := p.b.AddStream(id, r.bridge, ownership(own)); err != nil {
+	if err := p.b.AddStream(id, r.bridge, own); err != nil {
 		r.close()
 		return err
 	}
@@ -187,13 +184,13 @@ func (p *bridgePlane) AddRemoteStream(id uint32, s *fabric.RemoteStream, own con
 	return nil
 }
 
-func (p *bridgePlane) SetOwnership(id uint32, own control.Ownership) error {
+func (p *bridgePlane) SetOwnership(id uint32, own classifier.Ownership) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := p.gone(); err != nil {
 		return err
 	}
-	return p.b.SetOwnership(id, ownership(own))
+	return p.b.SetOwnership(id, own)
 }
 
 func (p *bridgePlane) RemoveStream(id uint32) error {
@@ -326,14 +323,12 @@ func rejects(w *metrics.Writer, f metrics.Family, r bridge.Rejects, labels ...me
 func (p *bridgePlane) Collect(w *metrics.Writer, names func(uint32) string, apps map[uint32]string) {
 	st := p.b.Stats()
 	in := metrics.Label{Name: "interface", Value: p.ifname}
-	if prog := p.b.Program(); prog != nil {
-		collectProgram(w, p.ifname, st.Path, prog, names)
-	} else {
-		w.Add(famAttach, 1, in, metrics.Label{Name: "mode", Value: st.Path})
-		if c, rc, ok := p.b.ClassifierCounters(); ok {
-			collectVerdicts(w, p.ifname, c)
-			collectRules(w, p.ifname, rc, names)
-		}
+	w.Add(famAttach, 1, in, metrics.Label{Name: "mode", Value: st.Path})
+	if c, err := p.b.VerdictCounters(); err == nil {
+		collectVerdicts(w, p.ifname, c)
+	}
+	if rc, err := p.b.RuleCounters(); err == nil {
+		collectRules(w, p.ifname, rc, names)
 	}
 	w.AddUint(famKernelSendErr, st.KernelSendErrors, in)
 	blind := 0.0

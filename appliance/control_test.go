@@ -20,6 +20,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fabricbridge/fabricbridge/classifier"
 	"github.com/fabricbridge/fabricbridge/control"
 	"github.com/fabricbridge/fabricbridge/internal/testing/testpki"
 )
@@ -81,7 +82,7 @@ func listen(c *control.Client, port uint16) error {
 	return err
 }
 
-func appPorts(d *Daemon, name string) []control.PortClaim {
+func appPorts(d *Daemon, name string) []classifier.PortClaim {
 	for _, a := range d.Apps() {
 		if a.Name == name {
 			return a.Ports
@@ -108,7 +109,7 @@ listeners:
 		t.Fatal(err)
 	}
 	ports := appPorts(d, "web")
-	want := []control.PortClaim{{Proto: 6, Port: 80}, {Proto: 6, Port: 8080}}
+	want := []classifier.PortClaim{{Proto: 6, Port: 80}, {Proto: 6, Port: 8080}}
 	if fmt.Sprint(ports) != fmt.Sprint(want) {
 		t.Errorf("web owns %v, want the configured listener's port and its own: %v", ports, want)
 	}

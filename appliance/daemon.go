@@ -18,6 +18,7 @@ import (
 
 	"github.com/fabricbridge/fabricbridge/appliance/config"
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
+	"github.com/fabricbridge/fabricbridge/classifier"
 	"github.com/fabricbridge/fabricbridge/control"
 	"github.com/fabricbridge/fabricbridge/fabric"
 )
@@ -48,7 +49,7 @@ type Daemon struct {
 	metAddr net.Addr
 	started time.Time
 
-	reserved   *portSet
+	reserved   *classifier.PortSet
 	portRecord string // where the ports this daemon reserved are recorded
 
 	mu        sync.Mutex // serialises Reload and Close

@@ -37,18 +37,6 @@ var (
 		Help: "Bytes of the frames matched by each rule, listener or flow id."}
 )
 
-// collectProgram writes one XDP program's counters.
-func collectProgram(w *metrics.Writer, ifname, mode string, prog *ebpf.Program, names func(uint32) string) {
-	w.Add(famAttach, 1, metrics.L("interface", ifname, "mode", mode)...)
-	c, err := prog.Counters()
-	if err == nil {
-		collectVerdicts(w, ifname, c)
-	}
-	if rc, err := prog.RuleCounters(); err == nil {
-		collectRules(w, ifname, rc, names)
-	}
-}
-
 // collectVerdicts writes the classifier's counters per verdict and its
 // events; on the AF_PACKET path the reference classifier keeps the same
 // ones (the events stay zero: they are XDP's).

@@ -4,33 +4,26 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"path/filepath"
 	"time"
 
 	"github.com/fabricbridge/fabricbridge/appliance/config"
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 	"github.com/fabricbridge/fabricbridge/bridge"
-	bingest "github.com/fabricbridge/fabricbridge/bridge/ingest"
-	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/fabric/ingest"
 )
 
 // ingestPlane is the UDP offload path: one persistent buffer ring per
-// configured ingest entry, and the engine that fills them: from the ingest
-// AF_XDP sockets, beside the bridge on the same queues, or, when the bridge
-// runs on AF_PACKET, from the bridge's own receive loops (a fed engine).
-// Consumers see the same rings either way.
+// configured ingest entry, and the bridge's offload engine that fills them.
 type ingestPlane struct {
-	b      *bridge.Bridge
-	engine *bingest.Engine
-	fed    bool // the bridge's AF_PACKET loops feed the engine
-	rings  []*ingestRing
+	offload *bridge.Offload
+	rings   []*ingestRing
 }
 
 type ingestRing struct {
 	name string // as configured
 	id   uint32
-	ring *fingest.Ring
+	ring *ingest.Ring
 }
 
 // IngestPath is where consumers open the named ring of a configuration: a
@@ -47,7 +40,7 @@ func openIngest(cfg *config.Config, b *bridge.Bridge, log *slog.Logger) (_ *inge
 	if len(cfg.Ingest) == 0 {
 		return nil, nil
 	}
-	p := &ingestPlane{b: b}
+	p := &ingestPlane{}
 	defer func() {
 		if err != nil {
 			p.Close()
@@ -60,7 +53,7 @@ func openIngest(cfg *config.Config, b *bridge.Bridge, log *slog.Logger) (_ *inge
 		} else if removed {
 			log.Warn("removed a stale ingest socket left by a crashed daemon", "path", path)
 		}
-		r, err := fingest.Create(fingest.Config{
+		r, err := ingest.Create(ingest.Config{
 			Name: path, Buffers: g.Buffers, BufferSize: int(g.BufferSize), Window: time.Duration(g.Window),
 			BufferID: cfg.IngestID(g.Name), NoHugepages: !g.Hugepages,
 		})
@@ -72,47 +65,27 @@ func openIngest(cfg *config.Config, b *bridge.Bridge, log *slog.Logger) (_ *inge
 		log.Info("ingest ring", "name", g.Name, "buffer_id", cfg.IngestID(g.Name), "socket", path,
 			"bytes", r.Size(), "hugetlb", st.Hugetlb, "locked", st.Locked, "lock_error", r.LockError())
 	}
-	if prog := b.Program(); prog != nil {
-		ifc, err := net.InterfaceByName(cfg.Interfaces[0].Name)
-		if err != nil {
-			return nil, err
-		}
-		p.engine, err = bingest.Start(bingest.Config{
-			Program: prog, Ifindex: ifc.Index, Queues: cfg.Interfaces[0].Queues, Umem: b.Umem,
-			BusyPoll: time.Duration(cfg.Interfaces[0].BusyPoll), Priority: cfg.Interfaces[0].IngestPriority,
-		})
-		if err != nil {
-			return nil, fmt.Errorf("ingest engine: %w", err)
-		}
-	} else {
-		p.engine, p.fed = bingest.StartFed(), true
-		log.Warn("ingest runs on the bridge's AF_PACKET path: RX times from the packet socket, latency floor of its block timeout", "path", b.Mode())
-	}
+	rings := make(map[uint32]*ingest.Ring, len(p.rings))
 	for _, r := range p.rings {
-		if err := p.engine.Attach(r.id, r.ring); err != nil {
-			return nil, fmt.Errorf("ingest ring %s: %w", r.name, err)
-		}
+		rings[r.id] = r.ring
 	}
-	if p.fed {
-		if err := b.SetIngest(p.engine); err != nil {
-			return nil, fmt.Errorf("ingest engine: %w", err)
-		}
+	in := cfg.Interfaces[0]
+	p.offload, err = b.StartOffload(bridge.OffloadConfig{BusyPoll: time.Duration(in.BusyPoll), Priority: in.IngestPriority}, rings)
+	if err != nil {
+		return nil, err
 	}
 	return p, nil
 }
 
 // Close stops the engine, then flushes and closes the rings. It must run
-// before the bridge closes: the engine's sockets share the bridge's UMEMs.
+// before the bridge closes (see bridge.Bridge.StartOffload).
 func (p *ingestPlane) Close() error {
 	if p == nil {
 		return nil
 	}
 	var errs []error
-	if p.fed {
-		errs = append(errs, p.b.SetIngest(nil))
-	}
-	if p.engine != nil {
-		errs = append(errs, p.engine.Close())
+	if p.offload != nil {
+		errs = append(errs, p.offload.Close())
 	}
 	for _, r := range p.rings {
 		errs = append(errs, r.ring.Close())
@@ -154,7 +127,7 @@ func (p *ingestPlane) Collect(w *metrics.Writer) {
 		}
 		w.Add(famIngestConsumer, att, l...)
 	}
-	es := p.engine.Stats()
+	es := p.offload.Stats()
 	for _, o := range []struct {
 		outcome string
 		n       uint64

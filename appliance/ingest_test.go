@@ -10,7 +10,7 @@ import (
 	"time"
 
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
-	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/fabric/ingest"
 	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
 )
 
@@ -54,7 +54,7 @@ rules:
 			t.Errorf("%d threads at SCHED_FIFO 17, want the engine's one loop", n)
 		}
 	}
-	cons, err := fingest.Open(IngestPath(c, "trigger"), fingest.ConsumerOptions{})
+	cons, err := ingest.Open(IngestPath(c, "trigger"), ingest.ConsumerOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -94,7 +94,7 @@ rules:
 	total := 0
 	for deadline := time.Now().Add(5 * time.Second); total < 2*perPort && time.Now().Before(deadline); {
 		b, err := cons.Next(500 * time.Millisecond)
-		if err == fingest.ErrTimeout {
+		if err == ingest.ErrTimeout {
 			continue
 		}
 		if err != nil {

@@ -10,26 +10,18 @@ import (
 	"syscall"
 	"time"
 
-	cebpf "github.com/cilium/ebpf"
-	"github.com/vishvananda/netlink"
 	"golang.org/x/sys/unix"
 )
 
 // This file clears what a crashed daemon leaves behind, so that a restart
-// is never blocked by it: a control socket file nobody listens on, an XDP
-// program of ours attached the old way (through netlink, which outlives its
-// process, unlike the BPF link the loader uses now), and pins under
-// PinDir. Everything it removes is provably ours and provably dead; anything
+// is never blocked by it: a control socket file nobody listens on and pins
+// under PinDir (an XDP program of ours left attached is ebpf.DetachStale's). Everything it removes is provably ours and provably dead; anything
 // else is an error that says what is in the way.
 
 // PinDir is where a fabricbridge would pin BPF objects. The daemon pins
 // nothing; the directory is swept at start in case an older version or an
 // operator left objects there.
 const PinDir = "/sys/fs/bpf/fabricbridge"
-
-// progName is the XDP program's name as the kernel reports it (the C
-// function name, at most 15 bytes).
-const progName = "fabricbridge"
 
 // runLock is an exclusive flock held for the daemon's lifetime next to its
 // control socket. The kernel releases it when the process dies however it
@@ -87,56 +79,6 @@ func removeStaleSocket(path string) (removed bool, err error) {
 	}
 	return true, os.Remove(path)
 }
-
-// clearStaleXDP removes an XDP program of ours that a dead process left
-// attached to the interface through netlink. A program attached through a
-// BPF link belongs to a live process (links die with their owner) and the
-// kernel refuses to replace it; a program of another name is not ours.
-// It reports whether it removed something.
-func clearStaleXDP(ifname string) (bool, error) {
-	l, err := netlink.LinkByName(ifname)
-	if err != nil {
-		return false, fmt.Errorf("interface %s: %w", ifname, err)
-	}
-	x := l.Attrs().Xdp
-	if x == nil || !x.Attached || x.ProgId == 0 {
-		return false, nil
-	}
-	name := fmt.Sprintf("id %d", x.ProgId)
-	if p, err := cebpf.NewProgramFromID(cebpf.ProgramID(x.ProgId)); err == nil {
-		if info, err := p.Info(); err == nil {
-			name = fmt.Sprintf("%q (id %d)", info.Name, x.ProgId)
-			if info.Name != progName {
-				p.Close()
-				return false, fmt.Errorf("interface %s already runs another XDP program %s; fabricbridge will not replace it", ifname, name)
-			}
-		}
-		p.Close()
-	}
-	var flags int
-	switch x.AttachMode {
-	case xdpAttachedDrv:
-		flags = unix.XDP_FLAGS_DRV_MODE
-	case xdpAttachedSKB:
-		flags = unix.XDP_FLAGS_SKB_MODE
-	case xdpAttachedHW:
-		flags = unix.XDP_FLAGS_HW_MODE
-	}
-	if err := netlink.LinkSetXdpFdWithFlags(l, -1, flags); err != nil {
-		if errors.Is(err, unix.EBUSY) || errors.Is(err, unix.EEXIST) {
-			return false, fmt.Errorf("interface %s: XDP program %s is attached by a running process (a BPF link); stop it first", ifname, name)
-		}
-		return false, fmt.Errorf("interface %s: detach stale XDP program %s: %w", ifname, name, err)
-	}
-	return true, nil
-}
-
-// IFLA_XDP_ATTACHED values (linux/if_link.h), which x/sys/unix lacks.
-const (
-	xdpAttachedDrv = 1
-	xdpAttachedSKB = 2
-	xdpAttachedHW  = 3
-)
 
 // sweepPins removes BPF objects pinned under PinDir.
 func sweepPins() ([]string, error) {

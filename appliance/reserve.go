@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	"github.com/fabricbridge/fabricbridge/appliance/config"
+	"github.com/fabricbridge/fabricbridge/classifier"
 )
 
 // reservedPortsFile is the kernel's list of ports its ephemeral allocator
@@ -14,64 +15,32 @@ import (
 // belongs to the network namespace of the thread that opens it.
 const reservedPortsFile = "/proc/sys/net/ipv4/ip_local_reserved_ports"
 
-// portSet is a set of ports.
-type portSet [65536 / 64]uint64
-
-func (s *portSet) add(lo, hi uint16) {
-	for p := int(lo); p <= int(hi); p++ {
-		s[p/64] |= 1 << (p % 64)
-	}
-}
-
-func (s *portSet) has(p int) bool { return s[p/64]&(1<<(p%64)) != 0 }
-
-// String is the set in the kernel's syntax: "1000-1999,8080".
-func (s *portSet) String() string {
-	var parts []string
-	for p := 0; p < 65536; p++ {
-		if !s.has(p) {
-			continue
-		}
-		q := p
-		for q+1 < 65536 && s.has(q+1) {
-			q++
-		}
-		if q == p {
-			parts = append(parts, strconv.Itoa(p))
-		} else {
-			parts = append(parts, fmt.Sprintf("%d-%d", p, q))
-		}
-		p = q
-	}
-	return strings.Join(parts, ",")
-}
-
 // reservePorts adds r to the kernel's reserved ports, so that the kernel
 // never hands one of them to its own sockets while applications use them
 // for their outgoing connections. It returns the ports it added — none when
 // r was already reserved, as after a crash — for unreservePorts.
-func reservePorts(r config.PortRange) (*portSet, error) {
+func reservePorts(r config.PortRange) (*classifier.PortSet, error) {
 	have, err := readReserved()
 	if err != nil {
 		return nil, err
 	}
-	added := &portSet{}
+	added := &classifier.PortSet{}
 	for p := int(r.Lo); p <= int(r.Hi); p++ {
-		if !have.has(p) {
-			added.add(uint16(p), uint16(p))
+		if !have.Has(uint16(p)) {
+			added.Add(uint16(p), uint16(p))
 		}
 	}
 	if added.String() == "" {
 		return added, nil
 	}
 	want := *have
-	want.add(r.Lo, r.Hi)
+	want.Add(r.Lo, r.Hi)
 	return added, writeReserved(&want)
 }
 
 // unreservePorts removes the ports reservePorts added and leaves every
 // other entry, the operator's included, as it is.
-func unreservePorts(added *portSet) error {
+func unreservePorts(added *classifier.PortSet) error {
 	if added == nil || added.String() == "" {
 		return nil
 	}
@@ -85,7 +54,7 @@ func unreservePorts(added *portSet) error {
 	return writeReserved(have)
 }
 
-func readReserved() (*portSet, error) {
+func readReserved() (*classifier.PortSet, error) {
 	b, err := os.ReadFile(reservedPortsFile)
 	if err != nil {
 		return nil, err
@@ -94,8 +63,8 @@ func readReserved() (*portSet, error) {
 }
 
 // parsePorts reads the kernel's list syntax, "1000-1999,8080".
-func parsePorts(file, text string) (*portSet, error) {
-	s := &portSet{}
+func parsePorts(file, text string) (*classifier.PortSet, error) {
+	s := &classifier.PortSet{}
 	for _, f := range strings.Split(strings.TrimSpace(text), ",") {
 		if f == "" {
 			continue
@@ -109,12 +78,12 @@ func parsePorts(file, text string) (*portSet, error) {
 		if err1 != nil || err2 != nil || z < a {
 			return nil, fmt.Errorf("%s: cannot read %q", file, f)
 		}
-		s.add(uint16(a), uint16(z))
+		s.Add(uint16(a), uint16(z))
 	}
 	return s, nil
 }
 
-func writeReserved(s *portSet) error {
+func writeReserved(s *classifier.PortSet) error {
 	v := s.String()
 	if v == "" {
 		v = "\n" // an empty write is refused; a newline clears the list
@@ -130,10 +99,10 @@ func writeReserved(s *portSet) error {
 // predecessor added — and removes them when it stops — instead of taking
 // them for the operator's.
 
-func readPortRecord(path string) (*portSet, error) {
+func readPortRecord(path string) (*classifier.PortSet, error) {
 	b, err := os.ReadFile(path)
 	if os.IsNotExist(err) {
-		return &portSet{}, nil
+		return &classifier.PortSet{}, nil
 	}
 	if err != nil {
 		return nil, err
@@ -141,22 +110,22 @@ func readPortRecord(path string) (*portSet, error) {
 	return parsePorts(path, string(b))
 }
 
-func writePortRecord(path string, s *portSet) error {
+func writePortRecord(path string, s *classifier.PortSet) error {
 	return os.WriteFile(path, []byte(s.String()+"\n"), 0o644)
 }
 
 // adoptReservation reserves r and takes over what a crashed predecessor
 // recorded: its ports inside r count as added by this daemon, its ports
 // outside r are released now. The result is recorded at path.
-func adoptReservation(path string, r config.PortRange) (*portSet, error) {
+func adoptReservation(path string, r config.PortRange) (*classifier.PortSet, error) {
 	prev, err := readPortRecord(path)
 	if err != nil {
 		return nil, err
 	}
-	outside := &portSet{}
+	outside := &classifier.PortSet{}
 	for p := 0; p < 65536; p++ {
-		if prev.has(p) && !(int(r.Lo) <= p && p <= int(r.Hi)) {
-			outside.add(uint16(p), uint16(p))
+		if prev.Has(uint16(p)) && !(int(r.Lo) <= p && p <= int(r.Hi)) {
+			outside.Add(uint16(p), uint16(p))
 		}
 	}
 	if err := unreservePorts(outside); err != nil {

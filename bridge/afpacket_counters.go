@@ -35,23 +35,32 @@ func (c *afpCounters) count(m *classifier.Meta, n int) {
 	}
 }
 
-// ClassifierCounters returns, on the AF_PACKET path, the reference
-// classifier's counters summed over queues, in the shape the XDP program's
-// take (ebpf.Program.Counters and RuleCounters: ids that matched nothing
-// are left out). ok is false on the XDP paths, where Program has them.
-func (b *Bridge) ClassifierCounters() (c fbebpf.Counters, rules map[uint32]fbebpf.Counter, ok bool) {
-	b.mu.Lock()
-	afp := b.afp
-	b.mu.Unlock()
-	if afp == nil {
-		return c, nil, false
+// VerdictCounters are the classifier's counters per verdict, and its
+// events: the XDP program's (ebpf.Program.Counters) or, on the AF_PACKET
+// path, the reference classifier's summed over queues, in the same shape
+// (the events stay zero: they are XDP's).
+func (b *Bridge) VerdictCounters() (c fbebpf.Counters, err error) {
+	if b.prog != nil {
+		return b.prog.Counters()
 	}
-	rules = map[uint32]fbebpf.Counter{}
-	for _, ar := range afp.rxs {
+	for _, ar := range b.afpacket().rxs {
 		for v := range ar.counts.verdicts {
 			c.Verdicts[v].Packets += ar.counts.verdicts[v].packets.Load()
 			c.Verdicts[v].Bytes += ar.counts.verdicts[v].bytes.Load()
 		}
+	}
+	return c, nil
+}
+
+// RuleCounters are the classifier's counters per flow, listener and rule
+// id, as VerdictCounters are per verdict; ids that matched nothing are
+// left out.
+func (b *Bridge) RuleCounters() (map[uint32]fbebpf.Counter, error) {
+	if b.prog != nil {
+		return b.prog.RuleCounters()
+	}
+	rules := map[uint32]fbebpf.Counter{}
+	for _, ar := range b.afpacket().rxs {
 		for id := range ar.counts.rules {
 			if p := ar.counts.rules[id].packets.Load(); p != 0 {
 				r := rules[uint32(id)]
@@ -61,5 +70,15 @@ func (b *Bridge) ClassifierCounters() (c fbebpf.Counters, rules map[uint32]fbebp
 			}
 		}
 	}
-	return c, rules, true
+	return rules, nil
+}
+
+// afpacket is the AF_PACKET path's shared state, empty on the XDP paths.
+func (b *Bridge) afpacket() *afpShared {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.afp == nil {
+		return &afpShared{}
+	}
+	return b.afp
 }

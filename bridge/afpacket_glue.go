@@ -2,13 +2,15 @@ package bridge
 
 import (
 	"errors"
+	"fmt"
 	"sync/atomic"
 	"time"
 
 	"github.com/fabricbridge/fabricbridge/bridge/afpacket"
-	bingest "github.com/fabricbridge/fabricbridge/bridge/ingest"
+	"github.com/fabricbridge/fabricbridge/bridge/offload"
 	"github.com/fabricbridge/fabricbridge/classifier"
-	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/classifier/nft"
+	"github.com/fabricbridge/fabricbridge/fabric/ingest"
 )
 
 // afpShared is the AF_PACKET path's classifiers (one per queue: each keeps
@@ -16,8 +18,8 @@ import (
 // from the kernel; SetTables feeds them all.
 type afpShared struct {
 	cls  []*classifier.Classifier
-	rxs  []*afpRx // per queue, for SetIngest
-	hide *kernelHider
+	rxs  []*afpRx // per queue, for setIngest
+	hide *nft.Table
 	offl *afpacket.Offloads // merging offloads turned off, restored on close
 }
 
@@ -25,8 +27,8 @@ type afpShared struct {
 // two, a newly steered frame is lost rather than answered by the kernel
 // (a lost SYN is sent again; a reset ends the connection).
 func (a *afpShared) setTables(t *classifier.Tables) error {
-	if err := a.hide.update(t); err != nil {
-		return err
+	if err := a.hide.Update(t); err != nil {
+		return fmt.Errorf("bridge: %w", err)
 	}
 	for _, c := range a.cls {
 		c.SetTables(t)
@@ -34,7 +36,7 @@ func (a *afpShared) setTables(t *classifier.Tables) error {
 	return nil
 }
 
-func (a *afpShared) close() error { return errors.Join(a.hide.close(), a.offl.Restore()) }
+func (a *afpShared) close() error { return errors.Join(a.hide.Close(), a.offl.Restore()) }
 
 // openAFPacket sets up the fallback: per queue of Config.Queues a TPACKET_V3
 // RX ring classified by the Go reference classifier and a TX ring. The RX
@@ -64,10 +66,10 @@ func (b *Bridge) openAFPacket() (err error) {
 	if ch := offl.Changed(); len(ch) > 0 {
 		b.log.Info("bridge: receive offloads turned off for the AF_PACKET path (restored on close)", "interface", b.cfg.Interface, "features", ch)
 	}
-	hide, err := newKernelHider(b.ns, b.cfg.Interface, empty)
+	hide, err := nft.Open(b.ns, b.cfg.Interface, empty)
 	if err != nil {
 		offl.Restore()
-		return err
+		return fmt.Errorf("bridge: %w", err)
 	}
 	var (
 		qs  []*queue
@@ -82,7 +84,7 @@ func (b *Bridge) openAFPacket() (err error) {
 				q.tx.close()
 				q.closeFds()
 			}
-			hide.close()
+			hide.Close()
 			offl.Restore()
 		}
 	}()
@@ -124,7 +126,7 @@ func (b *Bridge) openAFPacket() (err error) {
 
 // afpRx classifies each frame of the RX ring with the reference classifier
 // and delivers the steered ones, and ingest datagrams to the ingest
-// engine's feeder if SetIngest gave one.
+// engine's feeder if setIngest gave one.
 type afpRx struct {
 	rx      *afpacket.Rx
 	cls     *classifier.Classifier
@@ -133,8 +135,8 @@ type afpRx struct {
 	onFrame func([]byte, bool, int64) // frame, bound once: no allocation per poll
 	counts  afpCounters
 
-	feed    atomic.Pointer[bingest.Feeder]
-	fd      *bingest.Feeder // feed, loaded for one poll
+	feed    atomic.Pointer[offload.Feeder]
+	fd      *offload.Feeder // feed, loaded for one poll
 	clockOK bool            // realToMono is set for this poll
 	// realToMono turns the packet socket's CLOCK_REALTIME stamps into the
 	// CLOCK_MONOTONIC ones of ingest records (as the XDP program stamps).
@@ -172,7 +174,7 @@ func (a *afpRx) ingest(f []byte, m *classifier.Meta, rxNs int64) {
 		return
 	}
 	if !a.clockOK {
-		a.realToMono = time.Now().UnixNano() - int64(fingest.Now())
+		a.realToMono = time.Now().UnixNano() - int64(ingest.Now())
 		a.clockOK = true
 	}
 	im.RxTimestampNs = uint64(rxNs - a.realToMono)

@@ -19,6 +19,7 @@ import (
 	"github.com/fabricbridge/fabricbridge/bridge/features"
 	"github.com/fabricbridge/fabricbridge/bridge/xsk"
 	"github.com/fabricbridge/fabricbridge/classifier"
+	"github.com/fabricbridge/fabricbridge/classifier/nft"
 	fbebpf "github.com/fabricbridge/fabricbridge/ebpf"
 	"github.com/fabricbridge/fabricbridge/fabric"
 )
@@ -320,7 +321,7 @@ func (b *Bridge) openCommon() error {
 	if len(b.cfg.Queues) == 0 {
 		return errors.New("bridge: no queues")
 	}
-	if err := removeLeftoverTable(ns, b.cfg.Interface); err != nil {
+	if err := nft.RemoveLeftover(ns, b.cfg.Interface); err != nil {
 		b.log.Warn("bridge: removing a leftover nftables table", "interface", b.cfg.Interface, "err", err)
 	}
 	if b.kernel, err = newKernelPath(); err != nil {
@@ -535,14 +536,10 @@ func (b *Bridge) Mode() string { return b.path.String() }
 // each failed.
 func (b *Bridge) Tried() []string { return slices.Clone(b.tried) }
 
-// Program is the XDP classifier, for the ingest engine's IngestXSKMap; nil
-// on the AF_PACKET path.
-func (b *Bridge) Program() *fbebpf.Program { return b.prog }
-
-// Umem is the UMEM of one queue on the XDP paths (nil otherwise), for
-// sockets that must share the queue with the bridge (the ingest engine):
-// the kernel allows one UMEM per queue.
-func (b *Bridge) Umem(queue int) *xsk.Umem {
+// umem is the UMEM of one queue on the XDP paths (nil otherwise), for
+// the offload engine's sockets, which share the queue with the bridge: the
+// kernel allows one UMEM per queue.
+func (b *Bridge) umem(queue int) *xsk.Umem {
 	for _, q := range b.queues {
 		if x, ok := q.rx.(*xdpRx); ok && q.id == queue {
 			return x.umem
@@ -579,7 +576,7 @@ func (b *Bridge) SetTables(t *classifier.Tables) error {
 
 // AddStream connects the bridge side of a fabric stream under id, the stream
 // id the classifier steers to, with what it may send.
-func (b *Bridge) AddStream(id uint32, s *fabric.Stream, own Ownership) error {
+func (b *Bridge) AddStream(id uint32, s *fabric.Stream, own classifier.Ownership) error {
 	if s == nil || s.Side() != fabric.BridgeSide {
 		return errors.New("bridge: AddStream needs the bridge side of a stream")
 	}
@@ -609,7 +606,7 @@ func (b *Bridge) AddStream(id uint32, s *fabric.Stream, own Ownership) error {
 
 // SetOwnership atomically replaces what stream id may send: each packet is
 // checked against the old or the new ownership as a whole.
-func (b *Bridge) SetOwnership(id uint32, own Ownership) error {
+func (b *Bridge) SetOwnership(id uint32, own classifier.Ownership) error {
 	o, err := compileOwnership(own)
 	if err != nil {
 		return err

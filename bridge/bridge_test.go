@@ -30,7 +30,7 @@ func TestReceiveIntoStreams(t *testing.T) {
 		r := newRig(t, cfg)
 		r.standardTables()
 		app1 := r.stream(1, r.ownership1(), fabric.Config{})
-		app2 := r.stream(2, Ownership{}, fabric.Config{})
+		app2 := r.stream(2, classifier.Ownership{}, fabric.Config{})
 
 		// The outside kernel's own UDP, over IPv4 and IPv6.
 		for _, local := range []netip.Addr{r.local4, r.local6} {
@@ -220,7 +220,7 @@ func TestSpoofedNeverLeaves(t *testing.T) {
 
 		// Ownership is replaced atomically: without the UDP port, the
 		// once-good packet is refused too.
-		if err := r.b.SetOwnership(1, Ownership{Addrs: []netip.Addr{r.local4}, Ports: []PortClaim{{classifier.ProtoTCP, tcpPort1}}}); err != nil {
+		if err := r.b.SetOwnership(1, classifier.Ownership{Addrs: []netip.Addr{r.local4}, Ports: []classifier.PortClaim{{Proto: classifier.ProtoTCP, Port: tcpPort1}}}); err != nil {
 			t.Fatal(err)
 		}
 		app.Send([][]byte{ippkt.UDP(mine, to, []byte("spoof-after-revoke")), ippkt.TCP(netip.AddrPortFrom(r.local4, tcpPort1), to, 1, 0, true, false, false, []byte("marker2"))})

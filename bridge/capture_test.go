@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fabricbridge/fabricbridge/classifier"
 	"github.com/fabricbridge/fabricbridge/fabric"
 	"github.com/fabricbridge/fabricbridge/internal/testing/ippkt"
 )
@@ -48,7 +49,7 @@ func TestCapture(t *testing.T) {
 		r := newRig(t, cfg)
 		r.standardTables()
 		app1 := r.stream(1, r.ownership1(), fabric.Config{})
-		app2 := r.stream(2, Ownership{}, fabric.Config{})
+		app2 := r.stream(2, classifier.Ownership{}, fabric.Config{})
 		if err := r.b.SetCapture(99, (&recorder{}).hook); err == nil {
 			t.Fatal("SetCapture on a missing stream succeeded")
 		}

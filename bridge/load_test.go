@@ -81,7 +81,7 @@ func TestSlowStreamLosesOnlyItsOwn(t *testing.T) {
 		r := newRig(t, cfg)
 		r.standardTables()
 		app1 := r.stream(1, r.ownership1(), fabric.Config{})
-		r.stream(2, Ownership{}, fabric.Config{RxSlots: 256}) // never read
+		r.stream(2, classifier.Ownership{}, fabric.Config{RxSlots: 256}) // never read
 		// Stream 1 must get nothing but the packets sent to it, intact:
 		// the paced datagrams, and the generator's frame without its
 		// Ethernet header.
@@ -216,7 +216,7 @@ func TestPathFallback(t *testing.T) {
 	if g.b.Mode() != "generic" {
 		t.Fatalf("forced generic runs %v", g.b.Mode())
 	}
-	if m, ok := g.b.Program().Mode(); !ok || m.String() != "generic" {
+	if m, ok := g.b.prog.Mode(); !ok || m.String() != "generic" {
 		t.Fatalf("program attached %v %v", m, ok)
 	}
 	g.standardTables()
@@ -309,7 +309,7 @@ func TestTxFairness(t *testing.T) {
 		r := newRig(t, cfg)
 		r.standardTables()
 		busy := r.stream(1, r.ownership1(), fabric.Config{})
-		quiet := r.stream(2, Ownership{Addrs: []netip.Addr{r.local4}, Ports: []PortClaim{{classifier.ProtoUDP, udpPort2}}}, fabric.Config{})
+		quiet := r.stream(2, classifier.Ownership{Addrs: []netip.Addr{r.local4}, Ports: []classifier.PortClaim{{Proto: classifier.ProtoUDP, Port: udpPort2}}}, fabric.Config{})
 		if _, err := r.out.Ping(r.local4, 1, 3*time.Second); err != nil {
 			t.Fatal(err)
 		}

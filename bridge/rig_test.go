@@ -149,15 +149,15 @@ func (r *rig) setTables(rs *classifier.RuleSet) {
 }
 
 // ownership1 is what stream 1 owns.
-func (r *rig) ownership1() Ownership {
-	return Ownership{
+func (r *rig) ownership1() classifier.Ownership {
+	return classifier.Ownership{
 		Addrs: []netip.Addr{r.local4, r.local6},
-		Ports: []PortClaim{{classifier.ProtoUDP, udpPort1}, {classifier.ProtoTCP, tcpPort1}},
+		Ports: []classifier.PortClaim{{Proto: classifier.ProtoUDP, Port: udpPort1}, {Proto: classifier.ProtoTCP, Port: tcpPort1}},
 	}
 }
 
 // stream connects a new stream under id and returns its application end.
-func (r *rig) stream(id uint32, own Ownership, cfg fabric.Config) *fabric.Stream {
+func (r *rig) stream(id uint32, own classifier.Ownership, cfg fabric.Config) *fabric.Stream {
 	r.t.Helper()
 	bs, app, err := fabric.NewPair(cfg)
 	if err != nil {
@@ -301,8 +301,6 @@ func disableTxChecksumOffload(t testing.TB, ns *topology.NS, name string) {
 		t.Fatal(err)
 	}
 }
-
-func htons(v uint16) uint16 { return v<<8 | v>>8 }
 
 // withVLAN inserts an 802.1Q (or, with tpid 0x88a8, 802.1ad) tag after the
 // MAC addresses.

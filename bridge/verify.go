@@ -9,22 +9,7 @@ import (
 	"github.com/fabricbridge/fabricbridge/classifier"
 )
 
-// PortClaim is one source port a stream may send from: a listener it
-// registered or an ephemeral port it was given.
-type PortClaim struct {
-	Proto classifier.Protocol // TCP or UDP
-	Port  uint16
-}
-
-// Ownership is what a stream may send: its source addresses and the
-// (protocol, port) pairs it owns. Packets with anything else are dropped on
-// transmit and counted.
-type Ownership struct {
-	Addrs []netip.Addr
-	Ports []PortClaim
-}
-
-// ownership is Ownership compiled for the TX check: immutable, looked up
+// ownership is classifier.Ownership compiled for the TX check: immutable, looked up
 // without allocating. Port sets are bitmaps (8 KiB each), so a check is one
 // load whatever the number of ports.
 type ownership struct {
@@ -33,13 +18,11 @@ type ownership struct {
 }
 
 type portSet struct {
-	any  bool // at least one port is set
-	bits [65536 / 64]uint64
+	any   bool // at least one port is set
+	ports classifier.PortSet
 }
 
-func (s *portSet) has(p uint16) bool { return s.bits[p>>6]&(1<<(p&63)) != 0 }
-
-func compileOwnership(o Ownership) (*ownership, error) {
+func compileOwnership(o classifier.Ownership) (*ownership, error) {
 	c := &ownership{tcp: new(portSet), udp: new(portSet)}
 	var errs []error
 	for _, a := range o.Addrs {
@@ -64,7 +47,7 @@ func compileOwnership(o Ownership) (*ownership, error) {
 			errs = append(errs, fmt.Errorf("%v port 0", p.Proto))
 			continue
 		}
-		s.bits[p.Port>>6] |= 1 << (p.Port & 63)
+		s.ports.Add(p.Port, p.Port)
 		s.any = true
 	}
 	if err := errors.Join(errs...); err != nil {
@@ -234,7 +217,7 @@ func (o *ownership) checkL4(proto uint8, l4 []byte, laterFrag, firstFrag bool) r
 			return rejLength
 		}
 	}
-	if !ports.has(be.Uint16(l4[0:])) {
+	if !ports.ports.Has(be.Uint16(l4[0:])) {
 		return rejSourcePort
 	}
 	return accepted

@@ -13,9 +13,9 @@ func TestVerify(t *testing.T) {
 	me6 := netip.MustParseAddr("2001:db8::1")
 	peer4 := netip.MustParseAddrPort("198.18.0.2:9999")
 	peer6 := netip.MustParseAddrPort("[2001:db8::2]:9999")
-	own, err := compileOwnership(Ownership{
+	own, err := compileOwnership(classifier.Ownership{
 		Addrs: []netip.Addr{me4, me6},
-		Ports: []PortClaim{{classifier.ProtoUDP, 5000}, {classifier.ProtoTCP, 80}},
+		Ports: []classifier.PortClaim{{Proto: classifier.ProtoUDP, Port: 5000}, {Proto: classifier.ProtoTCP, Port: 80}},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -72,7 +72,7 @@ func TestVerify(t *testing.T) {
 	if allocs := testing.AllocsPerRun(1000, func() { verify(udp4, own, 1500) }); allocs != 0 {
 		t.Errorf("verify allocates %v times", allocs)
 	}
-	if _, err := compileOwnership(Ownership{Ports: []PortClaim{{classifier.ProtoAny, 1}, {classifier.ProtoUDP, 0}}, Addrs: []netip.Addr{{}}}); err == nil {
+	if _, err := compileOwnership(classifier.Ownership{Ports: []classifier.PortClaim{{Proto: classifier.ProtoAny, Port: 1}, {Proto: classifier.ProtoUDP, Port: 0}}, Addrs: []netip.Addr{{}}}); err == nil {
 		t.Error("bad ownership accepted")
 	}
 }

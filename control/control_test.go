@@ -29,7 +29,7 @@ import (
 type recorder struct {
 	mu      sync.Mutex
 	streams map[uint32]*fabric.Stream
-	own     map[uint32]Ownership
+	own     map[uint32]classifier.Ownership
 	tables  *classifier.Tables
 	sets    int // SetTables calls
 	removed []uint32
@@ -37,10 +37,10 @@ type recorder struct {
 }
 
 func newRecorder() *recorder {
-	return &recorder{streams: map[uint32]*fabric.Stream{}, own: map[uint32]Ownership{}}
+	return &recorder{streams: map[uint32]*fabric.Stream{}, own: map[uint32]classifier.Ownership{}}
 }
 
-func (r *recorder) AddStream(id uint32, s *fabric.Stream, own Ownership) error {
+func (r *recorder) AddStream(id uint32, s *fabric.Stream, own classifier.Ownership) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.fail != nil {
@@ -51,7 +51,7 @@ func (r *recorder) AddStream(id uint32, s *fabric.Stream, own Ownership) error {
 	return nil
 }
 
-func (r *recorder) AddRemoteStream(id uint32, s *fabric.RemoteStream, own Ownership) error {
+func (r *recorder) AddRemoteStream(id uint32, s *fabric.RemoteStream, own classifier.Ownership) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.fail != nil {
@@ -61,7 +61,7 @@ func (r *recorder) AddRemoteStream(id uint32, s *fabric.RemoteStream, own Owners
 	return nil
 }
 
-func (r *recorder) SetOwnership(id uint32, own Ownership) error {
+func (r *recorder) SetOwnership(id uint32, own classifier.Ownership) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.fail != nil {
@@ -119,7 +119,7 @@ func addrOf(fam uint8, a classifier.Addr16) netip.Addr {
 	return netip.AddrFrom16(a)
 }
 
-func (r *recorder) ownership(id uint32) Ownership {
+func (r *recorder) ownership(id uint32) classifier.Ownership {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	return r.own[id]
@@ -256,7 +256,7 @@ func TestClaimsReachTablesAndOwnershipBeforeTheReply(t *testing.T) {
 		t.Fatalf("after connect: %q lacks %q", got, flow)
 	}
 	own := f.dp.ownership(s)
-	wantPorts := []PortClaim{{classifier.ProtoTCP, 80}, {classifier.ProtoTCP, conn.Port}}
+	wantPorts := []classifier.PortClaim{{Proto: classifier.ProtoTCP, Port: 80}, {Proto: classifier.ProtoTCP, Port: conn.Port}}
 	if !slices.Equal(own.Ports, wantPorts) || !slices.Equal(own.Addrs, []netip.Addr{boxA, box6}) {
 		t.Fatalf("ownership %+v, want ports %v", own, wantPorts)
 	}
@@ -277,7 +277,7 @@ func TestClaimsReachTablesAndOwnershipBeforeTheReply(t *testing.T) {
 	if got := f.dp.entries(); !slices.Equal(got, want) {
 		t.Fatalf("after release: %q, want %q", got, want)
 	}
-	if own := f.dp.ownership(s); !slices.Equal(own.Ports, []PortClaim{{classifier.ProtoUDP, u.Port}}) {
+	if own := f.dp.ownership(s); !slices.Equal(own.Ports, []classifier.PortClaim{{Proto: classifier.ProtoUDP, Port: u.Port}}) {
 		t.Fatalf("ownership after release %+v", own)
 	}
 	if err := c.Release(ctx(t), l.ID); !errors.Is(err, ErrUnknownClaim) {
@@ -841,7 +841,7 @@ func TestConfiguredEntriesFollowTheirApplication(t *testing.T) {
 	if rules := f.dp.current().Rules(); len(rules) != 1 || rules[0].Stream != reg.Stream || rules[0].ID != 11 {
 		t.Fatalf("bound rule %+v", rules)
 	}
-	wantPorts := []PortClaim{{classifier.ProtoTCP, 80}, {classifier.ProtoUDP, 5353}}
+	wantPorts := []classifier.PortClaim{{Proto: classifier.ProtoTCP, Port: 80}, {Proto: classifier.ProtoUDP, Port: 5353}}
 	if own := f.dp.ownership(reg.Stream); !slices.Equal(own.Ports, wantPorts) {
 		t.Fatalf("ownership %+v, want %v", own.Ports, wantPorts)
 	}
@@ -897,7 +897,7 @@ func TestConfiguredEntriesFollowTheirApplication(t *testing.T) {
 	if got := f.dp.entries(); !slices.Equal(got, want) {
 		t.Fatalf("after reload: %q, want %q", got, want)
 	}
-	wantPorts = []PortClaim{{classifier.ProtoTCP, 81}, {classifier.ProtoTCP, 8080}}
+	wantPorts = []classifier.PortClaim{{Proto: classifier.ProtoTCP, Port: 81}, {Proto: classifier.ProtoTCP, Port: 8080}}
 	if own := f.dp.ownership(reg.Stream); !slices.Equal(own.Ports, wantPorts) {
 		t.Fatalf("ownership after reload %+v, want %v", own.Ports, wantPorts)
 	}
@@ -992,7 +992,7 @@ func TestOwnConfiguredListenerIsShared(t *testing.T) {
 	if len(dyn) != 2 || dyn["0.0.0.0:80"] < 4096 || dyn["0.0.0.0:80"] != dyn[":::80"] {
 		t.Fatalf("after dropping the configured listener: %v, want the claim's own entry on both families", dyn)
 	}
-	if own := f.dp.ownership(reg.Stream); !slices.Contains(own.Ports, PortClaim{classifier.ProtoTCP, 80}) {
+	if own := f.dp.ownership(reg.Stream); !slices.Contains(own.Ports, classifier.PortClaim{Proto: classifier.ProtoTCP, Port: 80}) {
 		t.Fatalf("ownership %+v lost tcp/80", own.Ports)
 	}
 	if err := f.srv.SetStatic(Static{Apps: map[string]AppStatic{"web": v4only}}); err != nil {
@@ -1009,7 +1009,7 @@ func TestOwnConfiguredListenerIsShared(t *testing.T) {
 	if got := rules(); len(got) != 1 || got["0.0.0.0:80"] != 10 {
 		t.Fatalf("after release: %v", got)
 	}
-	if own := f.dp.ownership(reg.Stream); !slices.Contains(own.Ports, PortClaim{classifier.ProtoTCP, 80}) {
+	if own := f.dp.ownership(reg.Stream); !slices.Contains(own.Ports, classifier.PortClaim{Proto: classifier.ProtoTCP, Port: 80}) {
 		t.Fatalf("ownership %+v lost the configured tcp/80", own.Ports)
 	}
 }

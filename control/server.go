@@ -565,7 +565,7 @@ func (ss *session) register(req *Request) (Reply, []int, error) {
 		st.Close()
 		return Reply{}, nil, fmt.Errorf("%w: socketpair: %v", ErrInternal, err)
 	}
-	a, err := ss.srv.reg.register(ss.name, pol, func(id uint32, own Ownership) error {
+	a, err := ss.srv.reg.register(ss.name, pol, func(id uint32, own classifier.Ownership) error {
 		if err := ss.srv.cfg.Dataplane.AddStream(id, st, own); err != nil {
 			return dataplaneErr(err)
 		}
@@ -629,7 +629,7 @@ func (ss *session) registerRemote(req *Request, pol Policy) (Reply, []int, error
 	case pa != src:
 		return Reply{}, nil, fmt.Errorf("%w: GENEVE address %v is not this connection's source %v", ErrNotPermitted, pa, src)
 	}
-	a, err := ss.srv.reg.register(ss.name, pol, func(id uint32, own Ownership) error {
+	a, err := ss.srv.reg.register(ss.name, pol, func(id uint32, own classifier.Ownership) error {
 		rs, err := r.Register(id, peer)
 		if err != nil {
 			return fmt.Errorf("%w: %v", ErrInternal, err)

@@ -36,24 +36,16 @@ type bridgePlane struct {
 	b *bridge.Bridge
 }
 
-func toBridge(own control.Ownership) bridge.Ownership {
-	out := bridge.Ownership{Addrs: own.Addrs}
-	for _, p := range own.Ports {
-		out.Ports = append(out.Ports, bridge.PortClaim{Proto: p.Proto, Port: p.Port})
-	}
-	return out
+func (p *bridgePlane) AddStream(id uint32, s *fabric.Stream, own classifier.Ownership) error {
+	return p.b.AddStream(id, s, own)
 }
 
-func (p *bridgePlane) AddStream(id uint32, s *fabric.Stream, own control.Ownership) error {
-	return p.b.AddStream(id, s, toBridge(own))
-}
-
-func (p *bridgePlane) AddRemoteStream(id uint32, rs *fabric.RemoteStream, own control.Ownership) error {
+func (p *bridgePlane) AddRemoteStream(id uint32, rs *fabric.RemoteStream, own classifier.Ownership) error {
 	bs, app, err := fabric.NewPair(fabric.Config{RxSlots: 1024, TxSlots: 1024})
 	if err != nil {
 		return err
 	}
-	if err := p.b.AddStream(id, bs, toBridge(own)); err != nil {
+	if err := p.b.AddStream(id, bs, own); err != nil {
 		bs.Close()
 		app.Close()
 		return err
@@ -86,8 +78,8 @@ func (p *bridgePlane) AddRemoteStream(id uint32, rs *fabric.RemoteStream, own co
 	return nil
 }
 
-func (p *bridgePlane) SetOwnership(id uint32, own control.Ownership) error {
-	return p.b.SetOwnership(id, toBridge(own))
+func (p *bridgePlane) SetOwnership(id uint32, own classifier.Ownership) error {
+	return p.b.SetOwnership(id, own)
 }
 func (p *bridgePlane) RemoveStream(id uint32) error         { return p.b.RemoveStream(id) }
 func (p *bridgePlane) SetTables(t *classifier.Tables) error { return p.b.SetTables(t) }

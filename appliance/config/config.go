@@ -66,7 +66,7 @@ type Interface struct {
 	// IngestPriority, if set (1-99), runs the ingest engine's loops at
 	// this SCHED_FIFO real-time priority: a loop woken by a datagram or
 	// due to close a window preempts ordinary threads, at the price of
-	// holding its CPU while windows are open (bridge/ingest
+	// holding its CPU while windows are open (bridge/offload
 	// Config.Priority). 0: ordinary threads.
 	IngestPriority int `yaml:"ingest_priority"`
 }

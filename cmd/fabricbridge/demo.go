@@ -21,7 +21,7 @@ import (
 	"github.com/fabricbridge/fabricbridge/appliance/config"
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 	"github.com/fabricbridge/fabricbridge/configs"
-	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/fabric/ingest"
 	"github.com/fabricbridge/fabricbridge/internal/topology"
 	"github.com/fabricbridge/fabricbridge/internal/topology/ethtool"
 	"github.com/fabricbridge/fabricbridge/userstack"
@@ -218,12 +218,12 @@ func runDemo(ctx context.Context, opts demoOptions, log io.Writer) (sum demoSumm
 	fmt.Fprintf(log, "web application on a user-space TCP/IP stack (gVisor netstack), listening on %s:%d\n", local, httpPort)
 
 	// The ingest consumer: the CPU reference trigger.
-	cons, err := fingest.Open(appliance.IngestPath(cfg, "trigger"), fingest.ConsumerOptions{Budget: time.Duration(cfg.Ingest[0].LatencyBudget)})
+	cons, err := ingest.Open(appliance.IngestPath(cfg, "trigger"), ingest.ConsumerOptions{Budget: time.Duration(cfg.Ingest[0].LatencyBudget)})
 	if err != nil {
 		return sum, fmt.Errorf("ingest consumer: %w", err)
 	}
 	s.Cleanup(func() { cons.Close() })
-	ref := &fingest.Reference{Threshold: triggerThreshold}
+	ref := &ingest.Reference{Threshold: triggerThreshold}
 	var refMu sync.Mutex
 	apps.Add(1)
 	go func() {
@@ -231,7 +231,7 @@ func runDemo(ctx context.Context, opts demoOptions, log io.Writer) (sum demoSumm
 		for appCtx.Err() == nil {
 			b, err := cons.Next(50 * time.Millisecond)
 			if err != nil {
-				if errors.Is(err, fingest.ErrTimeout) {
+				if errors.Is(err, ingest.ErrTimeout) {
 					continue
 				}
 				return
@@ -440,14 +440,14 @@ func udpBursts(bridge, outside *topology.NS, local netip.Addr, opts demoOptions,
 				return err
 			}
 			defer c.Close()
-			msg := make([]byte, fingest.TriggerSeqLen+2*triggerHits)
+			msg := make([]byte, ingest.TriggerSeqLen+2*triggerHits)
 			energies := make([]uint16, triggerHits)
 			for i := range n {
 				if trigger {
 					for h := range energies {
 						energies[h] = uint16((i*31 + h*17 + int(port)) % 1000)
 					}
-					fingest.PutTriggerPayload(msg, uint32(i), energies)
+					ingest.PutTriggerPayload(msg, uint32(i), energies)
 				}
 				if _, err := c.Write(msg); err != nil {
 					return err

@@ -19,7 +19,6 @@ import (
 	"sync/atomic"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
-	"github.com/fabricbridge/fabricbridge/control"
 	"github.com/fabricbridge/fabricbridge/fabric"
 )
 
@@ -49,7 +48,7 @@ type stream struct {
 	send  func([][]byte) (int, error)
 	recv  func([][]byte) (int, error)
 	sendM sync.Mutex // bridge-side sends are single-producer
-	own   atomic.Pointer[control.Ownership]
+	own   atomic.Pointer[classifier.Ownership]
 	gone  atomic.Bool
 }
 
@@ -67,18 +66,18 @@ func (b *Bridge) Counters() Counters {
 }
 
 // AddStream implements control.Dataplane.
-func (b *Bridge) AddStream(id uint32, s *fabric.Stream, own control.Ownership) error {
+func (b *Bridge) AddStream(id uint32, s *fabric.Stream, own classifier.Ownership) error {
 	b.add(id, s.Send, s.Recv, own)
 	return nil
 }
 
 // AddRemoteStream implements control.Dataplane.
-func (b *Bridge) AddRemoteStream(id uint32, s *fabric.RemoteStream, own control.Ownership) error {
+func (b *Bridge) AddRemoteStream(id uint32, s *fabric.RemoteStream, own classifier.Ownership) error {
 	b.add(id, s.Send, s.Recv, own)
 	return nil
 }
 
-func (b *Bridge) add(id uint32, send, recv func([][]byte) (int, error), own control.Ownership) {
+func (b *Bridge) add(id uint32, send, recv func([][]byte) (int, error), own classifier.Ownership) {
 	st := &stream{id: id, send: send, recv: recv}
 	st.own.Store(&own)
 	b.mu.Lock()
@@ -88,7 +87,7 @@ func (b *Bridge) add(id uint32, send, recv func([][]byte) (int, error), own cont
 }
 
 // SetOwnership implements control.Dataplane.
-func (b *Bridge) SetOwnership(id uint32, own control.Ownership) error {
+func (b *Bridge) SetOwnership(id uint32, own classifier.Ownership) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if st := b.streams[id]; st != nil {
@@ -189,7 +188,7 @@ func (b *Bridge) route(c *classifier.Classifier, frame, pkt []byte) {
 
 // owned is the bridge's transmit check: well-formed IPv4 or IPv6 carrying
 // TCP or UDP, from an address and port the stream owns.
-func owned(own *control.Ownership, pkt []byte) bool {
+func owned(own *classifier.Ownership, pkt []byte) bool {
 	if len(pkt) < 20 {
 		return false
 	}
@@ -216,5 +215,5 @@ func owned(own *control.Ownership, pkt []byte) bool {
 	}
 	port := binary.BigEndian.Uint16(pkt[l4:])
 	return slices.Contains(own.Addrs, src) &&
-		slices.Contains(own.Ports, control.PortClaim{Proto: classifier.Protocol(proto), Port: port})
+		slices.Contains(own.Ports, classifier.PortClaim{Proto: classifier.Protocol(proto), Port: port})
 }

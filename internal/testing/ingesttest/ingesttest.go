@@ -18,11 +18,10 @@ import (
 	"testing"
 	"time"
 
-	"golang.org/x/sys/unix"
-
-	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/fabric/ingest"
 	"github.com/fabricbridge/fabricbridge/internal/testing/framegen"
 	"github.com/fabricbridge/fabricbridge/internal/topology"
+	"golang.org/x/sys/unix"
 )
 
 // Sender is a kernel UDP socket in a namespace, bound to one source port,
@@ -67,12 +66,12 @@ func TriggerPayload(buf []byte, sport uint16, seq uint32) []byte {
 	for i := range n {
 		e[i] = uint16(seq) ^ uint16(sport)*uint16(i+1)
 	}
-	return buf[:fingest.PutTriggerPayload(buf, seq, e[:n])]
+	return buf[:ingest.PutTriggerPayload(buf, seq, e[:n])]
 }
 
 // CheckTrigger verifies a payload byte for byte against what its source
 // port sends under the sequence number it carries.
-func CheckTrigger(src fingest.Source, p []byte) error {
+func CheckTrigger(src ingest.Source, p []byte) error {
 	if len(p) < 4 {
 		return fmt.Errorf("%v: %d-byte payload", src, len(p))
 	}
@@ -89,8 +88,8 @@ func CheckTrigger(src fingest.Source, p []byte) error {
 // consumer, and releases each buffer. After Close, Ref, Bad and Err are the
 // results; Records counts records as they come.
 type Reader struct {
-	C       *fingest.Consumer
-	Ref     fingest.Reference
+	C       *ingest.Consumer
+	Ref     ingest.Reference
 	Records atomic.Uint64
 	Bad     []string // the first ten payloads that failed the check
 	Err     error    // what stopped the reader early
@@ -104,9 +103,9 @@ type Reader struct {
 }
 
 // NewReader opens the ring by name and starts draining it.
-func NewReader(tb testing.TB, name string, check func(src fingest.Source, payload []byte) error) *Reader {
+func NewReader(tb testing.TB, name string, check func(src ingest.Source, payload []byte) error) *Reader {
 	tb.Helper()
-	c, err := fingest.Open(name, fingest.ConsumerOptions{Spin: 200 * time.Microsecond})
+	c, err := ingest.Open(name, ingest.ConsumerOptions{Spin: 200 * time.Microsecond})
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -116,15 +115,15 @@ func NewReader(tb testing.TB, name string, check func(src fingest.Source, payloa
 	return r
 }
 
-func (r *Reader) run(check func(src fingest.Source, payload []byte) error) {
+func (r *Reader) run(check func(src ingest.Source, payload []byte) error) {
 	defer close(r.done)
 	for !r.stop.Load() {
 		b, err := r.C.Next(20 * time.Millisecond)
-		if errors.Is(err, fingest.ErrTimeout) {
+		if errors.Is(err, ingest.ErrTimeout) {
 			continue
 		}
 		if err != nil {
-			if !errors.Is(err, fingest.ErrClosed) {
+			if !errors.Is(err, ingest.ErrClosed) {
 				r.Err = err
 			}
 			return
@@ -337,7 +336,7 @@ func SendShort(t testing.TB, v4, v6 *Sender, raw int, frames [][]byte, v *topolo
 
 // Collected is one record a Collect call read.
 type Collected struct {
-	Src     fingest.Source
+	Src     ingest.Source
 	Payload []byte // a copy
 }
 
@@ -346,7 +345,7 @@ type Collected struct {
 // passed, and returns copies of them in ring order.
 func Collect(tb testing.TB, name string, n int, d time.Duration, send func()) []Collected {
 	tb.Helper()
-	c, err := fingest.Open(name, fingest.ConsumerOptions{})
+	c, err := ingest.Open(name, ingest.ConsumerOptions{})
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -356,7 +355,7 @@ func Collect(tb testing.TB, name string, n int, d time.Duration, send func()) []
 	deadline := time.Now().Add(d)
 	for len(out) < n && time.Now().Before(deadline) {
 		b, err := c.Next(20 * time.Millisecond)
-		if errors.Is(err, fingest.ErrTimeout) {
+		if errors.Is(err, ingest.ErrTimeout) {
 			continue
 		}
 		if err != nil {

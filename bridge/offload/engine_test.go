@@ -1,4 +1,4 @@
-package ingest
+package offload
 
 import (
 	"bytes"
@@ -8,7 +8,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
-	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/fabric/ingest"
 	"github.com/fabricbridge/fabricbridge/internal/testing/ingesttest"
 )
 
@@ -16,7 +16,7 @@ import (
 // IPv6) reach the ring complete, in order per source and byte-exact; a
 // second ingest rule fills its own ring; a buffer id with no ring is counted.
 func TestKernelSenders(t *testing.T) {
-	tp := newTopo(t, map[uint32]fingest.Config{
+	tp := newTopo(t, map[uint32]ingest.Config{
 		bufTrigger: {Buffers: 64, BufferSize: 64 << 10, Window: 100 * time.Microsecond},
 		bufOther:   {Buffers: 64, BufferSize: 16 << 10, Window: 100 * time.Microsecond},
 	}, Config{})
@@ -90,7 +90,7 @@ func TestKernelSenders(t *testing.T) {
 // TestSenderGap: a sender that skips sequence numbers is reported as a gap
 // in its source and only there.
 func TestSenderGap(t *testing.T) {
-	tp := newTopo(t, map[uint32]fingest.Config{bufTrigger: {Buffers: 64, BufferSize: 64 << 10}}, Config{})
+	tp := newTopo(t, map[uint32]ingest.Config{bufTrigger: {Buffers: 64, BufferSize: 64 << 10}}, Config{})
 	rd := tp.reader(bufTrigger, checkTrigger)
 	a, b := tp.sender(false, 5001, portTrigger), tp.sender(false, 5002, portTrigger)
 	var buf [1500]byte
@@ -120,7 +120,7 @@ func TestSenderGap(t *testing.T) {
 		t.Errorf("source b: %+v", sb)
 	}
 	gaps := rd.Ref.Gaps
-	if len(gaps) != 2 || gaps[0] != (fingest.Gap{Source: 1, Sender: true, Want: 100, Got: 110}) || gaps[1] != (fingest.Gap{Source: 1, Sender: true, Want: 200, Got: 201}) {
+	if len(gaps) != 2 || gaps[0] != (ingest.Gap{Source: 1, Sender: true, Want: 100, Got: 110}) || gaps[1] != (ingest.Gap{Source: 1, Sender: true, Want: 200, Got: 201}) {
 		t.Errorf("gaps %v", gaps)
 	}
 }
@@ -130,9 +130,9 @@ func TestSenderGap(t *testing.T) {
 // per-source sequence — the held buffers stay exactly as published, and
 // once released the ring fills again. Nothing stored is corrupt.
 func TestOverload(t *testing.T) {
-	tp := newTopo(t, map[uint32]fingest.Config{bufTrigger: {Buffers: 4, BufferSize: 8 << 10, Window: 50 * time.Microsecond}}, Config{})
+	tp := newTopo(t, map[uint32]ingest.Config{bufTrigger: {Buffers: 4, BufferSize: 8 << 10, Window: 50 * time.Microsecond}}, Config{})
 	ring := tp.rings[bufTrigger]
-	c, err := fingest.Open(ring.Name(), fingest.ConsumerOptions{})
+	c, err := ingest.Open(ring.Name(), ingest.ConsumerOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -141,7 +141,7 @@ func TestOverload(t *testing.T) {
 	var buf [1500]byte
 	seq := uint32(0)
 	// Fill all four buffers (and more) while nobody releases.
-	var held []fingest.Buffer
+	var held []ingest.Buffer
 	var snapshots [][]byte
 	for len(held) < 4 {
 		for range 20 {
@@ -180,7 +180,7 @@ func TestOverload(t *testing.T) {
 			t.Fatalf("held buffer %d changed while the ring was overloaded", held[i].Index)
 		}
 	}
-	var ref fingest.Reference
+	var ref ingest.Reference
 	for i := range held {
 		if err := ref.Process(&held[i]); err != nil {
 			t.Fatal(err)
@@ -204,7 +204,7 @@ func TestOverload(t *testing.T) {
 		}
 		it := b.Iter()
 		for it.Next() {
-			if err := checkTrigger(fingest.Source{SrcPort: s.Port}, it.Record().Payload); err != nil {
+			if err := checkTrigger(ingest.Source{SrcPort: s.Port}, it.Record().Payload); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -237,7 +237,7 @@ func TestOverload(t *testing.T) {
 // big for the MTU. None reaches the ring; each is counted as malformed by
 // the program, and whole datagrams around them still arrive.
 func TestMalformedNeverReachesBuffer(t *testing.T) {
-	tp := newTopo(t, map[uint32]fingest.Config{bufTrigger: {Buffers: 8, BufferSize: 64 << 10}}, Config{})
+	tp := newTopo(t, map[uint32]ingest.Config{bufTrigger: {Buffers: 8, BufferSize: 64 << 10}}, Config{})
 	rd := tp.reader(bufTrigger, checkTrigger)
 	bad := ingesttest.MalformedFrames(ingesttest.Endpoints{
 		Src4: tp.v.B.Addr4.Addr(), Dst4: tp.v.A.Addr4.Addr(), Src6: tp.v.B.Addr6.Addr(), Dst6: tp.v.A.Addr6.Addr(),
@@ -259,7 +259,7 @@ func TestMalformedNeverReachesBuffer(t *testing.T) {
 	}
 	// The kernel fragments a 3000-byte datagram into three frames.
 	big := make([]byte, 3000)
-	fingest.PutTriggerPayload(big, 999, nil)
+	ingest.PutTriggerPayload(big, 999, nil)
 	if err := s.Send(big); err != nil {
 		t.Fatal(err)
 	}
@@ -304,8 +304,8 @@ func (tp *topo) packetSocket() int {
 // TestNoAllocationsPerPacket drives the engine by hand over frames waiting
 // in its socket: a batch allocates nothing.
 func TestNoAllocationsPerPacket(t *testing.T) {
-	tp := newTopo(t, map[uint32]fingest.Config{bufTrigger: {Buffers: 64, BufferSize: 1 << 20, Window: time.Hour}}, Config{manual: true})
-	c, err := fingest.Open(tp.rings[bufTrigger].Name(), fingest.ConsumerOptions{})
+	tp := newTopo(t, map[uint32]ingest.Config{bufTrigger: {Buffers: 64, BufferSize: 1 << 20, Window: time.Hour}}, Config{manual: true})
+	c, err := ingest.Open(tp.rings[bufTrigger].Name(), ingest.ConsumerOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}

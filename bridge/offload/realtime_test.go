@@ -1,4 +1,4 @@
-package ingest
+package offload
 
 import (
 	"os"
@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/fabric/ingest"
 	"github.com/fabricbridge/fabricbridge/internal/testing/ingesttest"
 	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
 )
@@ -21,7 +21,7 @@ func TestPriority(t *testing.T) {
 	if n := len(testenv.FIFOThreads(t, prio)); n != 0 {
 		t.Fatalf("%d real-time threads before the engine started", n)
 	}
-	tp := newTopo(t, map[uint32]fingest.Config{bufTrigger: {Buffers: 64, BufferSize: 64 << 10}}, Config{Priority: prio})
+	tp := newTopo(t, map[uint32]ingest.Config{bufTrigger: {Buffers: 64, BufferSize: 64 << 10}}, Config{Priority: prio})
 	if n := len(testenv.FIFOThreads(t, prio)); n != 1 {
 		t.Fatalf("%d threads at SCHED_FIFO %d, want the one loop's", n, prio)
 	}

@@ -1,4 +1,40 @@
-package bridge
+// Package nft realises classifier.Tables in the kernel's nftables, for the
+// bridge's AF_PACKET path: there the kernel receives every frame (packet
+// sockets are taps), so it would answer steered TCP with resets and steered
+// UDP with ICMP port unreachable, and it would see what drop rules drop: an
+// application could tell the path in use. Taps run before netfilter's
+// netdev ingress hook, so a netdev-family table on the interface that drops
+// what the classifier steers or drops, after the tap has copied it, hides
+// those frames from the kernel. The table mirrors the classifier's
+// precedence:
+//
+//	exact flows        (set, per family)      → drop
+//	listeners on addr  (set, per family)      → drop
+//	wildcard listeners (set, per family)      → drop
+//	rules in order     (chain "rules")        → drop (steer, drop, ingest while fed) or accept (pass, ingest)
+//	anything else                              → accept (the kernel's)
+//
+// Ingest rules accept until the bridge feeds an offload engine (on the XDP
+// path too, an ingest frame with no ingest socket goes to the kernel); from
+// then on they drop, or the kernel would answer every trigger datagram with
+// a port unreachable and a connected sender would lose the next one to
+// ECONNREFUSED. The table cannot check UDP lengths, so with an engine fed,
+// an ingest-matched datagram the classifier calls malformed (a fragment, a
+// bad length) is dropped rather than passed to the kernel.
+//
+// Where nftables and the classifier part ways (documented in package
+// bridge): later fragments reach the kernel (it cannot reassemble them
+// without the dropped first fragment and discards them silently); a frame
+// with two VLAN tags is not IP to the netdev hook and reaches the kernel
+// (which has no device for it unless one was made); malformed TCP/UDP
+// headers the classifier passes may be dropped (the kernel would drop them
+// too).
+//
+// Changes go through the nft binary (Debian package nftables), one
+// `nft -f -` transaction per update, so every frame meets the old rules or
+// the new ones. Sets are updated by difference; the rules chain is flushed
+// and refilled in the same transaction.
+package nft
 
 import (
 	"bytes"
@@ -17,44 +53,9 @@ import (
 	"github.com/fabricbridge/fabricbridge/classifier"
 )
 
-// On the AF_PACKET path the kernel receives every frame (packet sockets are
-// taps), so it would answer steered TCP with resets and steered UDP with
-// ICMP port unreachable, and it would see what drop rules drop: an
-// application could tell the path in use. Taps run before netfilter's
-// netdev ingress hook, so a netdev-family nftables table on the interface
-// that drops what the classifier steers or drops, after the tap has copied
-// it, hides those frames from the kernel. The table mirrors the classifier's
-// precedence:
-//
-//	exact flows        (set, per family)      → drop
-//	listeners on addr  (set, per family)      → drop
-//	wildcard listeners (set, per family)      → drop
-//	rules in order     (chain "rules")        → drop (steer, drop, ingest while fed) or accept (pass, ingest)
-//	anything else                              → accept (the kernel's)
-//
-// Ingest rules accept until SetIngest gives the path an engine to feed (on
-// the XDP path too, an ingest frame with no ingest socket goes to the
-// kernel); from then on they drop, or the kernel would answer every trigger
-// datagram with a port unreachable and a connected sender would lose the
-// next one to ECONNREFUSED. The table cannot check UDP lengths, so with an
-// engine fed, an ingest-matched datagram the classifier calls malformed
-// (a fragment, a bad length) is dropped rather than passed to the kernel.
-//
-// Where nftables and the classifier part ways (docs/bridge.md): later
-// fragments reach the kernel (it cannot reassemble them without the dropped
-// first fragment and discards them silently); a frame with two VLAN tags is
-// not IP to the netdev hook and reaches the kernel (which has no device for
-// it unless one was made); malformed TCP/UDP headers the classifier passes
-// may be dropped (the kernel would drop them too).
-//
-// Changes go through the nft binary (package nftables), one `nft -f -`
-// transaction per SetTables, so every frame meets the old rules or the new
-// ones. Sets are updated by difference; the rules chain is flushed and
-// refilled in the same transaction.
-
-// nftTableName is the table the bridge owns on an interface; a restart after
+// TableName is the name of the table on interface ifname; a restart after
 // a crash finds it by this name and replaces it.
-func nftTableName(ifname string) string {
+func TableName(ifname string) string {
 	var b strings.Builder
 	b.WriteString("fabricbridge_")
 	for _, r := range ifname {
@@ -67,10 +68,10 @@ func nftTableName(ifname string) string {
 	return b.String()
 }
 
-// nftSets are the element lists of the table's sets, by set name.
-type nftSets map[string]map[string]struct{}
+// elementSets are the element lists of the table's sets, by set name.
+type elementSets map[string]map[string]struct{}
 
-var nftSetTypes = [...]struct{ name, typ, match string }{
+var setTypes = [...]struct{ name, typ, match string }{
 	{"flows4", "inet_proto . ipv4_addr . inet_service . ipv4_addr . inet_service", "meta l4proto . ip saddr . th sport . ip daddr . th dport"},
 	{"flows6", "inet_proto . ipv6_addr . inet_service . ipv6_addr . inet_service", "meta l4proto . ip6 saddr . th sport . ip6 daddr . th dport"},
 	{"listen4", "inet_proto . ipv4_addr . inet_service", "meta l4proto . ip daddr . th dport"},
@@ -79,7 +80,7 @@ var nftSetTypes = [...]struct{ name, typ, match string }{
 	{"any6", "inet_proto . inet_service", "meta protocol ip6 meta l4proto . th dport"},
 }
 
-func nftProto(p uint8) string {
+func protoName(p uint8) string {
 	switch classifier.Protocol(p) {
 	case classifier.ProtoTCP:
 		return "tcp"
@@ -96,10 +97,10 @@ func addrOf(family uint8, a classifier.Addr16) netip.Addr {
 	return netip.AddrFrom16(a)
 }
 
-// nftElements lists the set elements that tables t needs.
-func nftElements(t *classifier.Tables) nftSets {
-	s := nftSets{}
-	for _, st := range nftSetTypes {
+// elements lists the set elements that tables t needs.
+func elements(t *classifier.Tables) elementSets {
+	s := elementSets{}
+	for _, st := range setTypes {
 		s[st.name] = map[string]struct{}{}
 	}
 	for k := range t.Flows() {
@@ -107,7 +108,7 @@ func nftElements(t *classifier.Tables) nftSets {
 		if k.Family == 6 {
 			f = "6"
 		}
-		e := fmt.Sprintf("%s . %s . %d . %s . %d", nftProto(k.Proto), addrOf(k.Family, k.Src), k.SrcPort, addrOf(k.Family, k.Dst), k.DstPort)
+		e := fmt.Sprintf("%s . %s . %d . %s . %d", protoName(k.Proto), addrOf(k.Family, k.Src), k.SrcPort, addrOf(k.Family, k.Dst), k.DstPort)
 		s["flows"+f][e] = struct{}{}
 	}
 	for k := range t.Listeners() {
@@ -116,16 +117,16 @@ func nftElements(t *classifier.Tables) nftSets {
 			f = "6"
 		}
 		if k.Addr == (classifier.Addr16{}) {
-			s["any"+f][fmt.Sprintf("%s . %d", nftProto(k.Proto), k.Port)] = struct{}{}
+			s["any"+f][fmt.Sprintf("%s . %d", protoName(k.Proto), k.Port)] = struct{}{}
 		} else {
-			s["listen"+f][fmt.Sprintf("%s . %s . %d", nftProto(k.Proto), addrOf(k.Family, k.Addr), k.Port)] = struct{}{}
+			s["listen"+f][fmt.Sprintf("%s . %s . %d", protoName(k.Proto), addrOf(k.Family, k.Addr), k.Port)] = struct{}{}
 		}
 	}
 	return s
 }
 
-// nftRule renders one compiled rule as an nft rule body.
-func nftRule(r classifier.CompiledRule, ingestFed bool) string {
+// ruleBody renders one compiled rule as an nft rule body.
+func ruleBody(r classifier.CompiledRule, ingestFed bool) string {
 	var b strings.Builder
 	if r.VLAN != 0 {
 		// The tag as the link-layer header shows it (nft rebuilds a tag
@@ -156,7 +157,7 @@ func nftRule(r classifier.CompiledRule, ingestFed bool) string {
 		}
 	}
 	if r.Proto != 0 {
-		fmt.Fprintf(&b, "meta l4proto %s ", nftProto(r.Proto))
+		fmt.Fprintf(&b, "meta l4proto %s ", protoName(r.Proto))
 	} else {
 		b.WriteString("meta l4proto { tcp, udp } ")
 	}
@@ -182,19 +183,19 @@ func nftRule(r classifier.CompiledRule, ingestFed bool) string {
 	return b.String()
 }
 
-// nftScript renders the transaction that takes the table from the sets in
+// transaction renders the transaction that takes the table from the sets in
 // prev (nil: the table does not exist, or is a leftover to replace) to
 // tables t, and returns it with the sets it leaves. ingestFed: an ingest
 // engine takes the ingest rules' frames.
-func nftScript(table, ifname string, prev nftSets, t *classifier.Tables, ingestFed bool) (string, nftSets) {
-	next := nftElements(t)
+func transaction(table, ifname string, prev elementSets, t *classifier.Tables, ingestFed bool) (string, elementSets) {
+	next := elements(t)
 	var b strings.Builder
 	if prev == nil {
 		// "add" then "delete" removes a leftover and is no error when
 		// there is none; the table is then made whole.
 		fmt.Fprintf(&b, "add table netdev %s\ndelete table netdev %s\n", table, table)
 		fmt.Fprintf(&b, "table netdev %s {\n", table)
-		for _, st := range nftSetTypes {
+		for _, st := range setTypes {
 			fmt.Fprintf(&b, "\tset %s { type %s; }\n", st.name, st.typ)
 		}
 		b.WriteString("\tchain rules {\n\t}\n")
@@ -202,13 +203,13 @@ func nftScript(table, ifname string, prev nftSets, t *classifier.Tables, ingestF
 		// A later fragment has no ports (nft would read payload bytes as
 		// ports): it goes to the kernel, whose datagram it may be.
 		b.WriteString("\t\tip frag-off & 0x1fff != 0 accept\n\t\tfrag frag-off != 0 accept\n")
-		for _, st := range nftSetTypes {
+		for _, st := range setTypes {
 			fmt.Fprintf(&b, "\t\t%s @%s drop\n", st.match, st.name)
 		}
 		b.WriteString("\t\tjump rules\n\t}\n}\n")
-		prev = nftSets{}
+		prev = elementSets{}
 	}
-	for _, st := range nftSetTypes {
+	for _, st := range setTypes {
 		var del, add []string
 		for e := range prev[st.name] {
 			if _, ok := next[st.name][e]; !ok {
@@ -231,13 +232,13 @@ func nftScript(table, ifname string, prev nftSets, t *classifier.Tables, ingestF
 	}
 	fmt.Fprintf(&b, "flush chain netdev %s rules\n", table)
 	for _, r := range t.Rules() {
-		fmt.Fprintf(&b, "add rule netdev %s rules %s\n", table, nftRule(r, ingestFed))
+		fmt.Fprintf(&b, "add rule netdev %s rules %s\n", table, ruleBody(r, ingestFed))
 	}
 	return b.String(), next
 }
 
-// nftPath finds the nft binary.
-func nftPath() (string, error) {
+// findNft finds the nft binary.
+func findNft() (string, error) {
 	if p, err := exec.LookPath("nft"); err == nil {
 		return p, nil
 	}
@@ -249,26 +250,26 @@ func nftPath() (string, error) {
 	return "", errors.New("the nft binary (Debian package nftables) is not installed")
 }
 
-// nftRunner runs nft in one network namespace: on its own OS thread, moved
+// runner runs nft in one network namespace: on its own OS thread, moved
 // into the namespace once and never given back to the runtime (the thread
-// ends with the runner), so nft sees the bridge's interface whichever thread
+// ends with the runner), so nft sees the table's interface whichever thread
 // calls.
-type nftRunner struct {
+type runner struct {
 	path string
-	reqs chan nftReq
+	reqs chan request
 }
 
-type nftReq struct {
+type request struct {
 	script string
 	done   chan error
 }
 
-func newNftRunner(ns netns.NsHandle) (*nftRunner, error) {
-	path, err := nftPath()
+func newRunner(ns netns.NsHandle) (*runner, error) {
+	path, err := findNft()
 	if err != nil {
 		return nil, err
 	}
-	r := &nftRunner{path: path, reqs: make(chan nftReq)}
+	r := &runner{path: path, reqs: make(chan request)}
 	started := make(chan error)
 	go func() {
 		runtime.LockOSThread() // never unlocked: the thread dies with us
@@ -287,7 +288,7 @@ func newNftRunner(ns netns.NsHandle) (*nftRunner, error) {
 	return r, nil
 }
 
-func (r *nftRunner) exec(script string) error {
+func (r *runner) exec(script string) error {
 	cmd := exec.Command(r.path, "-f", "-")
 	cmd.Stdin = strings.NewReader(script)
 	var out bytes.Buffer
@@ -299,75 +300,77 @@ func (r *nftRunner) exec(script string) error {
 }
 
 // run runs one transaction.
-func (r *nftRunner) run(script string) error {
+func (r *runner) run(script string) error {
 	done := make(chan error, 1)
-	r.reqs <- nftReq{script: script, done: done}
+	r.reqs <- request{script: script, done: done}
 	return <-done
 }
 
-func (r *nftRunner) close() { close(r.reqs) }
+func (r *runner) close() { close(r.reqs) }
 
-// kernelHider keeps the nftables table of one interface in step with the
-// classification tables.
-type kernelHider struct {
-	run    *nftRunner
+// Table is the nftables table that realises classification tables on one
+// interface. Its methods are not safe for concurrent use.
+type Table struct {
+	run    *runner
 	table  string
 	ifname string
-	sets   nftSets // what the kernel's sets hold; nil before the first update
-	// ingestFed: ingest rules drop (see the table's description).
+	sets   elementSets // what the kernel's sets hold; nil before the first update
+	// ingestFed: ingest rules drop (see the package description).
 	ingestFed bool
 }
 
-// newKernelHider installs the table for t, replacing any leftover of an
-// earlier run.
-func newKernelHider(ns netns.NsHandle, ifname string, t *classifier.Tables) (*kernelHider, error) {
-	run, err := newNftRunner(ns)
+// Open installs the table for t on interface ifname of namespace ns,
+// replacing any leftover of an earlier run. Ingest rules accept until
+// UpdateIngestFed says an engine is fed.
+func Open(ns netns.NsHandle, ifname string, t *classifier.Tables) (*Table, error) {
+	run, err := newRunner(ns)
 	if err != nil {
 		return nil, err
 	}
-	h := &kernelHider{run: run, table: nftTableName(ifname), ifname: ifname}
-	if err := h.update(t); err != nil {
+	h := &Table{run: run, table: TableName(ifname), ifname: ifname}
+	if err := h.Update(t); err != nil {
 		run.close()
 		return nil, err
 	}
 	return h, nil
 }
 
-// update makes the table match t in one transaction. On failure the old
+// Update makes the table match t in one transaction. On failure the old
 // state stays (nft transactions are all or nothing).
-func (h *kernelHider) update(t *classifier.Tables) error {
-	return h.updateFed(t, h.ingestFed)
+func (h *Table) Update(t *classifier.Tables) error {
+	return h.UpdateIngestFed(t, h.ingestFed)
 }
 
-// updateFed is update with the ingest rules' fate changed too.
-func (h *kernelHider) updateFed(t *classifier.Tables, ingestFed bool) error {
-	script, next := nftScript(h.table, h.ifname, h.sets, t, ingestFed)
+// UpdateIngestFed is Update that also decides the ingest rules' fate: with
+// ingestFed they drop, as an offload engine takes their frames.
+func (h *Table) UpdateIngestFed(t *classifier.Tables, ingestFed bool) error {
+	script, next := transaction(h.table, h.ifname, h.sets, t, ingestFed)
 	if err := h.run.run(script); err != nil {
-		return fmt.Errorf("bridge: hiding steered frames from the kernel: %w", err)
+		return fmt.Errorf("hiding steered frames from the kernel: %w", err)
 	}
 	h.sets, h.ingestFed = next, ingestFed
 	return nil
 }
 
-// close removes the table.
-func (h *kernelHider) close() error {
+// Close removes the table.
+func (h *Table) Close() error {
 	err := h.run.run(fmt.Sprintf("delete table netdev %s\n", h.table))
 	h.run.close()
 	return err
 }
 
-// removeLeftoverTable deletes the table a crashed run may have left on the
+// RemoveLeftover deletes the table a crashed run may have left on the
 // interface (on any path: a stale table would hide frames from the kernel
 // that nobody steers any more). No nft binary means no table to remove.
-func removeLeftoverTable(ns netns.NsHandle, ifname string) error {
-	if _, err := nftPath(); err != nil {
+func RemoveLeftover(ns netns.NsHandle, ifname string) error {
+	if _, err := findNft(); err != nil {
 		return nil
 	}
-	run, err := newNftRunner(ns)
+	run, err := newRunner(ns)
 	if err != nil {
 		return err
 	}
 	defer run.close()
-	t := nftTableName(ifname)
+	t := TableName(ifname)
 	return run.run(fmt.Sprintf("add table netdev %s\ndelete table netdev %s\n", t, t))
 }

@@ -1,4 +1,4 @@
-package ingest_test
+package offload_test
 
 import (
 	"fmt"
@@ -10,9 +10,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/fabricbridge/fabricbridge/bridge"
-	"github.com/fabricbridge/fabricbridge/bridge/ingest"
 	"github.com/fabricbridge/fabricbridge/classifier"
-	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/fabric/ingest"
 	"github.com/fabricbridge/fabricbridge/internal/testing/ingesttest"
 	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
 	"github.com/fabricbridge/fabricbridge/internal/topology"
@@ -26,8 +25,8 @@ type afpTopo struct {
 	br, out *topology.NS
 	v       *topology.Veth
 	b       *bridge.Bridge
-	eng     *ingest.Engine
-	ring    *fingest.Ring
+	off     *bridge.Offload
+	ring    *ingest.Ring
 }
 
 const (
@@ -46,7 +45,7 @@ func newAFPTopo(t *testing.T, queues int) *afpTopo {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { tp.b.Close() })
-	if tp.b.Program() != nil || tp.b.Path() != bridge.PathAFPacket {
+	if tp.b.Path() != bridge.PathAFPacket {
 		t.Fatalf("the bridge runs on %s, want afpacket", tp.b.Mode())
 	}
 	tables, err := classifier.Compile(&classifier.RuleSet{Rules: []classifier.Rule{
@@ -58,24 +57,20 @@ func newAFPTopo(t *testing.T, queues int) *afpTopo {
 	if err := tp.b.SetTables(tables); err != nil {
 		t.Fatal(err)
 	}
-	tp.ring, err = fingest.Create(fingest.Config{Name: filepath.Join(t.TempDir(), "r.sock"), Buffers: 256, BufferSize: 64 << 10, Window: 2 * time.Millisecond, BufferID: afpBuffer})
+	tp.ring, err = ingest.Create(ingest.Config{Name: filepath.Join(t.TempDir(), "r.sock"), Buffers: 256, BufferSize: 64 << 10, Window: 2 * time.Millisecond, BufferID: afpBuffer})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { tp.ring.Close() })
-	tp.eng = ingest.StartFed()
-	t.Cleanup(func() { tp.eng.Close() }) // before the ring closes
-	if err := tp.eng.Attach(afpBuffer, tp.ring); err != nil {
+	if tp.off, err = tp.b.StartOffload(bridge.OffloadConfig{}, map[uint32]*ingest.Ring{afpBuffer: tp.ring}); err != nil {
 		t.Fatal(err)
 	}
-	if err := tp.b.SetIngest(tp.eng); err != nil {
-		t.Fatal(err)
-	}
+	t.Cleanup(func() { tp.off.Close() }) // before the ring closes
 	return tp
 }
 
 func (tp *afpTopo) describe() string {
-	return fmt.Sprintf("engine %+v; ring %+v; bridge %+v", tp.eng.Stats(), tp.ring.Stats(), tp.b.Stats().Queues)
+	return fmt.Sprintf("engine %+v; ring %+v; bridge %+v", tp.off.Stats(), tp.ring.Stats(), tp.b.Stats().Queues)
 }
 
 func (tp *afpTopo) reader() *ingesttest.Reader {
@@ -108,9 +103,9 @@ func TestAFPacketPath(t *testing.T) {
 	for i := range flows {
 		senders = append(senders, tp.sender(i%4 == 3, uint16(6000+i), afpPort+uint16(i%4)))
 	}
-	start := fingest.Now()
+	start := ingest.Now()
 	ingesttest.SendPaced(t, rd, senders, perSender, chunk)
-	end := fingest.Now()
+	end := ingest.Now()
 	rd.CloseComplete(t, flows, perSender)
 	for i, s := range rd.Ref.Sources {
 		// The packet socket's stamps, moved onto CLOCK_MONOTONIC; a
@@ -120,7 +115,7 @@ func TestAFPacketPath(t *testing.T) {
 				i, int64(s.FirstRxNs-start), int64(s.LastRxNs-start), end-start)
 		}
 	}
-	st := tp.eng.Stats()
+	st := tp.off.Stats()
 	if st.Appended != flows*perSender || st.Dropped != 0 || st.Malformed != 0 || st.NoRing != 0 || st.Refused != 0 {
 		t.Errorf("engine %+v, want %d appended", st, flows*perSender)
 	}
@@ -160,7 +155,7 @@ func TestAFPacketMalformed(t *testing.T) {
 		}
 	}
 	big := make([]byte, 3000)
-	fingest.PutTriggerPayload(big, 999, nil)
+	ingest.PutTriggerPayload(big, 999, nil)
 	if err := s.Send(big); err != nil {
 		t.Fatal(err)
 	}
@@ -168,7 +163,7 @@ func TestAFPacketMalformed(t *testing.T) {
 	rd.WaitRecords(t, 2, 5*time.Second)
 	wantRefused := uint64(len(bad) + 3)
 	deadline := time.Now().Add(5 * time.Second)
-	for tp.eng.Stats().Refused < wantRefused && time.Now().Before(deadline) {
+	for tp.off.Stats().Refused < wantRefused && time.Now().Before(deadline) {
 		time.Sleep(time.Millisecond)
 	}
 	time.Sleep(50 * time.Millisecond) // anything else that would arrive
@@ -179,7 +174,7 @@ func TestAFPacketMalformed(t *testing.T) {
 	if n := rd.Records.Load(); n != 2 || rd.Ref.Sources[0].LastSeq != 1 {
 		t.Fatalf("%d records reached the ring (%+v), want the 2 whole datagrams", n, rd.Ref.Sources)
 	}
-	if st := tp.eng.Stats(); st.Appended != 2 || st.Refused != wantRefused || st.Malformed != 0 {
+	if st := tp.off.Stats(); st.Appended != 2 || st.Refused != wantRefused || st.Malformed != 0 {
 		t.Errorf("engine %+v, want 2 appended and %d refused", st, wantRefused)
 	}
 }
@@ -200,7 +195,7 @@ func TestAFPacketShortPayloads(t *testing.T) {
 		ingesttest.SendShort(t, v4, v6, raw, frames, tp.v)
 	})
 	ingesttest.CheckShort(t, got, 5101, 5102, 5103)
-	if st := tp.eng.Stats(); st.Appended != want || st.Malformed != 0 || st.Refused != 0 {
+	if st := tp.off.Stats(); st.Appended != want || st.Malformed != 0 || st.Refused != 0 {
 		t.Errorf("engine %+v", st)
 	}
 }

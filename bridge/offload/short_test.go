@@ -1,11 +1,11 @@
-package ingest
+package offload
 
 import (
 	"testing"
 	"time"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
-	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/fabric/ingest"
 	"github.com/fabricbridge/fabricbridge/internal/testing/ingesttest"
 )
 
@@ -19,7 +19,7 @@ import (
 func TestShortPayloads(t *testing.T) {
 	// The consumer reads after the last send: a buffer per datagram
 	// (sends slower than the window) must fit.
-	tp := newTopo(t, map[uint32]fingest.Config{bufTrigger: {Buffers: 128, BufferSize: 16 << 10}}, Config{})
+	tp := newTopo(t, map[uint32]ingest.Config{bufTrigger: {Buffers: 128, BufferSize: 16 << 10}}, Config{})
 	v4, v6 := tp.sender(false, 5101, portTrigger), tp.sender(true, 5102, portTrigger+1)
 	frames := ingesttest.ShortFrames(ingesttest.Endpoints{Src4: tp.v.B.Addr4.Addr(), Dst4: tp.v.A.Addr4.Addr()}, 5103, portTrigger+2)
 	raw := tp.packetSocket()

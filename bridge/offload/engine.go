@@ -17,7 +17,7 @@
 //
 // Where XDP cannot attach, the bridge runs on AF_PACKET and classifies
 // frames itself; an engine made by StartFed then takes its ingest
-// datagrams through Feeders (bridge.Bridge.SetIngest), stripped by
+// datagrams through Feeders (see bridge.Bridge.StartOffload), stripped by
 // classifier.Ingest into the same IngestMeta and payload, so that the
 // rings, and their consumers, cannot tell the paths apart — except by
 // latency: the packet socket hands frames over a block at a time (a 1 ms
@@ -27,7 +27,7 @@
 // Sockets come from bridge/xsk. On a queue that the bridge already serves,
 // the kernel allows one UMEM: pass the bridge's (Config.Umem) and the
 // engine's socket shares it and its fill ring.
-package ingest
+package offload
 
 import (
 	"errors"
@@ -42,14 +42,14 @@ import (
 	"github.com/fabricbridge/fabricbridge/bridge/xsk"
 	"github.com/fabricbridge/fabricbridge/classifier"
 	fbebpf "github.com/fabricbridge/fabricbridge/ebpf"
-	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/fabric/ingest"
 )
 
 // Config says where the engine receives. Zero fields take defaults.
 type Config struct {
-	// Program is the attached XDP classifier (bridge.Bridge.Program, or
-	// one the caller loaded and attached); the engine's sockets go into
-	// its IngestXSKMap.
+	// Program is the attached XDP classifier (the bridge's, or one the
+	// caller loaded and attached); the engine's sockets go into its
+	// IngestXSKMap.
 	Program *fbebpf.Program
 	// Ifindex is the interface, in the namespace of the thread calling
 	// Start.
@@ -57,7 +57,7 @@ type Config struct {
 	// Queues are the receive queues to serve; default queue 0.
 	Queues []int
 	// Umem, if set, returns the UMEM another socket on the queue already
-	// uses (bridge.Bridge.Umem): the engine's socket then shares it and
+	// uses (the bridge's): the engine's socket then shares it and
 	// its fill ring. If nil the engine makes its own UMEM per queue.
 	Umem func(queue int) *xsk.Umem
 	// FrameCount sizes the engine's own UMEMs (default 4096 frames of
@@ -108,7 +108,7 @@ type Engine struct {
 // for the last one.
 type attached struct {
 	mu   sync.Mutex
-	ring *fingest.Ring
+	ring *ingest.Ring
 	gone bool
 }
 
@@ -266,7 +266,7 @@ func (e *Engine) openQueue(id int) (*queue, error) {
 // Attach makes the engine the producer of r for datagrams of ingest buffer
 // id (the rule's Stream). From now on only the engine may touch r, until
 // Detach returns.
-func (e *Engine) Attach(id uint32, r *fingest.Ring) error {
+func (e *Engine) Attach(id uint32, r *ingest.Ring) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.closed {
@@ -314,7 +314,7 @@ func (q *queue) loop(started chan<- error) {
 	defer q.e.wg.Done()
 	rt := q.e.cfg.Priority > 0
 	if rt {
-		unlock, err := fingest.LockRealtime(q.e.cfg.Priority)
+		unlock, err := ingest.LockRealtime(q.e.cfg.Priority)
 		if err != nil {
 			started <- fmt.Errorf("ingest: queue %d: %w", q.id, err)
 			return
@@ -432,7 +432,7 @@ func (a *appender) add(m *classifier.IngestMeta, frame []byte) {
 		}
 		a.cur, a.curID = r, m.BufferID
 	}
-	src := fingest.Source{Addr: m.Src, SrcPort: m.SrcPort, DstPort: m.DstPort}
+	src := ingest.Source{Addr: m.Src, SrcPort: m.SrcPort, DstPort: m.DstPort}
 	if a.cur.ring.Append(src, m.RxTimestampNs, frame[m.PayloadOffset:end]) {
 		a.c.appended++
 	} else {
@@ -469,7 +469,7 @@ func (c *counters) add(b *batchCounts) {
 // tick closes the windows that are due on every ring and reports whether
 // a buffer is still open somewhere, and the earliest time one closes.
 func (e *Engine) tick() (next uint64, open bool) {
-	now := fingest.Now()
+	now := ingest.Now()
 	for _, a := range *e.rings.Load() {
 		a.mu.Lock()
 		if !a.gone {

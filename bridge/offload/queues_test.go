@@ -1,10 +1,10 @@
-package ingest
+package offload
 
 import (
 	"testing"
 	"time"
 
-	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/fabric/ingest"
 	"github.com/fabricbridge/fabricbridge/internal/testing/ingesttest"
 	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
@@ -14,7 +14,7 @@ import (
 // through two engine loops at once. Records arrive complete, in order per
 // source and byte-exact, and both queues carried some of them.
 func TestSeveralQueues(t *testing.T) {
-	tp := newTopoWith(t, topology.VethOptions{Queues: 2}, map[uint32]fingest.Config{
+	tp := newTopoWith(t, topology.VethOptions{Queues: 2}, map[uint32]ingest.Config{
 		bufTrigger: {Buffers: 256, BufferSize: 64 << 10, Window: 2 * time.Millisecond}, // room for a consumer stalled by -race on a loaded machine
 	}, Config{Queues: []int{0, 1}})
 	rd := tp.reader(bufTrigger, checkTrigger)

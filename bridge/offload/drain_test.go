@@ -1,4 +1,4 @@
-package ingest
+package offload
 
 import (
 	"fmt"
@@ -12,7 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
-	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/fabric/ingest"
 )
 
 // BenchmarkIngestDrain measures the receivers' own capacity, which
@@ -42,11 +42,11 @@ func BenchmarkIngestDrain(b *testing.B) {
 const drainFrames = 4000
 
 func benchDrain(b *testing.B, payload int) {
-	tp := newTopo(b, map[uint32]fingest.Config{
+	tp := newTopo(b, map[uint32]ingest.Config{
 		bufTrigger: {Buffers: 64, BufferSize: 256 << 10},
 	}, Config{FrameCount: benchFrames})
 	kr := tp.kernelReader(b)
-	cons := tp.countingConsumer(b, bufTrigger, fingest.ConsumerOptions{})
+	cons := tp.countingConsumer(b, bufTrigger, ingest.ConsumerOptions{})
 	rounds := 15
 	if n, err := strconv.Atoi(os.Getenv("FB_BENCH_ROUNDS")); err == nil && n > 0 {
 		rounds = n

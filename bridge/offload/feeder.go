@@ -1,11 +1,11 @@
-package ingest
+package offload
 
 import (
 	"errors"
 	"time"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
-	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/fabric/ingest"
 )
 
 // StartFed starts an engine without sockets, for a receive path that
@@ -42,7 +42,7 @@ func (e *Engine) windows() {
 			}
 			continue
 		}
-		d := time.Duration(int64(next - fingest.Now()))
+		d := time.Duration(int64(next - ingest.Now()))
 		if d <= 0 {
 			continue
 		}
@@ -82,7 +82,7 @@ func (e *Engine) NewFeeder(queue int) (*Feeder, error) {
 }
 
 // Add appends one datagram: m is what classifier.Ingest returned for the
-// frame, with RxTimestampNs set (CLOCK_MONOTONIC, fingest.Now's clock),
+// frame, with RxTimestampNs set (CLOCK_MONOTONIC, ingest.Now's clock),
 // and stripped is the frame without Ingest's strip bytes. The payload is
 // copied before Add returns. Until End the feeder holds the ring of the
 // last buffer id, so that several loops' batches do not interleave inside

@@ -6,9 +6,9 @@ import (
 	"testing"
 	"time"
 
-	bingest "github.com/fabricbridge/fabricbridge/bridge/ingest"
+	"github.com/fabricbridge/fabricbridge/bridge/offload"
 	"github.com/fabricbridge/fabricbridge/classifier"
-	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/fabric/ingest"
 )
 
 // TestAFPacketIngestNoAllocations drives the AF_PACKET RX loop by hand
@@ -20,19 +20,16 @@ func TestAFPacketIngestNoAllocations(t *testing.T) {
 	r.setTables(&classifier.RuleSet{Rules: []classifier.Rule{
 		{ID: 1, Protocol: classifier.ProtoUDP, DstPorts: classifier.Port(port), Action: classifier.ActionIngest, Stream: buffer},
 	}})
-	ring, err := fingest.Create(fingest.Config{Name: filepath.Join(t.TempDir(), "r.sock"), Buffers: 64, BufferSize: 1 << 20, Window: time.Hour, BufferID: buffer})
+	ring, err := ingest.Create(ingest.Config{Name: filepath.Join(t.TempDir(), "r.sock"), Buffers: 64, BufferSize: 1 << 20, Window: time.Hour, BufferID: buffer})
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer ring.Close()
-	eng := bingest.StartFed()
-	defer eng.Close() // before the ring closes
-	if err := eng.Attach(buffer, ring); err != nil {
+	off, err := r.b.StartOffload(OffloadConfig{}, map[uint32]*ingest.Ring{buffer: ring})
+	if err != nil {
 		t.Fatal(err)
 	}
-	if err := r.b.SetIngest(eng); err != nil {
-		t.Fatal(err)
-	}
+	defer off.Close() // before the ring closes
 	// Bursts 5 ms apart: a retired block each.
 	c := udpSocket(t, r.out, netip.AddrPortFrom(r.remote4, 0))
 	for range 8 {
@@ -51,7 +48,7 @@ func TestAFPacketIngestNoAllocations(t *testing.T) {
 			}
 		}
 	})
-	st := eng.Stats()
+	st := off.Stats()
 	// Six blocks were taken (a warm-up and five measured); a slow loop
 	// (-race) can see a burst split over two blocks, so ask for one burst.
 	if allocs != 0 || st.Appended < 48 || st.Appended != st.Received || uint64(frames) < st.Appended {
@@ -59,13 +56,13 @@ func TestAFPacketIngestNoAllocations(t *testing.T) {
 	}
 }
 
-// TestSetIngestOnlyOnAFPacket: on an XDP path the engine reads its own
-// sockets, and SetIngest says so.
-func TestSetIngestOnlyOnAFPacket(t *testing.T) {
+// TestFeedOnlyOnAFPacket: on an XDP path the engine reads its own
+// sockets, and setIngest says so.
+func TestFeedOnlyOnAFPacket(t *testing.T) {
 	r := newRig(t, Config{Path: PathGeneric, Mode: ModeStrict})
-	eng := bingest.StartFed()
+	eng := offload.StartFed()
 	defer eng.Close()
-	if err := r.b.SetIngest(eng); err == nil {
-		t.Fatal("SetIngest accepted on the generic XDP path")
+	if err := r.b.setIngest(eng); err == nil {
+		t.Fatal("setIngest accepted on the generic XDP path")
 	}
 }

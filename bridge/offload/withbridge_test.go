@@ -1,4 +1,4 @@
-package ingest_test
+package offload_test
 
 import (
 	"errors"
@@ -9,15 +9,14 @@ import (
 	"time"
 
 	"github.com/fabricbridge/fabricbridge/bridge"
-	"github.com/fabricbridge/fabricbridge/bridge/ingest"
 	"github.com/fabricbridge/fabricbridge/classifier"
-	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/fabric/ingest"
 	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
 	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 // TestBesideTheBridge runs the engine next to the bridge on the same
-// queue, as the appliance does: its socket shares the bridge's UMEM and
+// queue, as bridge.StartOffload does on an XDP path: its socket shares the bridge's UMEM and
 // fill ring and goes into the bridge's program's IngestXSKMap. Trigger
 // datagrams reach the ring whole and in order, and the kernel still
 // answers ping (the bridge passes what no rule claims).
@@ -32,7 +31,7 @@ func TestBesideTheBridge(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer b.Close()
-	if b.Program() == nil {
+	if b.Path() == bridge.PathAFPacket {
 		t.Skipf("the bridge runs on %s, without XDP", b.Mode())
 	}
 	tables, err := classifier.Compile(&classifier.RuleSet{Rules: []classifier.Rule{
@@ -44,13 +43,13 @@ func TestBesideTheBridge(t *testing.T) {
 	if err := b.SetTables(tables); err != nil {
 		t.Fatal(err)
 	}
-	ring, err := fingest.Create(fingest.Config{Name: filepath.Join(t.TempDir(), "r.sock"), Buffers: 64, BufferSize: 64 << 10, BufferID: 10})
+	ring, err := ingest.Create(ingest.Config{Name: filepath.Join(t.TempDir(), "r.sock"), Buffers: 64, BufferSize: 64 << 10, BufferID: 10})
 	if err != nil {
 		t.Fatal(err)
 	}
-	var eng *ingest.Engine
+	var eng *bridge.Offload
 	if err := br.Do(func() (err error) {
-		eng, err = ingest.Start(ingest.Config{Program: b.Program(), Ifindex: v.A.Index, Umem: b.Umem})
+		eng, err = b.StartOffload(bridge.OffloadConfig{}, map[uint32]*ingest.Ring{10: ring})
 		return err
 	}); err != nil {
 		ring.Close()
@@ -58,10 +57,7 @@ func TestBesideTheBridge(t *testing.T) {
 	}
 	defer ring.Close() // after the engine (deferred later, runs first)
 	defer eng.Close()
-	if err := eng.Attach(10, ring); err != nil {
-		t.Fatal(err)
-	}
-	c, err := fingest.Open(ring.Name(), fingest.ConsumerOptions{})
+	c, err := ingest.Open(ring.Name(), ingest.ConsumerOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -76,12 +72,12 @@ func TestBesideTheBridge(t *testing.T) {
 	}
 	defer conn.Close()
 	dst := netip.AddrPortFrom(v.A.Addr4.Addr(), 9000)
-	var ref fingest.Reference
+	var ref ingest.Reference
 	var p [64]byte
 	const n = 500
 	got := uint64(0)
 	for seq := range uint32(n) {
-		if _, err := conn.WriteToUDPAddrPort(p[:fingest.PutTriggerPayload(p[:], seq, []uint16{uint16(seq)})], dst); err != nil {
+		if _, err := conn.WriteToUDPAddrPort(p[:ingest.PutTriggerPayload(p[:], seq, []uint16{uint16(seq)})], dst); err != nil {
 			t.Fatal(err)
 		}
 		if seq%10 != 9 {
@@ -89,7 +85,7 @@ func TestBesideTheBridge(t *testing.T) {
 		}
 		for deadline := time.Now().Add(5 * time.Second); got < uint64(seq+1); {
 			buf, err := c.Next(50 * time.Millisecond)
-			if errors.Is(err, fingest.ErrTimeout) {
+			if errors.Is(err, ingest.ErrTimeout) {
 				if time.Now().After(deadline) {
 					t.Fatalf("%d of %d records; engine %+v", got, seq+1, eng.Stats())
 				}

@@ -1,4 +1,4 @@
-package ingest
+package offload
 
 import (
 	"fmt"
@@ -8,7 +8,7 @@ import (
 
 	"github.com/fabricbridge/fabricbridge/classifier"
 	fbebpf "github.com/fabricbridge/fabricbridge/ebpf"
-	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/fabric/ingest"
 	"github.com/fabricbridge/fabricbridge/internal/testing/ingesttest"
 	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
 	"github.com/fabricbridge/fabricbridge/internal/topology"
@@ -22,7 +22,7 @@ type topo struct {
 	v       *topology.Veth
 	prog    *fbebpf.Program
 	eng     *Engine
-	rings   map[uint32]*fingest.Ring
+	rings   map[uint32]*ingest.Ring
 }
 
 // Ingest rules of the standard topology: UDP to ports 9000-9003 goes to
@@ -49,15 +49,15 @@ var standardRules = []classifier.Rule{
 // newTopo builds the topology with a ring per entry of rings (buffer id ->
 // ring configuration; names are filled in) and the engine configured by
 // ecfg (Program and Ifindex are filled in).
-func newTopo(t testing.TB, rings map[uint32]fingest.Config, ecfg Config) *topo {
+func newTopo(t testing.TB, rings map[uint32]ingest.Config, ecfg Config) *topo {
 	return newTopoWith(t, topology.VethOptions{}, rings, ecfg)
 }
 
 // newTopoWith is newTopo on a veth made with opts.
-func newTopoWith(t testing.TB, opts topology.VethOptions, rings map[uint32]fingest.Config, ecfg Config) *topo {
+func newTopoWith(t testing.TB, opts topology.VethOptions, rings map[uint32]ingest.Config, ecfg Config) *topo {
 	testenv.RequirePrivileged(t)
 	br, out, v := topology.Pair(t, opts)
-	tp := &topo{t: t, br: br, out: out, v: v, rings: map[uint32]*fingest.Ring{}}
+	tp := &topo{t: t, br: br, out: out, v: v, rings: map[uint32]*ingest.Ring{}}
 	prog, err := fbebpf.Load()
 	if err != nil {
 		t.Fatal(err)
@@ -81,7 +81,7 @@ func newTopoWith(t testing.TB, opts topology.VethOptions, rings map[uint32]finge
 	for id, cfg := range rings {
 		cfg.Name = filepath.Join(dir, fmt.Sprintf("buffer%d.sock", id))
 		cfg.BufferID = id
-		r, err := fingest.Create(cfg)
+		r, err := ingest.Create(cfg)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -129,7 +129,7 @@ func (tp *topo) sender(v6 bool, sport, dport uint16) *ingesttest.Sender {
 
 // reader drains the ring of buffer id in the background (see
 // ingesttest.Reader); failures describe the topology's counters.
-func (tp *topo) reader(id uint32, check func(src fingest.Source, payload []byte) error) *ingesttest.Reader {
+func (tp *topo) reader(id uint32, check func(src ingest.Source, payload []byte) error) *ingesttest.Reader {
 	tp.t.Helper()
 	r := ingesttest.NewReader(tp.t, tp.rings[id].Name(), check)
 	r.Describe = tp.describe

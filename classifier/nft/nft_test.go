@@ -1,7 +1,6 @@
-package bridge
+package nft
 
 import (
-	"bytes"
 	"context"
 	"encoding/binary"
 	"fmt"
@@ -16,9 +15,7 @@ import (
 	vnetns "github.com/vishvananda/netns"
 	"golang.org/x/sys/unix"
 
-	"github.com/fabricbridge/fabricbridge/bridge/afpacket"
 	"github.com/fabricbridge/fabricbridge/classifier"
-	"github.com/fabricbridge/fabricbridge/fabric"
 	"github.com/fabricbridge/fabricbridge/internal/testing/framegen"
 	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
 	"github.com/fabricbridge/fabricbridge/internal/topology"
@@ -41,7 +38,7 @@ func TestNftScript(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	script, sets := nftScript("fabricbridge_x", "eth-0", nil, t1, false)
+	script, sets := transaction("fabricbridge_x", "eth-0", nil, t1, false)
 	for _, want := range []string{
 		"add table netdev fabricbridge_x\ndelete table netdev fabricbridge_x\n",
 		`type filter hook ingress device "eth-0" priority -500; policy accept;`,
@@ -62,7 +59,7 @@ func TestNftScript(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	script, _ = nftScript("fabricbridge_x", "eth-0", sets, t2, false)
+	script, _ = transaction("fabricbridge_x", "eth-0", sets, t2, false)
 	want := "delete element netdev fabricbridge_x flows4 { tcp . 198.19.0.9 . 5555 . 198.18.0.1 . 80 }\n" +
 		"add element netdev fabricbridge_x listen4 { udp . 198.18.0.1 . 54 }\n" +
 		"delete element netdev fabricbridge_x listen6 { tcp . 2001:db8::1 . 443 }\n" +
@@ -70,7 +67,7 @@ func TestNftScript(t *testing.T) {
 	if script != want {
 		t.Fatalf("update script\n%s\nwant\n%s", script, want)
 	}
-	if n := nftTableName("eth0.10@x-y"); n != "fabricbridge_eth0_10_x_y" {
+	if n := TableName("eth0.10@x-y"); n != "fabricbridge_eth0_10_x_y" {
 		t.Fatalf("table name %q", n)
 	}
 }
@@ -91,7 +88,7 @@ func TestNftScriptIngestFed(t *testing.T) {
 		{false, "add rule netdev fabricbridge_x rules meta l4proto udp th dport 9000-9003 accept comment \"rule 4\"\n"},
 		{true, "add rule netdev fabricbridge_x rules meta l4proto udp th dport 9000-9003 drop comment \"rule 4\"\n"},
 	} {
-		if script, _ := nftScript("fabricbridge_x", "eth-0", nil, tb, c.fed); !strings.Contains(script, c.want) {
+		if script, _ := transaction("fabricbridge_x", "eth-0", nil, tb, c.fed); !strings.Contains(script, c.want) {
 			t.Errorf("fed %v: script lacks %q:\n%s", c.fed, c.want, script)
 		}
 	}
@@ -108,7 +105,7 @@ func TestNftScriptIngestFed(t *testing.T) {
 // accepted onto another interface, where a packet socket sees it.
 func TestNftMirrorsClassifier(t *testing.T) {
 	testenv.RequirePrivileged(t)
-	if _, err := nftPath(); err != nil {
+	if _, err := findNft(); err != nil {
 		t.Fatal(err)
 	}
 	br, out, v := topology.Pair(t, topology.VethOptions{})
@@ -119,30 +116,25 @@ func TestNftMirrorsClassifier(t *testing.T) {
 	}
 	defer h.Close()
 	empty, _ := classifier.Compile(&classifier.RuleSet{})
-	hide, err := newKernelHider(h, v.A.Name, empty)
+	hide, err := Open(h, v.A.Name, empty)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer hide.close()
+	defer hide.Close()
 	ctx := context.Background()
 	if out, err := br.Exec(ctx, "nft", fmt.Sprintf(`add table netdev fbtest; add chain netdev fbtest copy { type filter hook ingress device %q priority 0; }; add rule netdev fbtest copy dup to %q`, v.A.Name, side.A.Name)); err != nil {
 		t.Fatalf("%v: %s", err, out)
 	}
-	var sock int
-	if err := br.Do(func() (err error) {
-		sock, err = unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, int(htons(unix.ETH_P_ALL)))
-		if err != nil {
-			return err
-		}
-		unix.SetsockoptInt(sock, unix.SOL_SOCKET, unix.SO_RCVBUFFORCE, 16<<20)
-		return unix.Bind(sock, &unix.SockaddrLinklayer{Ifindex: side.A.Index, Protocol: htons(unix.ETH_P_ALL)})
-	}); err != nil {
-		t.Fatal(err)
-	}
-	defer unix.Close(sock)
+	sock := br.PacketSocket(t, side.A.Index)
+	unix.SetsockoptInt(sock, unix.SOL_SOCKET, unix.SO_RCVBUFFORCE, 16<<20)
 	tv := unix.NsecToTimeval(int64(50 * time.Millisecond))
 	unix.SetsockoptTimeval(sock, unix.SOL_SOCKET, unix.SO_RCVTIMEO, &tv)
-	inject := injector(t, out, v.B.Index)
+	injectFd := out.PacketSocket(t, v.B.Index)
+	inject := func(f []byte) {
+		if _, err := unix.Write(injectFd, f); err != nil {
+			t.Fatal(err)
+		}
+	}
 
 	const magic = 0x46426964 // "FBid"
 	rng := rand.New(rand.NewPCG(3, 11))
@@ -160,7 +152,7 @@ func TestNftMirrorsClassifier(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := hide.update(tab); err != nil {
+		if err := hide.Update(tab); err != nil {
 			t.Fatal(err)
 		}
 		cls := classifier.New(tab, 0)
@@ -246,108 +238,6 @@ func TestNftMirrorsClassifier(t *testing.T) {
 	}
 }
 
-// TestAFPacketHidesSteered: on the AF_PACKET path the kernel never sees
-// steered or dropped frames (no ICMP port unreachable for steered UDP, no
-// datagram for a kernel socket behind a drop rule) while it still gets what
-// is its own; the table goes with Close, and a leftover of a crashed run is
-// replaced by the next Open.
-func TestAFPacketHidesSteered(t *testing.T) {
-	r := newRig(t, Config{Path: PathAFPacket, Mode: ModeStrict})
-	const dropPort = 7300
-	r.setTables(&classifier.RuleSet{
-		Listeners: []classifier.Listener{{ID: 1, Protocol: classifier.ProtoUDP, Port: udpPort1, Stream: 1}},
-		Rules:     []classifier.Rule{{ID: 2, Protocol: classifier.ProtoUDP, DstPorts: classifier.Port(dropPort), Action: classifier.ActionDrop}},
-	})
-	app := r.stream(1, r.ownership1(), fabric.Config{})
-	ks := udpSocket(t, r.br, netip.AddrPortFrom(r.local4, kernelPort))
-	dropped := udpSocket(t, r.br, netip.AddrPortFrom(r.local4, dropPort))
-	capt := newCapture(t, r.out, r.v.B.Index)
-	c := udpSocket(t, r.out, netip.AddrPortFrom(r.remote4, remotePort))
-	c6 := udpSocket(t, r.out, netip.AddrPortFrom(r.remote6, remotePort))
-	sendTo(t, c, netip.AddrPortFrom(r.local4, udpPort1), payloads(10, "steered"))
-	sendTo(t, c6, netip.AddrPortFrom(r.local6, udpPort1), payloads(10, "steered6"))
-	sendTo(t, c, netip.AddrPortFrom(r.local4, dropPort), payloads(10, "dropped"))
-	sendTo(t, c, netip.AddrPortFrom(r.local4, kernelPort), [][]byte{[]byte("kernel's")})
-	if got := recvN(t, app, 20, 3*time.Second); len(got) != 20 {
-		t.Fatalf("stream got %d of 20", len(got))
-	}
-	buf := make([]byte, 2048)
-	ks.SetReadDeadline(time.Now().Add(3 * time.Second))
-	if n, err := ks.Read(buf); err != nil || string(buf[:n]) != "kernel's" {
-		t.Fatalf("kernel socket: %q %v", buf[:n], err)
-	}
-	dropped.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
-	if n, err := dropped.Read(buf); err == nil {
-		t.Fatalf("the kernel socket behind a drop rule got %q", buf[:n])
-	}
-	// An ICMP(v6) error from the bridge host would be on its way by now.
-	frames, _ := capt.until(200*time.Millisecond, func([]byte) bool { return false })
-	for _, f := range frames {
-		if icmpError(f) {
-			t.Fatalf("the bridge host's kernel answered a steered or dropped frame: %x", f)
-		}
-	}
-
-	table := nftTableName(r.v.A.Name)
-	listTables := func() string {
-		out, err := r.br.Exec(context.Background(), "nft", "list", "tables")
-		if err != nil {
-			t.Fatal(err)
-		}
-		return string(out)
-	}
-	if !strings.Contains(listTables(), table) {
-		t.Fatalf("no table %s while open: %s", table, listTables())
-	}
-	if err := r.b.Close(); err != nil {
-		t.Fatal(err)
-	}
-	if strings.Contains(listTables(), table) {
-		t.Fatalf("table %s left after Close", table)
-	}
-
-	// A crashed run's table (here: one that hides UDP 7200, the kernel's
-	// port) is replaced by Open, on any path.
-	if out, err := r.br.Exec(context.Background(), "nft", fmt.Sprintf("add table netdev %s; add chain netdev %s ingress { type filter hook ingress device %q priority -500; }; add rule netdev %s ingress udp dport %d drop", table, table, r.v.A.Name, table, kernelPort)); err != nil {
-		t.Fatalf("%v: %s", err, out)
-	}
-	for _, p := range paths {
-		cfg := p.cfg
-		cfg.Interface, cfg.FrameCount = r.v.A.Name, 256
-		var b *Bridge
-		if err := r.br.Do(func() (err error) { b, err = Open(cfg); return err }); err != nil {
-			t.Fatal(err)
-		}
-		sendTo(t, c, netip.AddrPortFrom(r.local4, kernelPort), [][]byte{[]byte("after " + p.name)})
-		ks.SetReadDeadline(time.Now().Add(3 * time.Second))
-		if n, err := ks.Read(buf); err != nil || string(buf[:n]) != "after "+p.name {
-			t.Fatalf("%s: the kernel socket after a leftover table: %q %v", p.name, buf[:n], err)
-		}
-		b.Close()
-		if strings.Contains(listTables(), table) {
-			t.Fatalf("%s: table %s left after Close", p.name, table)
-		}
-		// Leave a leftover for the next path too.
-		r.br.Exec(context.Background(), "nft", fmt.Sprintf("add table netdev %s; add chain netdev %s ingress { type filter hook ingress device %q priority -500; }; add rule netdev %s ingress udp dport %d drop", table, table, r.v.A.Name, table, kernelPort))
-	}
-}
-
-// icmpError reports whether an Ethernet frame is an ICMP destination
-// unreachable or an ICMPv6 error.
-func icmpError(f []byte) bool {
-	if len(f) < 14+40+1 {
-		return len(f) >= 14+20+1 && bytes.Equal(f[12:14], []byte{8, 0}) && f[14+9] == 1 && f[14+20] == 3
-	}
-	switch {
-	case bytes.Equal(f[12:14], []byte{8, 0}):
-		ihl := int(f[14]&0xf) * 4
-		return f[14+9] == 1 && len(f) > 14+ihl && f[14+ihl] == 3
-	case bytes.Equal(f[12:14], []byte{0x86, 0xdd}):
-		return f[14+6] == 58 && f[14+40] < 128
-	}
-	return false
-}
-
 // handRuleSet has an entry of every kind the table mirrors, over framegen's
 // address and port pools, and frames aimed at each (untagged and behind
 // 802.1Q and 802.1ad tags of VLAN 20).
@@ -413,66 +303,4 @@ func handIDs(rs *classifier.RuleSet) []uint32 {
 		ids = append(ids, r.ID)
 	}
 	return ids
-}
-
-// TestAFPacketTurnsOffMerging: the AF_PACKET path turns GRO off on its
-// interface (a tap would see merged super-packets) and turns it back on at
-// Close.
-func TestAFPacketTurnsOffMerging(t *testing.T) {
-	testenv.RequirePrivileged(t)
-	br, _, v := topology.Pair(t, topology.VethOptions{})
-	gro := func() (on bool) {
-		t.Helper()
-		if err := br.Do(func() error {
-			o, err := afpacket.DisableMerging(v.A.Name)
-			if err != nil {
-				return err
-			}
-			on = slices.Contains(o.Changed(), "rx-gro")
-			return o.Restore()
-		}); err != nil {
-			t.Fatal(err)
-		}
-		return on
-	}
-	if err := br.Do(func() error {
-		o, err := afpacket.DisableMerging(v.A.Name)
-		if err != nil {
-			return err
-		}
-		defer o.Restore()
-		return o.SetFeature("rx-gro", true)
-	}); err != nil {
-		t.Fatal(err)
-	}
-	if !gro() {
-		t.Fatal("could not turn GRO on for the test")
-	}
-	var b *Bridge
-	if err := br.Do(func() (err error) {
-		b, err = Open(Config{Interface: v.A.Name, Path: PathAFPacket, Mode: ModeStrict, FrameCount: 256})
-		if err != nil {
-			return err
-		}
-		o, err := afpacket.DisableMerging(v.A.Name)
-		if err != nil {
-			return err
-		}
-		defer o.Restore()
-		if on, err := o.Active("rx-gro"); err != nil || on {
-			return fmt.Errorf("GRO on while the AF_PACKET path runs (%v)", err)
-		}
-		return nil
-	}); err != nil {
-		if b != nil {
-			b.Close()
-		}
-		t.Fatal(err)
-	}
-	if err := b.Close(); err != nil {
-		t.Fatal(err)
-	}
-	if !gro() {
-		t.Fatal("GRO not turned back on at Close")
-	}
 }

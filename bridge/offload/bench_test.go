@@ -1,4 +1,4 @@
-package ingest
+package offload
 
 import (
 	"errors"
@@ -19,7 +19,7 @@ import (
 
 	"github.com/fabricbridge/fabricbridge/classifier"
 	fbebpf "github.com/fabricbridge/fabricbridge/ebpf"
-	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
+	"github.com/fabricbridge/fabricbridge/fabric/ingest"
 	"github.com/fabricbridge/fabricbridge/internal/testing/framegen"
 	"github.com/fabricbridge/fabricbridge/internal/testing/xdpgen"
 	"github.com/fabricbridge/fabricbridge/internal/topology"
@@ -29,7 +29,7 @@ var benchTrace = os.Getenv("FB_BENCH_TRACE") != ""
 
 // benchPriority (FB_BENCH_PRIORITY) runs the engine's loop and the
 // consumers at this SCHED_FIFO priority (Config.Priority,
-// fingest.LockRealtime with NoYield).
+// ingest.LockRealtime with NoYield).
 var benchPriority, _ = strconv.Atoi(os.Getenv("FB_BENCH_PRIORITY"))
 
 // benchFrames sizes the engine's UMEM (and so its RX ring): 16384
@@ -75,7 +75,7 @@ func BenchmarkIngest(b *testing.B) {
 // with rules, feeding rings through a fed engine; close undoes it and
 // leaves the rings open. Set by afpacket_bench_test.go: this package's own
 // test files cannot import the bridge.
-var OpenAFPacketPath func(tb testing.TB, br *topology.NS, ifname string, rules []classifier.Rule, rings map[uint32]*fingest.Ring) (close func())
+var OpenAFPacketPath func(tb testing.TB, br *topology.NS, ifname string, rules []classifier.Rule, rings map[uint32]*ingest.Ring) (close func())
 
 func envDuration(name string) time.Duration {
 	d, _ := time.ParseDuration(os.Getenv(name))
@@ -92,7 +92,7 @@ func benchIngest(b *testing.B, payload int) {
 	// Throughput through a ring with the default 100 µs window (256
 	// buffers: 25 ms of slack for a consumer the scheduler holds back);
 	// latency through one with a 20 µs window, on another port.
-	tp := newTopo(b, map[uint32]fingest.Config{
+	tp := newTopo(b, map[uint32]ingest.Config{
 		bufTrigger: {Buffers: 256, BufferSize: 256 << 10},
 		bufOther:   {Buffers: 256, BufferSize: 256 << 10, Window: latencyWindow},
 	}, Config{FrameCount: benchFrames, Spin: envDuration("FB_BENCH_ENGINE_SPIN"), Priority: benchPriority})
@@ -103,7 +103,7 @@ func benchIngest(b *testing.B, payload int) {
 	lat := func() *paced { return tp.generator(b, portOther, payload) }
 	ker := func() *paced { return tp.generator(b, kernelPort, payload) }
 	kr := tp.kernelReader(b)
-	copts := fingest.ConsumerOptions{Spin: envDuration("FB_BENCH_CONSUMER_SPIN"), NoYield: benchPriority > 0}
+	copts := ingest.ConsumerOptions{Spin: envDuration("FB_BENCH_CONSUMER_SPIN"), NoYield: benchPriority > 0}
 	cons := tp.countingConsumer(b, bufTrigger, copts)
 	lcons := tp.countingConsumer(b, bufOther, copts)
 	// The AF_PACKET path: the XDP program off (as where it cannot
@@ -394,7 +394,7 @@ func (tp *topo) kernelReader(b *testing.B) *kernelReader {
 // record of every buffer (reading its header and payload length), then
 // releases the buffer.
 type countingConsumer struct {
-	c       *fingest.Consumer
+	c       *ingest.Consumer
 	records atomic.Uint64
 	mu      sync.Mutex
 	s       latencySample
@@ -414,8 +414,8 @@ type latencySample struct {
 	took           time.Duration
 }
 
-func (tp *topo) countingConsumer(b *testing.B, id uint32, opts fingest.ConsumerOptions) *countingConsumer {
-	c, err := fingest.Open(tp.rings[id].Name(), opts)
+func (tp *topo) countingConsumer(b *testing.B, id uint32, opts ingest.ConsumerOptions) *countingConsumer {
+	c, err := ingest.Open(tp.rings[id].Name(), opts)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -426,7 +426,7 @@ func (tp *topo) countingConsumer(b *testing.B, id uint32, opts fingest.ConsumerO
 	go func() {
 		defer wg.Done()
 		if opts.NoYield {
-			unlock, err := fingest.LockRealtime(benchPriority)
+			unlock, err := ingest.LockRealtime(benchPriority)
 			if err != nil {
 				b.Error(err)
 				return
@@ -435,7 +435,7 @@ func (tp *topo) countingConsumer(b *testing.B, id uint32, opts fingest.ConsumerO
 		}
 		for !stop.Load() {
 			buf, err := c.Next(20 * time.Millisecond)
-			if errors.Is(err, fingest.ErrTimeout) {
+			if errors.Is(err, ingest.ErrTimeout) {
 				continue
 			}
 			if err != nil {

@@ -1,0 +1,149 @@
+package control
+
+import (
+	"net/netip"
+	"slices"
+
+	"github.com/fabricbridge/fabricbridge/classifier"
+)
+
+// This file turns the claims into what the data plane enforces: the
+// classifier tables that steer to each stream, and each stream's ownership
+// for the transmit check.
+
+// union is the ownership of both x and y.
+func union(x, y classifier.Ownership) classifier.Ownership {
+	out := classifier.Ownership{Addrs: slices.Clone(x.Addrs), Ports: slices.Clone(x.Ports)}
+	for _, a := range y.Addrs {
+		if !slices.Contains(out.Addrs, a) {
+			out.Addrs = append(out.Addrs, a)
+		}
+	}
+	for _, p := range y.Ports {
+		if !slices.Contains(out.Ports, p) {
+			out.Ports = append(out.Ports, p)
+		}
+	}
+	return out
+}
+
+// compile builds the tables from the static rules and every claim.
+func (r *registry) compile() (*classifier.Tables, error) {
+	set := classifier.RuleSet{Rules: slices.Clone(r.static.Rules)}
+	for _, a := range r.apps {
+		if a.static != nil {
+			for _, l := range a.static.Listeners {
+				l.Stream = a.stream
+				set.Listeners = append(set.Listeners, l)
+			}
+			for _, rule := range a.static.Rules {
+				rule.Stream = a.stream
+				set.Rules = append(set.Rules, rule)
+			}
+		}
+		for _, c := range a.claims {
+			if c.listener {
+				addr, need := a.uncovered(c)
+				if !need {
+					continue // the application's configured listener steers it
+				}
+				set.Listeners = append(set.Listeners, classifier.Listener{
+					ID: c.ruleID, Protocol: c.proto, Addr: addr, Port: c.port, Stream: a.stream,
+				})
+			} else {
+				set.Flows = append(set.Flows, classifier.Flow{
+					ID: a.flowID, Protocol: c.proto, Remote: c.remote,
+					Local: netip.AddrPortFrom(c.addr, c.port), Stream: a.stream,
+				})
+			}
+		}
+	}
+	return classifier.Compile(&set)
+}
+
+// uncovered says which part of listener claim c needs a table entry of its
+// own: the part that none of a's configured listeners (while a holds them)
+// already steers to a. need is false when they cover all of it, so the claim
+// shares their entries; else addr is what the claim's own entry must listen
+// on (c.addr, or one family's wildcard when a configured wildcard covers
+// the other). Deciding this when the tables are compiled, not when the
+// claim is made, keeps the claim steered if a reload takes the configured
+// listener away.
+func (a *app) uncovered(c *claim) (addr netip.Addr, need bool) {
+	if a.static == nil {
+		return c.addr, true
+	}
+	covered := func(part netip.Addr) bool {
+		for _, l := range a.static.Listeners {
+			if l.Protocol == c.proto && l.Port == c.port && covers(l.Addr, part) {
+				return true
+			}
+		}
+		return false
+	}
+	if c.addr.IsValid() {
+		return c.addr, !covered(c.addr)
+	}
+	v4, v6 := covered(netip.IPv4Unspecified()), covered(netip.IPv6Unspecified())
+	switch {
+	case v4 && v6:
+		return netip.Addr{}, false
+	case v4:
+		return netip.IPv6Unspecified(), true
+	case v6:
+		return netip.IPv4Unspecified(), true
+	}
+	return c.addr, true
+}
+
+// covers reports whether a listener on l receives every packet one on addr
+// (valid) would.
+func covers(l, addr netip.Addr) bool {
+	switch {
+	case !l.IsValid():
+		return true
+	case l.Is4() != addr.Is4():
+		return false
+	case l.IsUnspecified():
+		return true
+	}
+	return l == addr
+}
+
+// ownership is what a's stream may send: its claims' ports and those of
+// its static entries.
+func (a *app) ownership() classifier.Ownership {
+	own := classifier.Ownership{Addrs: slices.Clone(a.policy.Addrs)}
+	add := func(proto classifier.Protocol, port uint16) {
+		pc := classifier.PortClaim{Proto: proto, Port: port}
+		if !slices.Contains(own.Ports, pc) {
+			own.Ports = append(own.Ports, pc)
+		}
+	}
+	for _, c := range a.claims {
+		add(c.proto, c.port)
+	}
+	if as := a.static; as != nil {
+		for _, l := range as.Listeners {
+			add(l.Protocol, l.Port)
+		}
+		for _, rule := range as.Rules {
+			if rule.DstPorts.Lo != rule.DstPorts.Hi || rule.DstPorts.IsAny() {
+				continue
+			}
+			if rule.Protocol != classifier.ProtoUDP {
+				add(classifier.ProtoTCP, rule.DstPorts.Lo)
+			}
+			if rule.Protocol != classifier.ProtoTCP {
+				add(classifier.ProtoUDP, rule.DstPorts.Lo)
+			}
+		}
+	}
+	slices.SortFunc(own.Ports, func(x, y classifier.PortClaim) int {
+		if x.Proto != y.Proto {
+			return int(x.Proto) - int(y.Proto)
+		}
+		return int(x.Port) - int(y.Port)
+	})
+	return own
+}

@@ -1,0 +1,140 @@
+package fabric
+
+import (
+	"fmt"
+	"runtime"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// Send transmits packets (IPv4 or IPv6, starting at the IP header) with
+// one sendmmsg per batch, waiting for credit when the peer's queue is at
+// its high-water mark (backpressure, as on the shm TX ring). It returns
+// len(pkts), or fewer and an error.
+//
+// With GSO, each run of packets of one length (and at most one shorter
+// packet ending it) is a single sendmmsg entry that the kernel, or the
+// NIC, cuts into one datagram per packet: the same datagrams on the wire,
+// one pass through the stack instead of one per packet. A path that
+// refuses a segment size (EMSGSIZE: it exceeds the MTU, where a single
+// datagram would have been fragmented) makes the stream send that size
+// and larger ones singly from then on.
+func (s *RemoteStream) Send(pkts [][]byte) (int, error) {
+	s.sendMu.Lock()
+	defer s.sendMu.Unlock()
+	done, retries := 0, 0
+	maxLen := s.MaxPayload()
+	for done < len(pkts) {
+		if err := s.Err(); err != nil {
+			return done, err
+		}
+		allow := s.gate.allowance()
+		if allow == 0 {
+			s.stalls.Add(1)
+			select {
+			case <-s.creditCh:
+			case <-s.dead:
+			case <-s.r.done:
+				return done, ErrClosed
+			}
+			continue
+		}
+		k := min(allow, len(pkts)-done, remoteBatch)
+		batch := pkts[done : done+k]
+		for i, pkt := range batch {
+			proto, ok := protoFor(pkt)
+			if !ok || len(pkt) > maxLen {
+				return done, fmt.Errorf("%w: packet %d is not an IP packet of at most %d bytes", ErrTooBig, done+i, maxLen)
+			}
+			putGeneve(s.shdrs[i][:], s.vni, proto, 0, false)
+			s.siovs[2*i+1].Base = &pkt[0]
+			s.siovs[2*i+1].SetLen(len(pkt))
+		}
+		nmsg := s.group(batch)
+		// Count the batch as sent before it leaves: the peer may consume
+		// and credit it before sendmmsg returns, and a credit beyond the
+		// sent count would be refused as forged.
+		s.sent.Add(uint64(k))
+		n, _, errno := unix.Syscall6(unix.SYS_SENDMMSG, uintptr(s.r.fd), uintptr(unsafe.Pointer(&s.smsgs[0])), uintptr(nmsg), 0, 0, 0)
+		runtime.KeepAlive(pkts)
+		for i := range batch {
+			s.siovs[2*i+1].Base = nil // do not keep the caller's buffers reachable
+		}
+		if errno != 0 {
+			n = 0
+		}
+		left := 0
+		for i := int(n); i < nmsg; i++ {
+			left += s.scount[i]
+		}
+		for i := 0; i < int(n); i++ {
+			if s.scount[i] > 1 {
+				s.r.segmented.Add(1)
+			}
+		}
+		if left > 0 {
+			s.sent.Add(^uint64(left - 1)) // subtract what did not leave
+		}
+		done += k - left
+		s.gate.sent += uint32(k - left)
+		switch {
+		case errno == 0 || errno == unix.EINTR || errno == unix.EAGAIN || errno == unix.ENOBUFS:
+		case s.scount[n] > 1 && (errno == unix.EMSGSIZE || errno == unix.EINVAL || errno == unix.EIO):
+			// The path will not take this segment size as GSO.
+			s.gsoLimit = geneveHdrLen + len(pkts[done]) - 1
+		case retries < 8 && (errno == unix.ECONNREFUSED || errno == unix.EHOSTUNREACH ||
+			errno == unix.ENETUNREACH || errno == unix.EHOSTDOWN || errno == unix.EMSGSIZE):
+			// An ICMP error queued for the socket (IP_RECVERR) is
+			// reported once, by whichever call comes next, whatever
+			// peer it concerns; the loop reads the details. Retry.
+			retries++
+		default:
+			return done, fmt.Errorf("fabric: sendmmsg to %v: %w", s.peerAP, errno)
+		}
+	}
+	return done, nil
+}
+
+// group lays out one batch (GENEVE headers and iovecs already filled)
+// as sendmmsg entries and returns how many. Without GSO every packet is
+// an entry; with it, a run of packets of one length, ended by at most
+// one shorter packet, shares an entry with a UDP_SEGMENT control message,
+// as the kernel requires (every segment full-sized but the last).
+func (s *RemoteStream) group(batch [][]byte) int {
+	nmsg := 0
+	for i := 0; i < len(batch); {
+		seg := geneveHdrLen + len(batch[i])
+		j := i + 1
+		if s.r.gso && seg <= s.gsoLimit {
+			total := seg
+			for j < len(batch) && j-i < maxGSOSegs {
+				l := geneveHdrLen + len(batch[j])
+				if l > seg || total+l > maxDatagram {
+					break
+				}
+				total += l
+				j++
+				if l < seg {
+					break
+				}
+			}
+		}
+		h := &s.smsgs[nmsg].Hdr
+		h.Iov = &s.siovs[2*i]
+		h.SetIovlen(2 * (j - i))
+		if j-i > 1 {
+			c := &s.scmsg[nmsg]
+			*(*uint16)(unsafe.Pointer(&c[unix.SizeofCmsghdr])) = uint16(seg)
+			h.Control = &c[0]
+			h.SetControllen(cmsgSegLen)
+		} else {
+			h.Control = nil
+			h.SetControllen(0)
+		}
+		s.scount[nmsg] = j - i
+		nmsg++
+		i = j
+	}
+	return nmsg
+}

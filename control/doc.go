@@ -40,7 +40,7 @@
 // register gives the application its stream, once per connection. Over the
 // Unix socket the reply frame carries, as SCM_RIGHTS, one end of a fresh
 // socketpair over which the bridge then performs fabric's shm handover
-// (fabric.Stream.Handover / fabric.AttachShm); the pair is separate from the
+// (fabric.BridgeStream.Handover / fabric.AttachShm); the pair is separate from the
 // control connection because the handover's socket belongs to the stream
 // afterwards. Over TCP the request names the application's GENEVE endpoint
 // (its address must be the control connection's source address, or

@@ -167,7 +167,7 @@ func (r *Remote) Register(vni uint32, peer netip.AddrPort) (*RemoteStream, error
 	if r.closed.Load() {
 		return nil, ErrClosed
 	}
-	p, c, err := NewRingPair(r.cfg.Depth, r.cfg.SlotSize)
+	p, c, err := newRingPair(r.cfg.Depth, r.cfg.SlotSize)
 	if err != nil {
 		return nil, err
 	}
@@ -182,6 +182,7 @@ func (r *Remote) Register(vni uint32, peer netip.AddrPort) (*RemoteStream, error
 		rxP: p, rxC: c, efd: efd, creditCh: make(chan struct{}, 1), dead: make(chan struct{}),
 		lastRx: now, lastKeep: now, gsoLimit: maxDatagram,
 	}
+	s.bridged.s = s
 	s.rxWait = newWaiter(efd, p.v.consArmed)
 	s.rxReady.s = s
 	s.gate.high, s.gate.low = uint32(r.cfg.High), uint32(r.cfg.Low)

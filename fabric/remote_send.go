@@ -40,60 +40,86 @@ func (s *RemoteStream) Send(pkts [][]byte) (int, error) {
 			}
 			continue
 		}
-		k := min(allow, len(pkts)-done, remoteBatch)
-		batch := pkts[done : done+k]
-		for i, pkt := range batch {
-			proto, ok := protoFor(pkt)
-			if !ok || len(pkt) > maxLen {
-				return done, fmt.Errorf("%w: packet %d is not an IP packet of at most %d bytes", ErrTooBig, done+i, maxLen)
-			}
-			putGeneve(s.shdrs[i][:], s.vni, proto, 0, false)
-			s.siovs[2*i+1].Base = &pkt[0]
-			s.siovs[2*i+1].SetLen(len(pkt))
+		batch := pkts[done : done+min(allow, len(pkts)-done, remoteBatch)]
+		if i := s.stage(batch, maxLen); i < len(batch) {
+			return done, fmt.Errorf("%w: packet %d is not an IP packet of at most %d bytes", ErrTooBig, done+i, maxLen)
 		}
-		nmsg := s.group(batch)
-		// Count the batch as sent before it leaves: the peer may consume
-		// and credit it before sendmmsg returns, and a credit beyond the
-		// sent count would be refused as forged.
-		s.sent.Add(uint64(k))
-		n, _, errno := unix.Syscall6(unix.SYS_SENDMMSG, uintptr(s.r.fd), uintptr(unsafe.Pointer(&s.smsgs[0])), uintptr(nmsg), 0, 0, 0)
-		runtime.KeepAlive(pkts)
-		for i := range batch {
-			s.siovs[2*i+1].Base = nil // do not keep the caller's buffers reachable
-		}
-		if errno != 0 {
-			n = 0
-		}
-		left := 0
-		for i := int(n); i < nmsg; i++ {
-			left += s.scount[i]
-		}
-		for i := 0; i < int(n); i++ {
-			if s.scount[i] > 1 {
-				s.r.segmented.Add(1)
-			}
-		}
-		if left > 0 {
-			s.sent.Add(^uint64(left - 1)) // subtract what did not leave
-		}
-		done += k - left
-		s.gate.sent += uint32(k - left)
+		n, errno := s.transmit(batch, 0)
+		done += n
 		switch {
 		case errno == 0 || errno == unix.EINTR || errno == unix.EAGAIN || errno == unix.ENOBUFS:
-		case s.scount[n] > 1 && (errno == unix.EMSGSIZE || errno == unix.EINVAL || errno == unix.EIO):
-			// The path will not take this segment size as GSO.
-			s.gsoLimit = geneveHdrLen + len(pkts[done]) - 1
-		case retries < 8 && (errno == unix.ECONNREFUSED || errno == unix.EHOSTUNREACH ||
-			errno == unix.ENETUNREACH || errno == unix.EHOSTDOWN || errno == unix.EMSGSIZE):
-			// An ICMP error queued for the socket (IP_RECVERR) is
-			// reported once, by whichever call comes next, whatever
-			// peer it concerns; the loop reads the details. Retry.
+		case retries < 8 && icmpReported(errno):
 			retries++
 		default:
 			return done, fmt.Errorf("fabric: sendmmsg to %v: %w", s.peerAP, errno)
 		}
 	}
 	return done, nil
+}
+
+// icmpReported reports an error that an ICMP message queued for the socket
+// (IP_RECVERR) caused. It is reported once, by whichever call comes next,
+// whatever peer it concerns; the loop reads the details, and the sender
+// tries again.
+func icmpReported(errno unix.Errno) bool {
+	return errno == unix.ECONNREFUSED || errno == unix.EHOSTUNREACH ||
+		errno == unix.ENETUNREACH || errno == unix.EHOSTDOWN || errno == unix.EMSGSIZE
+}
+
+// stage writes the GENEVE header and iovecs of each packet of batch, up to
+// the first that is not an IP packet of at most maxLen bytes, and returns
+// how many it staged.
+func (s *RemoteStream) stage(batch [][]byte, maxLen int) int {
+	for i, pkt := range batch {
+		proto, ok := protoFor(pkt)
+		if !ok || len(pkt) > maxLen {
+			return i
+		}
+		putGeneve(s.shdrs[i][:], s.vni, proto, 0, false)
+		s.siovs[2*i+1].Base = &pkt[0]
+		s.siovs[2*i+1].SetLen(len(pkt))
+	}
+	return len(batch)
+}
+
+// transmit sends a staged batch with one sendmmsg and returns how many
+// packets left, with the error that stopped the rest. A GSO entry the path
+// refuses (EMSGSIZE and the like: the segment size exceeds its MTU, where a
+// single datagram would have been fragmented) lowers gsoLimit below that
+// size and reports no error: the caller sends the rest again, singly.
+func (s *RemoteStream) transmit(batch [][]byte, flags int) (int, unix.Errno) {
+	k := len(batch)
+	nmsg := s.group(batch)
+	// Count the batch as sent before it leaves: the peer may consume and
+	// credit it before sendmmsg returns, and a credit beyond the sent
+	// count would be refused as forged.
+	s.sent.Add(uint64(k))
+	n, _, errno := unix.Syscall6(unix.SYS_SENDMMSG, uintptr(s.r.fd), uintptr(unsafe.Pointer(&s.smsgs[0])), uintptr(nmsg), uintptr(flags), 0, 0)
+	runtime.KeepAlive(batch)
+	for i := range batch {
+		s.siovs[2*i+1].Base = nil // do not keep the caller's buffers reachable
+	}
+	if errno != 0 {
+		n = 0
+	}
+	left := 0
+	for i := int(n); i < nmsg; i++ {
+		left += s.scount[i]
+	}
+	for i := 0; i < int(n); i++ {
+		if s.scount[i] > 1 {
+			s.r.segmented.Add(1)
+		}
+	}
+	if left > 0 {
+		s.sent.Add(^uint64(left - 1)) // subtract what did not leave
+	}
+	s.gate.sent += uint32(k - left)
+	if errno != 0 && s.scount[0] > 1 && (errno == unix.EMSGSIZE || errno == unix.EINVAL || errno == unix.EIO) {
+		s.gsoLimit = geneveHdrLen + len(batch[0]) - 1
+		errno = 0
+	}
+	return k - left, errno
 }
 
 // group lays out one batch (GENEVE headers and iovecs already filled)

@@ -1,7 +1,6 @@
 package fabric
 
 import (
-	"errors"
 	"net/netip"
 	"sync"
 	"sync/atomic"
@@ -21,19 +20,18 @@ type RemoteStream struct {
 	peer   rawName
 	peerAP netip.AddrPort
 
-	closed    atomic.Bool
-	broken    atomic.Bool
-	errMu     sync.Mutex
-	err       error
+	condition
+	tenancy   // a bridge's EventQueue gathering it (see Bridge)
+	bridged   RemoteBridge
 	dead      chan struct{} // closed when the stream breaks or closes
 	deadOnce  sync.Once
 	closeOnce sync.Once
 
 	// Receive side: the loop produces, Recv consumes.
 	recvMu   sync.Mutex
-	rxP      *Producer
-	rxC      *Consumer
-	rxWait   *Waiter
+	rxP      *producer
+	rxC      *consumer
+	rxWait   *waiter
 	rxReady  remoteReady
 	efd      int
 	consumed atomic.Uint32 // packets taken by Recv
@@ -45,9 +43,6 @@ type RemoteStream struct {
 	heard    bool      // the peer has spoken at least once
 	lastRx   time.Time // when it last did (registration before that)
 	lastKeep time.Time // when we last sent it a keepalive
-	dropped  atomic.Uint64
-	tickPrev atomic.Uint64
-	tickLast atomic.Uint64
 
 	// Send side (one goroutine at a time, under sendMu).
 	sendMu   sync.Mutex
@@ -67,53 +62,28 @@ type remoteReady struct{ s *RemoteStream }
 
 func (r *remoteReady) ready() bool {
 	s := r.s
-	return s.rxC.Ready() || s.closed.Load() || s.broken.Load()
+	return s.rxC.Ready() || s.ended()
 }
 
 // markBroken records the first reason and wakes Recv and Send. The loop
 // calls it while holding loopMu, so the eventfd is still open.
 func (s *RemoteStream) markBroken(err error) {
-	s.errMu.Lock()
-	if s.err == nil {
-		s.err = errors.Join(ErrBroken, err)
-	}
-	s.errMu.Unlock()
-	s.broken.Store(true)
+	s.breakWith(err)
 	s.deadOnce.Do(func() { close(s.dead) })
 	eventfdSignal(s.efd)
 }
 
 // Err returns why the stream is broken or closed, or nil.
-func (s *RemoteStream) Err() error {
-	if s.closed.Load() {
-		return ErrClosed
-	}
-	if !s.broken.Load() {
-		return nil
-	}
-	s.errMu.Lock()
-	defer s.errMu.Unlock()
-	return s.err
-}
+func (s *RemoteStream) Err() error { return s.failure() }
 
 // Health reports Broken once the stream is closed or its peer gone, Sick
-// if packets overflowed its queue since the Tick before last (the peer
-// ignored credits), Normal otherwise.
-func (s *RemoteStream) Health() Health {
-	if s.closed.Load() || s.broken.Load() {
-		return Broken
-	}
-	if s.dropped.Load() > s.tickPrev.Load() {
-		return Sick
-	}
-	return Normal
-}
+// if packets were dropped since the Tick before last (the peer ignored
+// credits and overfilled the queue, or, through Bridge, the peer had no
+// credit left for the bridge's packets), Normal otherwise.
+func (s *RemoteStream) Health() Health { return s.health() }
 
 // Tick ends a health interval (see Stream.Tick).
-func (s *RemoteStream) Tick() {
-	s.tickPrev.Store(s.tickLast.Load())
-	s.tickLast.Store(s.dropped.Load())
-}
+func (s *RemoteStream) Tick() { s.tick() }
 
 // MaxPayload is the largest packet Send accepts and Recv returns.
 func (s *RemoteStream) MaxPayload() int { return min(s.r.cfg.SlotSize-recHdr, maxInner) }
@@ -121,7 +91,7 @@ func (s *RemoteStream) MaxPayload() int { return min(s.r.cfg.SlotSize-recHdr, ma
 // VNI is the stream's id on the wire.
 func (s *RemoteStream) VNI() uint32 { return s.vni }
 
-// Recv waits for packets of this stream (buffer contract as Consumer.Consume).
+// Recv waits for packets of this stream (buffer contract as consumer.Consume).
 func (s *RemoteStream) Recv(bufs [][]byte) (int, error) { return s.RecvTimeout(bufs, -1) }
 
 // RecvTimeout is Recv giving up with ErrTimeout after d (d < 0: never).
@@ -175,7 +145,8 @@ func (s *RemoteStream) Stalls() uint64 { return s.stalls.Load() }
 
 // Close says goodbye to the peer (which breaks its end once drained),
 // unregisters the stream, wakes Recv and Send, and releases its eventfd
-// once neither is inside. The VNI may be registered again afterwards.
+// once neither is inside (or, when a bridge's EventQueue holds it, once the
+// queue lets go). The VNI may be registered again afterwards.
 func (s *RemoteStream) Close() error {
 	s.shutdown()
 	return nil
@@ -208,7 +179,9 @@ func (s *RemoteStream) shutdown() {
 		s.pubMu.Lock()
 		s.sendCtl(bye[:]) // Remote.Close closes the socket only after this
 		s.pubMu.Unlock()
-		unix.Close(s.efd)
+		if !s.leaveToQueue() {
+			unix.Close(s.efd)
+		}
 		s.recvMu.Unlock()
 		s.sendMu.Unlock()
 	})

@@ -67,7 +67,7 @@ func (b *Bridge) Counters() Counters {
 }
 
 // AddStream implements control.Dataplane.
-func (b *Bridge) AddStream(id uint32, s *fabric.Stream, own control.Ownership) error {
+func (b *Bridge) AddStream(id uint32, s *fabric.BridgeStream, own control.Ownership) error {
 	b.add(id, s.Send, s.Recv, own)
 	return nil
 }

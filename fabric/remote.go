@@ -131,7 +131,10 @@ type Remote struct {
 	bufs  [remoteBatch][]byte
 	names [remoteBatch]unix.RawSockaddrInet6
 	ctrl  [remoteBatch][32]byte // UDP_GRO control message
-	one   [1][]byte
+	// Data packets of one stream (cur), waiting to be queued together.
+	cur  *RemoteStream
+	held [remoteBatch][]byte
+	nh   int
 	pfd   [1]unix.PollFd
 }
 

@@ -41,6 +41,7 @@ func (r *Remote) loop() {
 			for i := 0; i < int(n); i++ {
 				r.deliver(m, i)
 			}
+			r.flush() // the next recvmmsg overwrites the buffers
 			if int(n) < remoteBatch {
 				break
 			}
@@ -122,6 +123,9 @@ func (r *Remote) deliverOne(m map[uint32]*RemoteStream, b []byte, name *unix.Raw
 		}
 	}
 	if g.goodbye {
+		if s == r.cur {
+			r.flush() // the peer's last packets are queued before it is gone
+		}
 		s.markBroken(fmt.Errorf("%w: peer %v closed stream %d", ErrPeerGone, s.peerAP, s.vni))
 	}
 	if g.control {
@@ -135,11 +139,31 @@ func (r *Remote) deliverOne(m map[uint32]*RemoteStream, b []byte, name *unix.Raw
 		r.malformed.Add(1)
 		return
 	}
-	r.one[0] = g.payload
-	if n, _ := s.rxP.Produce(r.one[:]); n != 1 {
-		r.overflow.Add(1)
-		s.dropped.Add(1)
+	if s != r.cur || r.nh == len(r.held) {
+		r.flush()
+		r.cur = s
+	}
+	r.held[r.nh] = g.payload
+	r.nh++
+}
+
+// flush queues the held packets into their stream's receive queue with one
+// Produce (one release store, at most one wake-up), as the bridge's
+// dispatcher delivers a batch per stream. What does not fit is dropped and
+// counted: the peer ignored its credit.
+func (r *Remote) flush() {
+	if r.nh == 0 {
 		return
 	}
-	r.received.Add(1)
+	s, k := r.cur, r.nh
+	r.cur, r.nh = nil, 0
+	n, _ := s.rxP.Produce(r.held[:k])
+	if lost := k - n; lost > 0 {
+		r.overflow.Add(uint64(lost))
+		s.dropped.Add(uint64(lost))
+	}
+	if n > 0 {
+		r.received.Add(uint64(n))
+	}
+	clear(r.held[:k]) // do not keep the receive buffers reachable through it
 }

@@ -135,7 +135,7 @@ type Remote struct {
 	cur  *RemoteStream
 	held [remoteBatch][]byte
 	nh   int
-	pfd   [1]unix.PollFd
+	pfd  [1]unix.PollFd
 }
 
 // LocalAddr is the bound address.

@@ -358,7 +358,7 @@ func TestStreamPanicLeavesGateOpen(t *testing.T) {
 	}
 }
 
-// Health and PeerDrops, called from another goroutine (the bridge's
+// Health and peerDrops, called from another goroutine (the bridge's
 // metrics loop) while the stream is closed, never read the region after
 // it is unmapped (that would be a SIGSEGV). The window is small, so this
 // runs many rounds; without lifeMu around those reads it crashed in three

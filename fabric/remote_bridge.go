@@ -23,46 +23,7 @@ func (s *RemoteStream) Bridge() *RemoteBridge { return &s.bridged }
 // and counted (Health turns Sick). Metadata does not cross the wire. It
 // returns how many left or were dropped as no IP packet of at most
 // MaxPayload bytes, and an error only once the stream is dead.
-func (b *RemoteBridge) SendMeta(pkts [][]byte, _ []uint32) (int, error) {
-	s := b.s
-	s.sendMu.Lock()
-	defer s.sendMu.Unlock()
-	done, retries := 0, 0
-	maxLen := s.MaxPayload()
-	for done < len(pkts) {
-		if err := s.Err(); err != nil {
-			return done, err
-		}
-		allow := s.gate.allowance()
-		if allow == 0 {
-			break
-		}
-		batch := pkts[done : done+min(allow, len(pkts)-done, remoteBatch)]
-		ok := s.stage(batch, maxLen)
-		n, errno := 0, unix.Errno(0)
-		if ok > 0 {
-			n, errno = s.transmit(batch[:ok], unix.MSG_DONTWAIT)
-			done += n
-		}
-		if n == ok && ok < len(batch) {
-			s.dropped.Add(1) // batch[ok] cannot be sent
-			done++
-			continue
-		}
-		if errno == 0 || errno == unix.EINTR {
-			continue
-		}
-		if retries < 8 && icmpReported(errno) {
-			retries++
-			continue
-		}
-		break // EAGAIN, ENOBUFS: the socket's buffer is full
-	}
-	if lost := len(pkts) - done; lost > 0 {
-		s.dropped.Add(uint64(lost))
-	}
-	return done, nil
-}
+func (b *RemoteBridge) SendMeta(pkts [][]byte, _ []uint32) (int, error) { return b.s.send(pkts, true) }
 
 // TryRecv takes up to len(bufs) of the application's packets without
 // waiting (see RemoteStream.TryRecv).

@@ -70,14 +70,7 @@ func BenchmarkRemoteBridgeGoodput(b *testing.B) {
 				if shape == "relayed" {
 					end = relay(b, sa)
 				}
-				q, err := NewEventQueue()
-				if err != nil {
-					b.Fatal(err)
-				}
-				defer q.Close()
-				if _, err := q.Add(end); err != nil {
-					b.Fatal(err)
-				}
+				q := queueOf(b, end)
 				out := mkBufs(batch, 2048)
 				want := b.N * batch
 				errc := make(chan error, 1)

@@ -29,6 +29,20 @@ func offerAll(b BridgeEnd, pkts [][]byte) error {
 	return nil
 }
 
+// queueOf puts end alone in a new EventQueue, closed with the test.
+func queueOf(t testing.TB, end BridgeEnd) *EventQueue {
+	t.Helper()
+	q, err := NewEventQueue()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { q.Close() })
+	if _, err := q.Add(end); err != nil {
+		t.Fatal(err)
+	}
+	return q
+}
+
 // drainQueued takes packets [from, to) from a bridge end through an
 // EventQueue, as the bridge's TX side does, and checks each byte.
 func drainQueued(t *testing.T, q *EventQueue, v6 bool, from, to int) {
@@ -69,14 +83,7 @@ func TestRemoteBridgeCarriesBothWays(t *testing.T) {
 	x := newRemotes(t, false, RemoteConfig{Depth: 128}, RemoteConfig{Depth: 128})
 	sa, sb := x.pair(t, 7)
 	br := sa.Bridge()
-	q, err := NewEventQueue()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer q.Close()
-	if _, err := q.Add(br); err != nil {
-		t.Fatal(err)
-	}
+	q := queueOf(t, br)
 	const n = 20000
 	in := make([][]byte, n)
 	for i := range in {
@@ -215,14 +222,7 @@ func TestRemoteBridgeTeardown(t *testing.T) {
 		x := newRemotes(t, false, RemoteConfig{}, RemoteConfig{})
 		sa, sb := x.pair(t, 11)
 		br := sa.Bridge()
-		q, err := NewEventQueue()
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer q.Close()
-		if _, err := q.Add(br); err != nil {
-			t.Fatal(err)
-		}
+		q := queueOf(t, br)
 		if err := sendSeq(sb, false, 0, 3, 0); err != nil {
 			t.Fatal(err)
 		}
@@ -251,14 +251,7 @@ func TestRemoteBridgeQueueReleasesLate(t *testing.T) {
 	testenv.RequirePrivileged(t)
 	x := newRemotes(t, false, RemoteConfig{}, RemoteConfig{})
 	sa, _ := x.pair(t, 12)
-	q, err := NewEventQueue()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer q.Close()
-	if _, err := q.Add(sa.Bridge()); err != nil {
-		t.Fatal(err)
-	}
+	q := queueOf(t, sa.Bridge())
 	open := func() bool { _, err := unix.FcntlInt(uintptr(sa.efd), unix.F_GETFD, 0); return err == nil }
 	sa.Close()
 	if !open() {

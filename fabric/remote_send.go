@@ -20,17 +20,31 @@ import (
 // refuses a segment size (EMSGSIZE: it exceeds the MTU, where a single
 // datagram would have been fragmented) makes the stream send that size
 // and larger ones singly from then on.
-func (s *RemoteStream) Send(pkts [][]byte) (int, error) {
+func (s *RemoteStream) Send(pkts [][]byte) (int, error) { return s.send(pkts, false) }
+
+// send is Send, or with drop set the bridge's SendMeta (see RemoteBridge):
+// instead of waiting for credit or socket buffer it drops the rest, and
+// instead of failing on a packet it cannot send it drops that one, each
+// counted.
+func (s *RemoteStream) send(pkts [][]byte, drop bool) (int, error) {
 	s.sendMu.Lock()
 	defer s.sendMu.Unlock()
+	flags := 0
+	if drop {
+		flags = unix.MSG_DONTWAIT
+	}
 	done, retries := 0, 0
 	maxLen := s.MaxPayload()
+loop:
 	for done < len(pkts) {
 		if err := s.Err(); err != nil {
 			return done, err
 		}
 		allow := s.gate.allowance()
 		if allow == 0 {
+			if drop {
+				break
+			}
 			s.stalls.Add(1)
 			select {
 			case <-s.creditCh:
@@ -41,18 +55,33 @@ func (s *RemoteStream) Send(pkts [][]byte) (int, error) {
 			continue
 		}
 		batch := pkts[done : done+min(allow, len(pkts)-done, remoteBatch)]
-		if i := s.stage(batch, maxLen); i < len(batch) {
-			return done, fmt.Errorf("%w: packet %d is not an IP packet of at most %d bytes", ErrTooBig, done+i, maxLen)
+		ok := s.stage(batch, maxLen)
+		if ok < len(batch) && !drop {
+			return done, fmt.Errorf("%w: packet %d is not an IP packet of at most %d bytes", ErrTooBig, done+ok, maxLen)
 		}
-		n, errno := s.transmit(batch, 0)
-		done += n
+		n, errno := 0, unix.Errno(0)
+		if ok > 0 {
+			n, errno = s.transmit(batch[:ok], flags)
+			done += n
+		}
+		if n == ok && ok < len(batch) {
+			s.dropped.Add(1) // batch[ok] cannot be sent
+			done++
+			continue
+		}
 		switch {
-		case errno == 0 || errno == unix.EINTR || errno == unix.EAGAIN || errno == unix.ENOBUFS:
+		case errno == 0 || errno == unix.EINTR:
+		case !drop && (errno == unix.EAGAIN || errno == unix.ENOBUFS):
 		case retries < 8 && icmpReported(errno):
 			retries++
+		case drop:
+			break loop // EAGAIN, ENOBUFS: the socket's buffer is full
 		default:
 			return done, fmt.Errorf("fabric: sendmmsg to %v: %w", s.peerAP, errno)
 		}
+	}
+	if lost := len(pkts) - done; lost > 0 {
+		s.dropped.Add(uint64(lost)) // only a dropping send gets here short
 	}
 	return done, nil
 }

@@ -91,7 +91,7 @@ func (s *RemoteStream) MaxPayload() int { return min(s.r.cfg.SlotSize-recHdr, ma
 // VNI is the stream's id on the wire.
 func (s *RemoteStream) VNI() uint32 { return s.vni }
 
-// Recv waits for packets of this stream (buffer contract as consumer.Consume).
+// Recv waits for packets of this stream (buffer contract as in Link).
 func (s *RemoteStream) Recv(bufs [][]byte) (int, error) { return s.RecvTimeout(bufs, -1) }
 
 // RecvTimeout is Recv giving up with ErrTimeout after d (d < 0: never).

@@ -283,7 +283,7 @@ func (s *end) sendMeta(pkts [][]byte, meta []uint32) (int, error) {
 }
 
 // TryRecv takes up to len(bufs) packets without waiting (see
-// consumer.Consume for the buffer contract).
+// Link for the buffer contract).
 func (s *end) TryRecv(bufs [][]byte) (int, error) {
 	return s.TryRecvMeta(bufs, nil)
 }

@@ -10,7 +10,7 @@ import (
 )
 
 // EventQueue lets one goroutine (the bridge's TX loop) wait for packets on
-// many streams at once. It is the tripwire generalised: a stream found
+// many streams (their BridgeEnds, of either transport) at once. It is the tripwire generalised: a stream found
 // empty gets its consumer flag armed and stays armed, costing nothing,
 // until its application publishes; that publish signals the stream's
 // eventfd once, epoll reports it, and the stream is handed to the caller.
@@ -21,11 +21,12 @@ import (
 // goroutine, at any time) or broken (its owner's Send or Recv returned the
 // error) is dropped by the next Wait that looks at it: its token becomes
 // free and Stream returns nil for it. Closing a queued stream is always
-// safe; the queue holds on to its mapping until it has dropped it, and
-// releases it then (or in Remove or Close). A stream whose application has
-// gone but which still holds packets is not dead yet: Wait reports it, the
-// caller drains it, and the receive that finds it empty returns
-// ErrPeerGone and breaks it.
+// safe; the queue holds on to its mapping and eventfd until it has dropped
+// it, and releases them then (or in Remove or Close). A stream whose
+// application has gone but which still holds packets is not dead yet: Wait
+// reports it, the caller drains it, and the receive that finds it empty
+// returns ErrPeerGone and breaks it. (A RemoteBridge, broken by its peer
+// rather than by its owner, leaves once closed or removed.)
 //
 // Not safe for concurrent use, except that streams may be closed
 // concurrently.

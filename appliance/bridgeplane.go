@@ -24,7 +24,6 @@ type bridgePlane struct {
 	ifname string
 	b      *bridge.Bridge
 	log    *slog.Logger
-	relays fabric.Config // the local pairs that carry remote applications' streams
 
 	mu      sync.Mutex
 	closed  bool
@@ -35,24 +34,9 @@ type bridgePlane struct {
 
 // planeStream is one application stream the bridge serves.
 type planeStream struct {
-	s     *fabric.Stream // the bridge side of the application's stream
-	relay *relay         // a remote application's: what carries its stream to s
-	gone  chan struct{}  // while captured: closed when the capture ends
-}
-
-func (e *planeStream) tick() {
-	if e.relay != nil {
-		e.relay.tick()
-		return
-	}
-	e.s.Tick()
-}
-
-func (e *planeStream) health() fabric.Health {
-	if e.relay != nil {
-		return e.relay.health()
-	}
-	return e.s.Health()
+	s      fabric.BridgeEnd // the bridge's end of the application's stream
+	remote bool             // a remote application's, closed here when removed
+	gone   chan struct{}    // while captured: closed when the capture ends
 }
 
 // endCapture tells a running capture that it is over.
@@ -111,8 +95,7 @@ func openBridge(cfg *config.Config, log *slog.Logger) (*bridgePlane, error) {
 	if err != nil {
 		return nil, fmt.Errorf("interface %s (attach: %s): %w", in.Name, in.Attach, err)
 	}
-	p := &bridgePlane{ifname: in.Name, b: b, log: log, streams: map[uint32]*planeStream{}, stop: make(chan struct{}),
-		relays: fabric.Config{RxSlots: cfg.Streams.RxSlots, TxSlots: cfg.Streams.TxSlots, SlotSize: int(cfg.Streams.SlotSize)}}
+	p := &bridgePlane{ifname: in.Name, b: b, log: log, streams: map[uint32]*planeStream{}, stop: make(chan struct{})}
 	if b.Path() == bridge.PathGeneric || b.Path() == bridge.PathAFPacket {
 		log.Warn("data path attached on a slow path: the driver has no native XDP; expect much lower rates", "interface", in.Name, "mode", b.Mode(), "tried", b.Tried())
 	} else {
@@ -134,7 +117,7 @@ func (p *bridgePlane) tick() {
 		case <-t.C:
 			p.mu.Lock()
 			for _, e := range p.streams {
-				e.tick()
+				e.s.Tick()
 			}
 			p.mu.Unlock()
 		}
@@ -150,7 +133,7 @@ func (p *bridgePlane) gone() error {
 	return nil
 }
 
-func (p *bridgePlane) AddStream(id uint32, s *fabric.Stream, own classifier.Ownership) error {
+func (p *bridgePlane) AddStream(id uint32, s *fabric.BridgeStream, own classifier.Ownership) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := p.gone(); err != nil {
@@ -163,24 +146,18 @@ func (p *bridgePlane) AddStream(id uint32, s *fabric.Stream, own classifier.Owne
 	return nil
 }
 
-// AddRemoteStream serves a remote application's GENEVE stream through a
-// relay (the bridge takes shared-memory streams only).
+// AddRemoteStream has the bridge serve a remote application's GENEVE
+// stream directly, through the stream's bridge end.
 func (p *bridgePlane) AddRemoteStream(id uint32, s *fabric.RemoteStream, own classifier.Ownership) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err := p.gone(); err != nil {
 		return err
 	}
-	r, err := newRelay(s, p.relays)
-	if err != nil {
+	if err := p.b.AddStream(id, s.Bridge(), own); err != nil {
 		return err
 	}
-	if err := p.b.AddStream(id, r.bridge, own); err != nil {
-		r.close()
-		return err
-	}
-	r.start()
-	p.streams[id] = &planeStream{s: r.bridge, relay: r}
+	p.streams[id] = &planeStream{s: s.Bridge(), remote: true}
 	return nil
 }
 
@@ -205,8 +182,8 @@ func (p *bridgePlane) RemoveStream(id uint32) error {
 	if p.gone() == nil { // else the bridge is closed: nothing touches the stream any more
 		err = p.b.RemoveStream(id)
 	}
-	if e != nil && e.relay != nil {
-		e.relay.close()
+	if e != nil && e.remote {
+		e.s.Close() // the application hears at once that its stream is gone
 	}
 	return err
 }
@@ -235,8 +212,8 @@ func (p *bridgePlane) Close() error {
 	p.mu.Lock()
 	for _, e := range p.streams {
 		e.endCapture()
-		if e.relay != nil {
-			e.relay.close()
+		if e.remote {
+			e.s.Close()
 		}
 	}
 	p.mu.Unlock()
@@ -287,27 +264,26 @@ func (p *bridgePlane) Tap(id uint32, see func(capture.Direction, time.Time, []by
 }
 
 var (
-	famQueueRx          = metrics.Family{Name: "fabricbridge_queue_rx_packets_total", Type: metrics.Counter, Help: "Frames a receive queue delivered into streams."}
-	famQueueRxBytes     = metrics.Family{Name: "fabricbridge_queue_rx_bytes_total", Type: metrics.Counter, Help: "Bytes a receive queue delivered into streams."}
-	famQueueRxDrops     = metrics.Family{Name: "fabricbridge_queue_rx_drops_total", Type: metrics.Counter, Help: "Received frames that reached no stream, by reason (ring_full, no_stream, malformed)."}
-	famQueueTx          = metrics.Family{Name: "fabricbridge_queue_tx_packets_total", Type: metrics.Counter, Help: "Packets a queue sent to the wire."}
-	famQueueTxBytes     = metrics.Family{Name: "fabricbridge_queue_tx_bytes_total", Type: metrics.Counter, Help: "Bytes a queue sent to the wire."}
-	famQueueTxKernel    = metrics.Family{Name: "fabricbridge_queue_tx_via_kernel_total", Type: metrics.Counter, Help: "Packets handed to the kernel because the neighbour was not known yet."}
-	famQueueTxRejects   = metrics.Family{Name: "fabricbridge_queue_tx_rejects_total", Type: metrics.Counter, Help: "Packets refused on transmit, by reason."}
-	famQueueFillEmpty   = metrics.Family{Name: "fabricbridge_queue_fill_ring_empty_total", Type: metrics.Counter, Help: "Times the kernel found the AF_XDP fill ring empty."}
-	famQueueSleeps      = metrics.Family{Name: "fabricbridge_queue_sleeps_total", Type: metrics.Counter, Help: "Times a queue's loop found nothing to do for its spin and slept until woken."}
-	famQueueCPU         = metrics.Family{Name: "fabricbridge_queue_cpu", Type: metrics.Gauge, Help: "The CPU a queue's loop is pinned to (interfaces[].cpus); -1: not pinned."}
-	famQueueKernelDrop  = metrics.Family{Name: "fabricbridge_queue_kernel_rx_drops_total", Type: metrics.Counter, Help: "Frames the kernel dropped for want of room in the receive ring."}
-	famStreamRx         = metrics.Family{Name: "fabricbridge_stream_rx_packets_total", Type: metrics.Counter, Help: "Packets delivered into each application stream."}
-	famStreamRxBytes    = metrics.Family{Name: "fabricbridge_stream_rx_bytes_total", Type: metrics.Counter, Help: "Bytes delivered into each application stream."}
-	famStreamRxDrops    = metrics.Family{Name: "fabricbridge_stream_rx_drops_total", Type: metrics.Counter, Help: "Packets for a stream that were dropped, by reason (ring_full: the application did not keep up)."}
-	famStreamTx         = metrics.Family{Name: "fabricbridge_stream_tx_packets_total", Type: metrics.Counter, Help: "Packets each stream sent to the wire."}
-	famStreamTxBytes    = metrics.Family{Name: "fabricbridge_stream_tx_bytes_total", Type: metrics.Counter, Help: "Bytes each stream sent to the wire."}
-	famStreamTxRejects  = metrics.Family{Name: "fabricbridge_stream_tx_rejects_total", Type: metrics.Counter, Help: "Packets a stream sent that failed verification, by reason."}
-	famStreamHealth     = metrics.Family{Name: "fabricbridge_stream_health", Type: metrics.Gauge, Help: "1 for each stream's health state (normal, sick: dropped in the last second, broken: the application is gone)."}
-	famStreamRelayDrops = metrics.Family{Name: "fabricbridge_stream_relay_drops_total", Type: metrics.Counter, Help: "Packets of a remote application's stream that the relay between its GENEVE stream and the bridge could not pass on (too big for the other side)."}
-	famKernelSendErr    = metrics.Family{Name: "fabricbridge_kernel_send_errors_total", Type: metrics.Counter, Help: "Packets the kernel refused on the hand-off path for unknown neighbours."}
-	famVLANRulesBlind   = metrics.Family{Name: "fabricbridge_vlan_rules_blind", Type: metrics.Gauge, Help: "1 when rules match on VLAN ids but the interface strips VLAN tags before XDP and could not be made to stop: those rules cannot match."}
+	famQueueRx         = metrics.Family{Name: "fabricbridge_queue_rx_packets_total", Type: metrics.Counter, Help: "Frames a receive queue delivered into streams."}
+	famQueueRxBytes    = metrics.Family{Name: "fabricbridge_queue_rx_bytes_total", Type: metrics.Counter, Help: "Bytes a receive queue delivered into streams."}
+	famQueueRxDrops    = metrics.Family{Name: "fabricbridge_queue_rx_drops_total", Type: metrics.Counter, Help: "Received frames that reached no stream, by reason (ring_full, no_stream, malformed)."}
+	famQueueTx         = metrics.Family{Name: "fabricbridge_queue_tx_packets_total", Type: metrics.Counter, Help: "Packets a queue sent to the wire."}
+	famQueueTxBytes    = metrics.Family{Name: "fabricbridge_queue_tx_bytes_total", Type: metrics.Counter, Help: "Bytes a queue sent to the wire."}
+	famQueueTxKernel   = metrics.Family{Name: "fabricbridge_queue_tx_via_kernel_total", Type: metrics.Counter, Help: "Packets handed to the kernel because the neighbour was not known yet."}
+	famQueueTxRejects  = metrics.Family{Name: "fabricbridge_queue_tx_rejects_total", Type: metrics.Counter, Help: "Packets refused on transmit, by reason."}
+	famQueueFillEmpty  = metrics.Family{Name: "fabricbridge_queue_fill_ring_empty_total", Type: metrics.Counter, Help: "Times the kernel found the AF_XDP fill ring empty."}
+	famQueueSleeps     = metrics.Family{Name: "fabricbridge_queue_sleeps_total", Type: metrics.Counter, Help: "Times a queue's loop found nothing to do for its spin and slept until woken."}
+	famQueueCPU        = metrics.Family{Name: "fabricbridge_queue_cpu", Type: metrics.Gauge, Help: "The CPU a queue's loop is pinned to (interfaces[].cpus); -1: not pinned."}
+	famQueueKernelDrop = metrics.Family{Name: "fabricbridge_queue_kernel_rx_drops_total", Type: metrics.Counter, Help: "Frames the kernel dropped for want of room in the receive ring."}
+	famStreamRx        = metrics.Family{Name: "fabricbridge_stream_rx_packets_total", Type: metrics.Counter, Help: "Packets delivered into each application stream."}
+	famStreamRxBytes   = metrics.Family{Name: "fabricbridge_stream_rx_bytes_total", Type: metrics.Counter, Help: "Bytes delivered into each application stream."}
+	famStreamRxDrops   = metrics.Family{Name: "fabricbridge_stream_rx_drops_total", Type: metrics.Counter, Help: "Packets for a stream that were dropped, by reason (ring_full: the application did not keep up)."}
+	famStreamTx        = metrics.Family{Name: "fabricbridge_stream_tx_packets_total", Type: metrics.Counter, Help: "Packets each stream sent to the wire."}
+	famStreamTxBytes   = metrics.Family{Name: "fabricbridge_stream_tx_bytes_total", Type: metrics.Counter, Help: "Bytes each stream sent to the wire."}
+	famStreamTxRejects = metrics.Family{Name: "fabricbridge_stream_tx_rejects_total", Type: metrics.Counter, Help: "Packets a stream sent that failed verification, by reason."}
+	famStreamHealth    = metrics.Family{Name: "fabricbridge_stream_health", Type: metrics.Gauge, Help: "1 for each stream's health state (normal, sick: dropped in the last second, broken: the application is gone)."}
+	famKernelSendErr   = metrics.Family{Name: "fabricbridge_kernel_send_errors_total", Type: metrics.Counter, Help: "Packets the kernel refused on the hand-off path for unknown neighbours."}
+	famVLANRulesBlind  = metrics.Family{Name: "fabricbridge_vlan_rules_blind", Type: metrics.Gauge, Help: "1 when rules match on VLAN ids but the interface strips VLAN tags before XDP and could not be made to stop: those rules cannot match."}
 )
 
 func rejects(w *metrics.Writer, f metrics.Family, r bridge.Rejects, labels ...metrics.Label) {
@@ -357,12 +333,8 @@ func (p *bridgePlane) Collect(w *metrics.Writer, names func(uint32) string, apps
 	}
 	p.mu.Lock()
 	health := map[uint32]fabric.Health{}
-	relayDrops := map[uint32]uint64{}
 	for id, e := range p.streams {
-		health[id] = e.health()
-		if e.relay != nil {
-			relayDrops[id] = e.relay.dropped.Load()
-		}
+		health[id] = e.s.Health()
 	}
 	p.mu.Unlock()
 	for _, s := range st.Streams {
@@ -373,9 +345,6 @@ func (p *bridgePlane) Collect(w *metrics.Writer, names func(uint32) string, apps
 		w.AddUint(famStreamTx, s.TxPackets, l...)
 		w.AddUint(famStreamTxBytes, s.TxBytes, l...)
 		rejects(w, famStreamTxRejects, s.TxRejects, l...)
-		if n, ok := relayDrops[s.ID]; ok {
-			w.AddUint(famStreamRelayDrops, n, l...)
-		}
 		h, ok := health[s.ID]
 		if s.Broken || !ok {
 			h = fabric.Broken

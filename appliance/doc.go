@@ -4,9 +4,7 @@
 // disturbing established flows, shuts down cleanly on SIGTERM, and clears
 // what a crashed predecessor left behind before it starts.
 //
-// Applications on the bridge host get shared-memory streams that the bridge
-// serves directly. Applications on other nodes get GENEVE streams (the
-// remote transport); the bridge serves shared-memory streams only, so the
-// daemon relays each remote stream into a local stream pair, one goroutine
-// per direction (see relay).
+// Applications on the bridge host get shared-memory streams, applications
+// on other nodes GENEVE streams (the remote transport); the bridge serves
+// both directly.
 package appliance

@@ -20,8 +20,11 @@ import (
 // BenchmarkRemoteGoodput: HTTP downloads by the outside kernel from an
 // application on a user-space stack, served once by a local application
 // (shared-memory stream) and once by a remote one (its own namespace, TCP
-// control, GENEVE through the relay), in the same run on the same topology;
-// reports both rates and remote/local.
+// control, GENEVE served by the bridge directly), and, as the baseline, by
+// the bridge host's own kernel on a port no application claims, in the
+// same run on the same topology; reports the three rates, remote/local and
+// remote/kernel. (fabric's BenchmarkRemoteBridgeGoodput compares the
+// direct shape with the relayed one it replaced.)
 //
 //	FB_REQUIRE_PRIVILEGED=1 go test -run '^$' -bench BenchmarkRemoteGoodput -benchtime 1x ./appliance
 func BenchmarkRemoteGoodput(b *testing.B) {
@@ -95,16 +98,29 @@ func BenchmarkRemoteGoodput(b *testing.B) {
 		}
 		return float64(n) * 8 / time.Since(start).Seconds() / 1e9
 	}
-	fetch(8001) // warm up both paths (neighbours, windows)
+	var kl net.Listener
+	if err := tp.bridge.Do(func() (err error) {
+		kl, err = net.Listen("tcp", netip.AddrPortFrom(tp.v.A.Addr4.Addr(), 8003).String())
+		return err
+	}); err != nil {
+		b.Fatal(err)
+	}
+	defer kl.Close()
+	go http.Serve(kl, handler)
+	fetch(8001) // warm up every path (neighbours, windows)
 	fetch(8002)
+	fetch(8003)
 	b.ResetTimer()
-	var l, r float64
+	var l, r, k float64
 	for range b.N {
 		l += fetch(8001)
 		r += fetch(8002)
+		k += fetch(8003)
 	}
 	b.StopTimer()
 	b.ReportMetric(l/float64(b.N), "local-Gbit/s")
 	b.ReportMetric(r/float64(b.N), "remote-Gbit/s")
+	b.ReportMetric(k/float64(b.N), "kernel-Gbit/s")
 	b.ReportMetric(r/l, "remote/local")
+	b.ReportMetric(r/k, "remote/kernel")
 }

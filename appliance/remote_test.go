@@ -18,6 +18,7 @@ import (
 
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 	"github.com/fabricbridge/fabricbridge/control"
+	"github.com/fabricbridge/fabricbridge/fabric"
 	"github.com/fabricbridge/fabricbridge/internal/topology"
 	"github.com/fabricbridge/fabricbridge/userstack"
 )
@@ -92,10 +93,11 @@ func startRemoteApp(t *testing.T, ns *topology.NS, spec string) *exec.Cmd {
 
 // TestRemoteApplication: an application on another node (its own process
 // in its own namespace) registers over the TCP control port with its
-// secret, serves HTTP on a user-space stack over GENEVE through the relay
-// (on the port a configured listener binds to it, and on one it claims
-// itself), a kernel client outside fetches bodies byte-exact, and killing
-// the application frees its ports and stops the relay.
+// secret, serves HTTP on a user-space stack over GENEVE, served by the
+// bridge directly (on the port a configured listener binds to it, and on
+// one it claims itself), a kernel client outside fetches bodies
+// byte-exact, and killing the application frees its ports and closes its
+// stream's bridge end.
 func TestRemoteApplication(t *testing.T) {
 	tp := newTopo(t)
 	appNS := topology.New(t)
@@ -125,8 +127,8 @@ listeners:
 	plane.mu.Lock()
 	e := plane.streams[far.Stream]
 	plane.mu.Unlock()
-	if e == nil || e.relay == nil {
-		t.Fatalf("stream %d of the remote application is not relayed: %+v", far.Stream, e)
+	if e == nil || !e.remote {
+		t.Fatalf("stream %d of the remote application is not served as remote: %+v", far.Stream, e)
 	}
 
 	client := &http.Client{Timeout: 20 * time.Second, Transport: &http.Transport{
@@ -152,15 +154,15 @@ listeners:
 	if v := value(t, s, "fabricbridge_stream_tx_packets_total", "stream", stream); v < float64(2*len(want)/1500) {
 		t.Errorf("stream %s sent %v packets", stream, v)
 	}
-	if v := value(t, s, "fabricbridge_stream_relay_drops_total", "stream", stream); v != 0 {
-		t.Errorf("relay dropped %v", v)
+	if v := value(t, s, "fabricbridge_stream_rx_drops_total", "stream", stream, "reason", "ring_full"); v != 0 {
+		t.Errorf("the bridge dropped %v packets for the remote application", v)
 	}
 	if v := value(t, s, "fabricbridge_stream_health", "stream", stream, "state", "normal"); v != 1 {
 		t.Errorf("stream %s not healthy", stream)
 	}
 
 	// SIGKILL: the control connection closes, the lease ends, the ports
-	// are free and the relay is gone.
+	// are free and the stream's bridge end is closed.
 	next := dialApp(t, d, "successor")
 	if err := listen(next, 8080); !errors.Is(err, control.ErrPortInUse) {
 		t.Fatalf("far's port 8080 is not held: %v", err)
@@ -183,7 +185,12 @@ listeners:
 		time.Sleep(5 * time.Millisecond)
 	}
 	t.Logf("port free %v after SIGKILL", time.Since(killed))
-	waitPumps(t, e.relay)
+	for err := e.s.Err(); !errors.Is(err, fabric.ErrClosed); err = e.s.Err() {
+		if time.Since(killed) > 2*time.Second {
+			t.Fatalf("the remote stream's bridge end after the lease ended: %v, want closed", err)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 	for _, a := range d.Apps() {
 		if a.Name == "far" {
 			t.Errorf("far is still registered: %+v", a)
@@ -387,7 +394,7 @@ func TestRemoteApplicationBothWays(t *testing.T) {
 	}
 
 	// The daemon shuts down with the remote application still connected:
-	// the relay goes and the application hears that the bridge is gone.
+	// its stream closes and the application hears that the bridge is gone.
 	start := time.Now()
 	if err := d.Close(); err != nil {
 		t.Errorf("close: %v", err)

@@ -574,11 +574,13 @@ func (b *Bridge) SetTables(t *classifier.Tables) error {
 	return nil
 }
 
-// AddStream connects the bridge side of a fabric stream under id, the stream
-// id the classifier steers to, with what it may send.
-func (b *Bridge) AddStream(id uint32, s *fabric.Stream, own classifier.Ownership) error {
-	if s == nil || s.Side() != fabric.BridgeSide {
-		return errors.New("bridge: AddStream needs the bridge side of a stream")
+// AddStream connects the bridge's end of an application's stream under id,
+// the stream id the classifier steers to, with what it may send: a
+// *fabric.BridgeStream for an application on this host, the
+// *fabric.RemoteBridge of a GENEVE stream for one on another node.
+func (b *Bridge) AddStream(id uint32, s fabric.BridgeEnd, own classifier.Ownership) error {
+	if s == nil {
+		return errors.New("bridge: AddStream needs the bridge's end of a stream")
 	}
 	o, err := compileOwnership(own)
 	if err != nil {

@@ -9,11 +9,11 @@ import (
 )
 
 // streamEntry is the bridge's side of one stream. The loops of every queue
-// deliver into it (fabric.Stream serialises its producers); exactly one
-// queue's loop (txQueue) drains its TX ring.
+// deliver into it (a fabric.BridgeEnd serialises its senders); exactly one
+// queue's loop (txQueue) drains what the application sent.
 type streamEntry struct {
 	id      uint32
-	s       *fabric.Stream
+	s       fabric.BridgeEnd
 	own     atomic.Pointer[ownership]
 	txQueue int
 

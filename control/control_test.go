@@ -28,7 +28,7 @@ import (
 // to refuse.
 type recorder struct {
 	mu      sync.Mutex
-	streams map[uint32]*fabric.Stream
+	streams map[uint32]*fabric.BridgeStream
 	own     map[uint32]classifier.Ownership
 	tables  *classifier.Tables
 	sets    int // SetTables calls
@@ -37,10 +37,10 @@ type recorder struct {
 }
 
 func newRecorder() *recorder {
-	return &recorder{streams: map[uint32]*fabric.Stream{}, own: map[uint32]classifier.Ownership{}}
+	return &recorder{streams: map[uint32]*fabric.BridgeStream{}, own: map[uint32]classifier.Ownership{}}
 }
 
-func (r *recorder) AddStream(id uint32, s *fabric.Stream, own classifier.Ownership) error {
+func (r *recorder) AddStream(id uint32, s *fabric.BridgeStream, own classifier.Ownership) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.fail != nil {

@@ -24,7 +24,7 @@ import (
 // changes nothing.
 type Dataplane interface {
 	// AddStream attaches a local application's stream (bridge side).
-	AddStream(id uint32, s *fabric.Stream, own classifier.Ownership) error
+	AddStream(id uint32, s *fabric.BridgeStream, own classifier.Ownership) error
 	// AddRemoteStream attaches a remote application's stream.
 	AddRemoteStream(id uint32, s *fabric.RemoteStream, own classifier.Ownership) error
 	// SetOwnership replaces what the stream may send.

@@ -288,7 +288,7 @@ type session struct {
 	secret    []byte
 
 	app        *app
-	stream     *fabric.Stream       // local
+	stream     *fabric.BridgeStream // local
 	handoverFD int                  // local: the bridge's end of the handover pair until used; -1 otherwise
 	rs         *fabric.RemoteStream // remote
 }

@@ -202,9 +202,9 @@ func streamLatency(b *testing.B, size int, parked bool) []time.Duration {
 	defer br.Close()
 	defer app.Close()
 	if parked {
-		br.RecvWaiter().Spin = DefaultSpin
+		br.recvWait.Spin = defaultSpin
 	} else {
-		br.RecvWaiter().Spin = time.Second
+		br.recvWait.Spin = time.Second
 	}
 	base := time.Now()
 	lat := make([]time.Duration, b.N)
@@ -285,7 +285,7 @@ func BenchmarkLatency(b *testing.B) {
 // adaptiveLatency is streamLatency with steady 50 µs gaps (the sender
 // busy-waits them: time.Sleep cannot sleep that briefly here, it takes
 // about 1 ms), with the
-// receiver's Waiter fixed (Spin 20 µs) or adaptive (up to 200 µs).
+// receiver's waiter fixed (Spin 20 µs) or adaptive (up to 200 µs).
 func adaptiveLatency(b *testing.B, adaptive bool) ([]time.Duration, uint64) {
 	br, app, err := NewPair(Config{RxSlots: 2, TxSlots: 256})
 	if err != nil {
@@ -293,7 +293,7 @@ func adaptiveLatency(b *testing.B, adaptive bool) ([]time.Duration, uint64) {
 	}
 	defer br.Close()
 	defer app.Close()
-	w := br.RecvWaiter()
+	w := br.recvWait
 	if adaptive {
 		w.MaxSpin = 200 * time.Microsecond
 	}
@@ -319,7 +319,7 @@ func adaptiveLatency(b *testing.B, adaptive bool) ([]time.Duration, uint64) {
 }
 
 // BenchmarkAdaptiveSpin: 64-byte packets 50 µs apart, longer than the
-// default spin: a fixed Waiter parks for each, an adaptive one learns to
+// default spin: a fixed waiter parks for each, an adaptive one learns to
 // spin across the gap.
 //
 //	go test -run '^$' -bench 'AdaptiveSpin' -benchtime 5000x ./fabric/

@@ -63,7 +63,7 @@ func BenchmarkCall(b *testing.B) {
 		}
 	})
 	b.Run("ring", func(b *testing.B) {
-		p, c, err := NewRingPair(1024, 2048)
+		p, c, err := newRingPair(1024, 2048)
 		if err != nil {
 			b.Fatal(err)
 		}

@@ -10,7 +10,7 @@ import (
 )
 
 // EventQueue lets one goroutine (the bridge's TX loop) wait for packets on
-// many streams at once. It is the tripwire generalised: a stream found
+// many streams (their BridgeEnds, of either transport) at once. It is the tripwire generalised: a stream found
 // empty gets its consumer flag armed and stays armed, costing nothing,
 // until its application publishes; that publish signals the stream's
 // eventfd once, epoll reports it, and the stream is handed to the caller.
@@ -21,17 +21,18 @@ import (
 // goroutine, at any time) or broken (its owner's Send or Recv returned the
 // error) is dropped by the next Wait that looks at it: its token becomes
 // free and Stream returns nil for it. Closing a queued stream is always
-// safe; the queue holds on to its mapping until it has dropped it, and
-// releases it then (or in Remove or Close). A stream whose application has
-// gone but which still holds packets is not dead yet: Wait reports it, the
-// caller drains it, and the receive that finds it empty returns
-// ErrPeerGone and breaks it.
+// safe; the queue holds on to its mapping and eventfd until it has dropped
+// it, and releases them then (or in Remove or Close). A stream whose
+// application has gone but which still holds packets is not dead yet: Wait
+// reports it, the caller drains it, and the receive that finds it empty
+// returns ErrPeerGone and breaks it. (A RemoteBridge, broken by its peer
+// rather than by its owner, leaves once closed or removed.)
 //
 // Not safe for concurrent use, except that streams may be closed
 // concurrently.
 type EventQueue struct {
 	epfd    int
-	slots   []*Stream // by token; nil = free
+	slots   []BridgeEnd // by token; nil = free
 	free    []int
 	pending []int  // tokens handed out by the last Wait, to re-check
 	inOut   []bool // token is in the caller's out slice this round
@@ -51,7 +52,7 @@ func NewEventQueue() (*EventQueue, error) {
 	if err != nil {
 		return nil, fmt.Errorf("fabric: epoll_create1: %w", err)
 	}
-	return &EventQueue{epfd: fd, Spin: DefaultSpin}, nil
+	return &EventQueue{epfd: fd, Spin: defaultSpin}, nil
 }
 
 // Close drops every stream still registered (releasing those already
@@ -71,19 +72,17 @@ func (q *EventQueue) Sleeps() uint64 { return q.sleeps.Load() }
 // Len is the number of streams registered.
 func (q *EventQueue) Len() int { return q.count }
 
-// Add registers a bridge-side stream and returns its token. The stream is
+// Add registers a bridge end and returns its token. The end is
 // immediately reported by the next Wait, so packets queued before Add are
-// not missed. A stream belongs to at most one queue.
-func (q *EventQueue) Add(s *Stream) (int, error) {
-	if s.side != BridgeSide {
-		return 0, errors.New("fabric: EventQueue gathers bridge-side streams")
-	}
-	s.lifeMu.Lock()
-	defer s.lifeMu.Unlock()
-	if s.closed.Load() {
+// not missed. An end belongs to at most one queue.
+func (q *EventQueue) Add(s BridgeEnd) (int, error) {
+	t := s.tenant()
+	t.lifeMu.Lock()
+	defer t.lifeMu.Unlock()
+	if s.cond().closed.Load() {
 		return 0, ErrClosed
 	}
-	if s.queue != nil {
+	if t.queue != nil {
 		return 0, errors.New("fabric: stream is already in an EventQueue")
 	}
 	var tok int
@@ -96,11 +95,11 @@ func (q *EventQueue) Add(s *Stream) (int, error) {
 		q.inPend = append(q.inPend, false)
 	}
 	ev := unix.EpollEvent{Events: unix.EPOLLIN, Fd: int32(tok)}
-	if err := unix.EpollCtl(q.epfd, unix.EPOLL_CTL_ADD, s.fds[fdTxData], &ev); err != nil {
+	if err := unix.EpollCtl(q.epfd, unix.EPOLL_CTL_ADD, s.wakeFd(), &ev); err != nil {
 		q.free = append(q.free, tok)
 		return 0, fmt.Errorf("fabric: epoll_ctl: %w", err)
 	}
-	s.queue = q
+	t.queue = q
 	q.slots[tok] = s
 	q.count++
 	q.pend(tok)
@@ -109,7 +108,7 @@ func (q *EventQueue) Add(s *Stream) (int, error) {
 
 // Remove unregisters a stream (a no-op if it is not registered here, for
 // instance because a Wait already dropped it as dead).
-func (q *EventQueue) Remove(s *Stream) {
+func (q *EventQueue) Remove(s BridgeEnd) {
 	for tok, x := range q.slots {
 		if x == s {
 			if q.inPend[tok] {
@@ -131,27 +130,24 @@ func (q *EventQueue) Remove(s *Stream) {
 // pending list) and finishes a Close that ran while it was queued.
 func (q *EventQueue) detach(tok int) {
 	s := q.slots[tok]
-	unix.EpollCtl(q.epfd, unix.EPOLL_CTL_DEL, s.fds[fdTxData], nil)
+	unix.EpollCtl(q.epfd, unix.EPOLL_CTL_DEL, s.wakeFd(), nil)
 	q.slots[tok] = nil
 	q.free = append(q.free, tok)
 	q.count--
-	s.lifeMu.Lock()
-	s.queue = nil
-	late := s.releaseLate
-	s.lifeMu.Unlock()
+	t := s.tenant()
+	t.lifeMu.Lock()
+	t.queue = nil
+	late := t.releaseLate
+	t.lifeMu.Unlock()
 	if late {
 		s.release()
 	}
 }
 
-// isDead reports a stream the queue should drop: closed, or broken by its
-// owner's own call (which therefore already saw the error).
-func isDead(s *Stream) bool { return s.closed.Load() || s.broken.Load() }
-
 // Stream returns the stream registered under tok, or nil if the token is
 // free (never used, removed, or dropped as dead). A token handed out by
 // Wait stays valid until the next Wait.
-func (q *EventQueue) Stream(tok int) *Stream {
+func (q *EventQueue) Stream(tok int) BridgeEnd {
 	if tok < 0 || tok >= len(q.slots) {
 		return nil
 	}
@@ -161,13 +157,13 @@ func (q *EventQueue) Stream(tok int) *Stream {
 // readyOrArm re-checks a stream handed out last round; if it is empty it
 // arms its tripwire and checks once more, so a publish that raced with the
 // arming is either seen here or signalled through epoll.
-func (q *EventQueue) readyOrArm(s *Stream) bool {
-	if s.rr.ready() {
+func (q *EventQueue) readyOrArm(s BridgeEnd) bool {
+	if s.dataReady() {
 		return true
 	}
-	atomic.SwapUint32(s.recv.v.consArmed, 1) // a full barrier before the re-check
-	if s.rr.ready() {
-		atomic.StoreUint32(s.recv.v.consArmed, 0)
+	atomic.SwapUint32(s.armFlag(), 1) // a full barrier before the re-check
+	if s.dataReady() {
+		atomic.StoreUint32(s.armFlag(), 0)
 		return true
 	}
 	return false
@@ -242,13 +238,13 @@ func (q *EventQueue) harvest(out []int, ms int) (int, error) {
 		if tok < 0 || tok >= len(q.slots) || q.slots[tok] == nil {
 			continue
 		}
-		if isDead(q.slots[tok]) {
+		if q.slots[tok].gone() {
 			if !q.inPend[tok] && !q.inOut[tok] {
 				q.detach(tok)
 			}
 			continue // a pending one goes in the next scan
 		}
-		eventfdDrain(q.slots[tok].fds[fdTxData], &q.buf)
+		eventfdDrain(q.slots[tok].wakeFd(), &q.buf)
 		if n < len(out) && !q.inPend[tok] {
 			n = q.emit(out, n, tok)
 		} else {
@@ -305,7 +301,7 @@ func (q *EventQueue) scan(out []int, n int, arm bool) int {
 			q.inPend[tok] = false
 			continue
 		}
-		if isDead(s) {
+		if s.gone() {
 			q.inPend[tok] = false
 			q.detach(tok)
 			continue
@@ -314,7 +310,7 @@ func (q *EventQueue) scan(out []int, n int, arm bool) int {
 		if arm {
 			ready = q.readyOrArm(s)
 		} else {
-			ready = s.rr.ready()
+			ready = s.dataReady()
 		}
 		switch {
 		case ready && n < len(out):

@@ -46,9 +46,9 @@ func TestStreamConcurrentCallers(t *testing.T) {
 	for _, dir := range []string{"app-to-bridge", "bridge-to-app"} {
 		t.Run(dir, func(t *testing.T) {
 			b, a := newTestPair(t, Config{RxSlots: 16, TxSlots: 16, SlotSize: 256})
-			tx, rx := a, b
+			tx, rx := &a.end, &b.end
 			if dir == "bridge-to-app" {
-				tx, rx = b, a
+				tx, rx = &b.end, &a.end
 			}
 			var sendWG, recvWG sync.WaitGroup
 			attempted := make([]uint64, senders)
@@ -63,18 +63,18 @@ func TestStreamConcurrentCallers(t *testing.T) {
 						for i := range k {
 							pk[i] = tagPkt(in[i], uint32(id), uint32(seq+i), 8+(seq+i)%190)
 						}
-						n, err := tx.Send(pk[:k])
+						n, err := tx.sendMeta(pk[:k], nil)
 						if err != nil {
 							t.Errorf("sender %d: %v", id, err)
 							return
 						}
-						if tx.Side() == AppSide && n != k {
+						if !tx.bridge && n != k {
 							t.Errorf("sender %d: blocking Send queued %d of %d", id, n, k)
 							return
 						}
 						attempted[id] += uint64(k)
 						seq += k
-						if tx.Side() == BridgeSide && seq%40 < 5 {
+						if tx.bridge && seq%40 < 5 {
 							time.Sleep(20 * time.Microsecond) // let some through
 						}
 					}
@@ -162,7 +162,7 @@ func TestStreamConcurrentCallers(t *testing.T) {
 			if rs.Received != got || got != ts.Sent {
 				t.Fatalf("received: counter %d, counted %d, sent %d", rs.Received, got, ts.Sent)
 			}
-			if tx.Side() == AppSide && ts.Dropped != 0 {
+			if !tx.bridge && ts.Dropped != 0 {
 				t.Fatalf("backpressured direction dropped %d", ts.Dropped)
 			}
 			t.Logf("attempted %d, sent %d, dropped %d, sender sleeps %d, receiver sleeps %d", total, ts.Sent, ts.Dropped, ts.Sleeps, rs.Sleeps)
@@ -186,8 +186,8 @@ func TestStreamCloseUnderCalls(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		a.SendWaiter().Spin = time.Duration(round%3) * 5 * time.Microsecond
-		a.RecvWaiter().Spin = time.Duration(round%2) * 10 * time.Microsecond
+		a.sendWait.Spin = time.Duration(round%3) * 5 * time.Microsecond
+		a.recvWait.Spin = time.Duration(round%2) * 10 * time.Microsecond
 		var wg sync.WaitGroup
 		errs := make(chan error, 64)
 		loop := func(f func() error) {
@@ -238,7 +238,7 @@ func TestStreamCloseUnderCalls(t *testing.T) {
 			})
 		}
 		time.Sleep(time.Duration(round%7) * 300 * time.Microsecond)
-		first, second := a, b
+		var first, second interface{ Close() error } = a, b
 		if round%2 == 1 {
 			first, second = b, a
 		}
@@ -281,7 +281,7 @@ func TestStreamCloseUnderCalls(t *testing.T) {
 // Stats is exact while it waits, not only after it returns.
 func TestStreamStatsExactWhileSendBlocks(t *testing.T) {
 	b, a := newTestPair(t, Config{RxSlots: 8, TxSlots: 8, SlotSize: 128})
-	a.SendWaiter().Spin = 0
+	a.sendWait.Spin = 0
 	res := make(chan int, 1)
 	go func() {
 		n, err := a.Send(mkBufs(12, 64))
@@ -358,7 +358,7 @@ func TestStreamPanicLeavesGateOpen(t *testing.T) {
 	}
 }
 
-// Health and PeerDrops, called from another goroutine (the bridge's
+// Health and peerDrops, called from another goroutine (the bridge's
 // metrics loop) while the stream is closed, never read the region after
 // it is unmapped (that would be a SIGSEGV). The window is small, so this
 // runs many rounds; without lifeMu around those reads it crashed in three
@@ -375,7 +375,7 @@ func TestStreamHealthDuringClose(t *testing.T) {
 		}
 		var stop sync.WaitGroup
 		quit := make(chan struct{})
-		for _, s := range []*Stream{a, b} {
+		for _, s := range []*end{&a.end, &b.end} {
 			stop.Add(1)
 			go func() {
 				defer stop.Done()
@@ -386,7 +386,7 @@ func TestStreamHealthDuringClose(t *testing.T) {
 					default:
 					}
 					s.Health()
-					s.PeerDrops()
+					s.peerDrops()
 				}
 			}()
 		}

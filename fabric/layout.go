@@ -124,8 +124,17 @@ const (
 	maxDataLen = MaxRingBytes
 )
 
-// MaxRingBytes bounds a ring's data area, (slots+1) × SlotSize (see Config).
+// MaxRingBytes bounds a ring's data area, RingBytes of its depth and slot
+// size (see Config).
 const MaxRingBytes = 1 << 30
+
+// RingBytes is the data area a ring of slots packets of up to slotSize
+// bytes each (record header included) needs: one record of the largest
+// size more than slots of them, which is what guarantees room for a
+// largest packet whenever fewer than slots packets are queued, whatever
+// padding the no-wrap rule left at the end (the proof is in the package
+// documentation). It must not exceed MaxRingBytes.
+func RingBytes(slots, slotSize int) int64 { return (int64(slots) + 1) * int64(slotSize) }
 
 // Errors returned when a region cannot be attached.
 var (
@@ -195,19 +204,12 @@ func checkRing(depth, maxRec uint64) (uint64, error) {
 	if maxRec < minStride || maxRec > maxStride || maxRec%64 != 0 {
 		return 0, fmt.Errorf("%w: slot size %d is not a multiple of 64 in [%d,%d]", ErrBadConfig, maxRec, minStride, maxStride)
 	}
-	n := dataLen(depth, maxRec)
+	n := uint64(RingBytes(int(depth), int(maxRec))) // both validated: no overflow
 	if n > maxDataLen {
 		return 0, fmt.Errorf("%w: %d slots of %d bytes need a ring of %d bytes, more than %d", ErrBadConfig, depth, maxRec, n, maxDataLen)
 	}
 	return n, nil
 }
-
-// dataLen is the data area of a ring: one record of the largest size more
-// than depth of them, which is what guarantees room for a largest packet
-// whenever fewer than depth packets are queued, whatever padding the
-// no-wrap rule left at the end (the proof is in docs/fabric.md,
-// "Room for the largest record").
-func dataLen(depth, maxRec uint64) uint64 { return (depth + 1) * maxRec }
 
 // computeLayout places the header and both control blocks in the first
 // page, the RX data area at the second page and the TX data area right

@@ -70,12 +70,12 @@ func (s *signaller) wakeIfArmed(flag *uint32) {
 	}
 }
 
-// Producer is the writing end of one single-producer/single-consumer ring.
+// producer is the writing end of one single-producer/single-consumer ring.
 // Its authoritative positions are private; the shared words are written
 // for the consumer and only the consumer's read position and record count
 // are ever read back, and those are validated before use. Not safe for
 // concurrent use.
-type Producer struct {
+type producer struct {
 	v     ringView
 	prod  uint32 // byte position of the next record (private, authoritative)
 	off   uint32 // prod's offset in the data area
@@ -86,11 +86,11 @@ type Producer struct {
 	wake  signaller // wakes a consumer sleeping for data
 }
 
-// Consumer is the reading end of one ring. Everything it reads from shared
+// consumer is the reading end of one ring. Everything it reads from shared
 // memory — the write position and every record's length — is bounds
 // checked; on any inconsistency the ring is marked broken and stays
 // broken. Not safe for concurrent use.
-type Consumer struct {
+type consumer struct {
 	v    ringView
 	cons uint32 // byte position of the next record (private, authoritative)
 	off  uint32 // cons's offset in the data area
@@ -101,29 +101,29 @@ type Consumer struct {
 }
 
 // Err returns why the ring is broken, or nil.
-func (p *Producer) Err() error { return p.err }
+func (p *producer) Err() error { return p.err }
 
 // Err returns why the ring is broken, or nil.
-func (c *Consumer) Err() error { return c.err }
+func (c *consumer) Err() error { return c.err }
 
 // MaxPayload is the largest packet the ring carries.
-func (p *Producer) MaxPayload() int { return int(p.v.maxPayload) }
+func (p *producer) MaxPayload() int { return int(p.v.maxPayload) }
 
 // MaxPayload is the largest packet the ring carries.
-func (c *Consumer) MaxPayload() int { return int(c.v.maxPayload) }
+func (c *consumer) MaxPayload() int { return int(c.v.maxPayload) }
 
 // Depth is how many packets the ring holds at most, and always has room
 // for when empty, whatever their sizes.
-func (p *Producer) Depth() int { return int(p.v.depth) }
+func (p *producer) Depth() int { return int(p.v.depth) }
 
 // Depth is how many packets the ring holds at most.
-func (c *Consumer) Depth() int { return int(c.v.depth) }
+func (c *consumer) Depth() int { return int(c.v.depth) }
 
 // refresh reloads the consumer's read position and record count, one
 // 64-bit word. Each must lie between the last value we accepted and what
 // we have written; anything else is a peer writing garbage, and trusting
 // it would let us overwrite unread records.
-func (p *Producer) refresh() {
+func (p *producer) refresh() {
 	r := atomic.LoadUint64(p.v.read)
 	c, cn := uint32(r), uint32(r>>32)
 	if cn-p.consN > p.n-p.consN {
@@ -145,7 +145,7 @@ func (p *Producer) refresh() {
 // waiting. It refreshes the lazy copies only when the cached ones show a
 // full ring, so a producer that runs ahead touches the consumer's line
 // rarely.
-func (p *Producer) Free() int {
+func (p *producer) Free() int {
 	if p.err != nil {
 		return 0
 	}
@@ -162,7 +162,7 @@ func (p *Producer) Free() int {
 // with one release store, then wakes the consumer if it sleeps. It returns
 // how many were written: fewer than asked means the ring was full (or a
 // packet was too big: then err is ErrTooBig and n is its index).
-func (p *Producer) Produce(pkts [][]byte) (int, error) {
+func (p *producer) Produce(pkts [][]byte) (int, error) {
 	return p.ProduceMeta(pkts, nil)
 }
 
@@ -173,7 +173,7 @@ func (p *Producer) Produce(pkts [][]byte) (int, error) {
 // queued, a record of the largest size always fits (see dataLen), so
 // running out of bytes can only mean the consumer published a read
 // position behind its record count, and is treated as corruption.
-func (p *Producer) ProduceMeta(pkts [][]byte, meta []uint32) (int, error) {
+func (p *producer) ProduceMeta(pkts [][]byte, meta []uint32) (int, error) {
 	if p.err != nil {
 		return 0, p.err
 	}
@@ -245,7 +245,7 @@ func (p *Producer) ProduceMeta(pkts [][]byte, meta []uint32) (int, error) {
 
 // countDrops adds to the producer's drop counter mirrored in shared memory
 // so that the application can see what the bridge dropped for it.
-func (p *Producer) countDrops(n uint64) {
+func (p *producer) countDrops(n uint64) {
 	if p.err == nil {
 		atomic.StoreUint64(p.v.drops, atomic.LoadUint64(p.v.drops)+n)
 	}
@@ -254,7 +254,7 @@ func (p *Producer) countDrops(n uint64) {
 // refresh reloads the producer's write position, which must not move
 // backwards, must not claim more than the data area, and must sit on a
 // record boundary's alignment.
-func (c *Consumer) refresh() {
+func (c *consumer) refresh() {
 	w := atomic.LoadUint32(c.v.prod)
 	if w-c.cons > c.v.size || w-c.cons < c.prod-c.cons || w%recAlign != 0 {
 		c.err = fmt.Errorf("%w: write position %d, read position %d, previous write position %d, data area %d bytes", ErrCorruption, w, c.cons, c.prod, c.v.size)
@@ -267,7 +267,7 @@ func (c *Consumer) refresh() {
 }
 
 // Ready reports whether a packet is waiting. It is cheap enough to spin on.
-func (c *Consumer) Ready() bool {
+func (c *consumer) Ready() bool {
 	if c.err != nil {
 		return true // a broken ring is "ready": the caller must look
 	}
@@ -284,7 +284,7 @@ func (c *Consumer) Ready() bool {
 // MaxPayload bytes). It releases the records with one store of the read
 // position and record count, and wakes a producer that sleeps for space.
 // It never blocks.
-func (c *Consumer) Consume(bufs [][]byte) (int, error) {
+func (c *consumer) Consume(bufs [][]byte) (int, error) {
 	return c.ConsumeMeta(bufs, nil)
 }
 
@@ -293,7 +293,7 @@ func (c *Consumer) Consume(bufs [][]byte) (int, error) {
 //
 // The producer's write position is reloaded at most once per call, when
 // the records already known run out.
-func (c *Consumer) ConsumeMeta(bufs [][]byte, meta []uint32) (int, error) {
+func (c *consumer) ConsumeMeta(bufs [][]byte, meta []uint32) (int, error) {
 	if c.err != nil {
 		return 0, c.err
 	}

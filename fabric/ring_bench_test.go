@@ -54,7 +54,7 @@ func mixedSize(i int) int {
 
 // ringRate moves n packets through a ring and returns packets per second.
 func ringRate(b *testing.B, n, batch int, size func(int) int) float64 {
-	p, c, err := NewRingPair(1024, 2048)
+	p, c, err := newRingPair(1024, 2048)
 	if err != nil {
 		b.Fatal(err)
 	}

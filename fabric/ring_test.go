@@ -44,7 +44,7 @@ func checkSeqPkt(t testing.TB, pkt []byte, seq uint32, size int) {
 // The ring keeps order across many wrap-arounds, holds exactly depth
 // packets, and refuses (never overwrites) when full.
 func TestRingOrderWrapAndFull(t *testing.T) {
-	p, c, err := NewRingPair(8, 128)
+	p, c, err := newRingPair(8, 128)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -103,7 +103,7 @@ func TestRingOrderWrapAndFull(t *testing.T) {
 }
 
 func TestRingTooBigAndTruncation(t *testing.T) {
-	p, c, err := NewRingPair(4, 64)
+	p, c, err := newRingPair(4, 64)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -145,7 +145,7 @@ func TestRingHostileProducer(t *testing.T) {
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			p, c, _ := NewRingPair(8, 128)
+			p, c, _ := newRingPair(8, 128)
 			pk := [][]byte{make([]byte, 5), make([]byte, 6), make([]byte, 7)}
 			p.Produce(pk)
 			out := mkBufs(8, 128)
@@ -167,7 +167,7 @@ func TestRingHostileProducer(t *testing.T) {
 
 // advance moves both ends of an empty ring forward by k records of n
 // bytes, so that a test can put the next record where it wants.
-func advance(t *testing.T, p *Producer, c *Consumer, k, n int) {
+func advance(t *testing.T, p *producer, c *consumer, k, n int) {
 	t.Helper()
 	out := mkBufs(1, 2048)
 	for range k {
@@ -185,7 +185,7 @@ func advance(t *testing.T, p *Producer, c *Consumer, k, n int) {
 // where its span to the end was not published.
 func TestRingHostileRecordsAtTheEnd(t *testing.T) {
 	t.Run("record crosses the end", func(t *testing.T) {
-		p, c, _ := NewRingPair(8, 128) // data area 1152 bytes
+		p, c, _ := newRingPair(8, 128) // data area 1152 bytes
 		advance(t, p, c, 71, 8)        // 71 records of 16 bytes: offset 1136, 16 bytes left
 		if c.off != 1136 {
 			t.Fatalf("consumer offset %d, want 1136", c.off)
@@ -199,7 +199,7 @@ func TestRingHostileRecordsAtTheEnd(t *testing.T) {
 		}
 	})
 	t.Run("skip record not published to the end", func(t *testing.T) {
-		p, c, _ := NewRingPair(8, 128)
+		p, c, _ := newRingPair(8, 128)
 		advance(t, p, c, 60, 8) // offset 960, 192 bytes left
 		p.Produce([][]byte{make([]byte, 8), make([]byte, 8)})
 		*u32at(p.v.data, 960) = skipMark // claims the last 192 bytes, 32 published
@@ -209,7 +209,7 @@ func TestRingHostileRecordsAtTheEnd(t *testing.T) {
 		}
 	})
 	t.Run("honest skip", func(t *testing.T) {
-		p, c, _ := NewRingPair(8, 128)
+		p, c, _ := newRingPair(8, 128)
 		advance(t, p, c, 71, 8) // 16 bytes left: a 120-byte packet must skip them
 		in := [][]byte{seqPkt(make([]byte, 120), 7, 120)}
 		if m, err := p.Produce(in); m != 1 || err != nil {
@@ -233,17 +233,17 @@ func TestRingHostileRecordsAtTheEnd(t *testing.T) {
 // position or record count where they cannot be; the producer must
 // refuse rather than overwrite.
 func TestRingHostileConsumer(t *testing.T) {
-	spoils := map[string]func(c *Consumer){
+	spoils := map[string]func(c *consumer){
 		// When the producer reloads, it has written 4 records (position 64).
-		"read position ahead":      func(c *Consumer) { *c.v.cons = 80 },
-		"read position misaligned": func(c *Consumer) { *c.v.cons = 4 },
-		"read position backwards":  func(c *Consumer) { *c.v.cons = 0xfffffff8 },
-		"read position far off":    func(c *Consumer) { *c.v.cons = 0x40000000 },
-		"record count ahead":       func(c *Consumer) { *c.v.consN = 5 },
-		"record count backwards":   func(c *Consumer) { *c.v.consN = 0xffffffff },
+		"read position ahead":      func(c *consumer) { *c.v.cons = 80 },
+		"read position misaligned": func(c *consumer) { *c.v.cons = 4 },
+		"read position backwards":  func(c *consumer) { *c.v.cons = 0xfffffff8 },
+		"read position far off":    func(c *consumer) { *c.v.cons = 0x40000000 },
+		"record count ahead":       func(c *consumer) { *c.v.consN = 5 },
+		"record count backwards":   func(c *consumer) { *c.v.consN = 0xffffffff },
 	}
 	for name, spoil := range spoils {
-		p, c, _ := NewRingPair(4, 64)
+		p, c, _ := newRingPair(4, 64)
 		pk := [][]byte{{1}, {2}, {3}}
 		p.Produce(pk)
 		spoil(c)
@@ -255,7 +255,7 @@ func TestRingHostileConsumer(t *testing.T) {
 	// A consumer that owns up to taking every record but leaves its read
 	// position behind: the producer believes there is room in packets,
 	// finds none in bytes, and refuses instead of overwriting.
-	p, c, _ := NewRingPair(4, 64) // data area 320 bytes
+	p, c, _ := newRingPair(4, 64) // data area 320 bytes
 	full := mkBufs(4, 56)         // 64-byte records
 	if n, _ := p.Produce(full); n != 4 {
 		t.Fatal("fill", n)
@@ -272,7 +272,7 @@ func TestRingHostileConsumer(t *testing.T) {
 // (depth+1) x max-record data area is what makes slot counts a contract.
 func TestRingDepthGuarantee(t *testing.T) {
 	const depth = 8
-	p, c, _ := NewRingPair(depth, 128)
+	p, c, _ := newRingPair(depth, 128)
 	rnd := rand.New(rand.NewPCG(1, 2))
 	big := make([]byte, p.MaxPayload())
 	out := mkBufs(depth, 128)
@@ -308,7 +308,7 @@ func TestRingDepthGuarantee(t *testing.T) {
 // data area, with skip records at its end.
 func TestRingRecordsMixedLaps(t *testing.T) {
 	sizeOf := func(seq uint32) int { return 4 + int((seq*2654435761)>>16)%1497 }
-	p, c, _ := NewRingPair(64, 2048)
+	p, c, _ := newRingPair(64, 2048)
 	in, out := mkBufs(16, 1500), mkBufs(16, 2048)
 	pk := make([][]byte, 16)
 	meta, gotMeta := make([]uint32, 16), make([]uint32, 16)
@@ -418,7 +418,7 @@ func FuzzReadHeader(f *testing.F) {
 // nothing lost, under the race detector.
 func TestRingConcurrent(t *testing.T) {
 	const total = 200000
-	p, c, _ := NewRingPair(64, 128)
+	p, c, _ := newRingPair(64, 128)
 	var wg sync.WaitGroup
 	wg.Add(1)
 	go func() {
@@ -454,7 +454,7 @@ func TestRingConcurrent(t *testing.T) {
 
 // The per-packet paths allocate nothing.
 func TestRingZeroAlloc(t *testing.T) {
-	p, c, _ := NewRingPair(256, 2048)
+	p, c, _ := newRingPair(256, 2048)
 	pk := mkBufs(64, 64)
 	out := mkBufs(64, 2048)
 	allocs := testing.AllocsPerRun(200, func() {

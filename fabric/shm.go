@@ -29,13 +29,13 @@ import (
 // sleeps for room). A signal is a write of the 8-byte value 1.
 const helloLen = 24
 
-// HandshakeTimeout bounds how long either side waits for the other's
+// handshakeTimeout bounds how long either side waits for the other's
 // handshake message, so a silent peer cannot hang the bridge's accept loop.
-var HandshakeTimeout = 5 * time.Second
+var handshakeTimeout = 5 * time.Second
 
 // NewShm creates the bridge side of a stream: a sealed memfd holding the
 // region, and three eventfds. Hand it to an application with Handover.
-func NewShm(cfg Config) (*Stream, error) {
+func NewShm(cfg Config) (*BridgeStream, error) {
 	l, err := computeLayout(cfg)
 	if err != nil {
 		return nil, err
@@ -44,7 +44,7 @@ func NewShm(cfg Config) (*Stream, error) {
 	if err != nil {
 		return nil, fmt.Errorf("fabric: memfd_create: %w", err)
 	}
-	fail := func(err error) (*Stream, error) {
+	fail := func(err error) (*BridgeStream, error) {
 		unix.Close(fd)
 		return nil, err
 	}
@@ -78,7 +78,8 @@ func NewShm(cfg Config) (*Stream, error) {
 			return fail(fmt.Errorf("fabric: eventfd: %w", err))
 		}
 	}
-	s := newStream(BridgeSide, mem, l, fds)
+	s := &BridgeStream{}
+	newEnd(&s.end, true, mem, l, fds)
 	s.memfd = fd
 	return s, nil
 }
@@ -105,14 +106,14 @@ func checkHello(b []byte, who string) error {
 // end of conn (SCM_RIGHTS), waits for its acknowledgement, and from then
 // on watches conn: when it closes, the application is gone and the stream
 // becomes Broken. The stream owns conn afterwards.
-func (s *Stream) Handover(conn *net.UnixConn) error {
-	if s.side != BridgeSide || s.memfd < 0 {
-		return errors.New("fabric: Handover needs a fresh bridge-side stream from NewShm")
+func (s *BridgeStream) Handover(conn *net.UnixConn) error {
+	if s.memfd < 0 {
+		return errors.New("fabric: Handover needs a fresh stream from NewShm")
 	}
 	var hello [helloLen]byte
 	putHello(hello[:], 4, uint64(len(s.mem)))
 	rights := unix.UnixRights(s.memfd, s.fds[0], s.fds[1], s.fds[2])
-	conn.SetDeadline(time.Now().Add(HandshakeTimeout))
+	conn.SetDeadline(time.Now().Add(handshakeTimeout))
 	if _, _, err := conn.WriteMsgUnix(hello[:], rights, nil); err != nil {
 		return fmt.Errorf("fabric: sending stream to application: %w", err)
 	}
@@ -145,7 +146,7 @@ func readFull(conn *net.UnixConn, b []byte) (int, error) {
 // monitor watches the control connection: EOF or an error means the peer
 // process is gone (a crash closes its sockets too), so the stream breaks
 // and every waiter of ours wakes up.
-func (s *Stream) monitor(conn *net.UnixConn) {
+func (s *end) monitor(conn *net.UnixConn) {
 	s.conn = conn
 	s.monDone = make(chan struct{})
 	go func() {
@@ -171,7 +172,7 @@ func (s *Stream) monitor(conn *net.UnixConn) {
 // owns conn afterwards; closing conn (or the process dying) tells the
 // bridge the application is gone.
 func AttachShm(conn *net.UnixConn) (*Stream, error) {
-	conn.SetDeadline(time.Now().Add(HandshakeTimeout))
+	conn.SetDeadline(time.Now().Add(handshakeTimeout))
 	var hello [helloLen]byte
 	oob := make([]byte, unix.CmsgSpace(8*4))
 	n, oobn, flags, _, err := conn.ReadMsgUnix(hello[:], oob)
@@ -244,72 +245,16 @@ func AttachShm(conn *net.UnixConn) (*Stream, error) {
 	}
 	conn.SetDeadline(time.Time{})
 	unix.Close(fds[0])
-	s := newStream(AppSide, mem, l, fds[1:4:4])
+	s := &Stream{}
+	newEnd(&s.end, false, mem, l, fds[1:4:4])
 	s.monitor(conn)
-	return s, nil
-}
-
-// ShmListener accepts applications on a Unix socket path and gives each a
-// fresh stream.
-type ShmListener struct {
-	l   *net.UnixListener
-	cfg Config
-}
-
-// ListenShm listens on a Unix socket path. Permissions on the path decide
-// which local users may attach.
-func ListenShm(path string, cfg Config) (*ShmListener, error) {
-	if _, err := computeLayout(cfg); err != nil {
-		return nil, err
-	}
-	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
-	if err != nil {
-		return nil, err
-	}
-	return &ShmListener{l: l, cfg: cfg}, nil
-}
-
-// Accept waits for one application and hands it a new stream.
-func (l *ShmListener) Accept() (*Stream, error) {
-	c, err := l.l.AcceptUnix()
-	if err != nil {
-		return nil, err
-	}
-	s, err := NewShm(l.cfg)
-	if err != nil {
-		c.Close()
-		return nil, err
-	}
-	if err := s.Handover(c); err != nil {
-		c.Close()
-		s.Close()
-		return nil, err
-	}
-	return s, nil
-}
-
-// Close stops listening.
-func (l *ShmListener) Close() error { return l.l.Close() }
-
-// DialShm connects to a bridge listening on path and attaches the stream it
-// hands over.
-func DialShm(path string) (*Stream, error) {
-	c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: path, Net: "unix"})
-	if err != nil {
-		return nil, err
-	}
-	s, err := AttachShm(c)
-	if err != nil {
-		c.Close()
-		return nil, err
-	}
 	return s, nil
 }
 
 // NewPair returns both ends of a stream in this process, connected through
 // the real shm handover over a socketpair. Tests and benchmarks use it; the
 // app end has its own mapping, exactly as a separate process would.
-func NewPair(cfg Config) (bridge, app *Stream, err error) {
+func NewPair(cfg Config) (bridge *BridgeStream, app *Stream, err error) {
 	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
 	if err != nil {
 		return nil, nil, err
@@ -364,10 +309,10 @@ func fileConn(fd int) (*net.UnixConn, error) {
 	return uc, nil
 }
 
-// NewRingPair returns the two ends of one ring in private memory, for use
+// newRingPair returns the two ends of one ring in private memory, for use
 // inside a single process (the remote transport's receive queue, tests).
 // The semantics are exactly those of a shared ring.
-func NewRingPair(depth, slotSize int) (*Producer, *Consumer, error) {
+func newRingPair(depth, slotSize int) (*producer, *consumer, error) {
 	l, err := computeLayout(Config{RxSlots: depth, TxSlots: 2, SlotSize: slotSize})
 	if err != nil {
 		return nil, nil, err
@@ -376,5 +321,5 @@ func NewRingPair(depth, slotSize int) (*Producer, *Consumer, error) {
 	mem := unsafe.Slice((*byte)(unsafe.Pointer(&words[0])), l.size)
 	writeHeader(mem, l)
 	v := newRingView(mem, l.rx)
-	return &Producer{v: v, wake: signaller{fd: -1}}, &Consumer{v: v, wake: signaller{fd: -1}}, nil
+	return &producer{v: v, wake: signaller{fd: -1}}, &consumer{v: v, wake: signaller{fd: -1}}, nil
 }

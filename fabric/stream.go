@@ -1,7 +1,6 @@
 package fabric
 
 import (
-	"errors"
 	"net"
 	"sync"
 	"sync/atomic"
@@ -9,48 +8,6 @@ import (
 
 	"golang.org/x/sys/unix"
 )
-
-// Side says which end of a stream a Stream value is.
-type Side uint8
-
-const (
-	// BridgeSide produces into RX (dropping when full) and consumes TX.
-	BridgeSide Side = iota
-	// AppSide consumes RX and produces into TX (blocking when full).
-	AppSide
-)
-
-func (s Side) String() string {
-	if s == BridgeSide {
-		return "bridge"
-	}
-	return "app"
-}
-
-// Health is the state of one stream as the bridge's metrics report it.
-type Health uint8
-
-const (
-	// Normal: no drops in the last interval and the peer is there.
-	Normal Health = iota
-	// Sick: packets were dropped in the last interval (the application
-	// does not keep up); the stream still works.
-	Sick
-	// Broken: the peer is gone or corrupted shared state; the stream is
-	// dead and will not recover.
-	Broken
-)
-
-func (h Health) String() string {
-	switch h {
-	case Normal:
-		return "normal"
-	case Sick:
-		return "sick"
-	default:
-		return "broken"
-	}
-}
 
 // Stats are a stream's counters, as seen by its own side.
 type Stats struct {
@@ -61,29 +18,39 @@ type Stats struct {
 	Sleeps   uint64 // times this side slept in the kernel waiting
 }
 
-// Stream is one end of a duplex fabric stream: an RX ring (bridge to
-// application) and a TX ring (application to bridge) in one shared region.
-// Sends and receives run at the same time; several goroutines may send
-// (or receive) at once, their calls on one direction taking turns; Close
-// may be called from any goroutine and unblocks them all (see the package
-// doc, "Calls").
-type Stream struct {
-	side Side
-	mem  []byte
+// Stream is the application's end of a duplex fabric stream in shared
+// memory: it receives from the RX ring (bridge to application) and sends
+// into the TX ring (application to bridge), waiting for room when the ring
+// is full. Sends and receives run at the same time; several goroutines may
+// send (or receive) at once, their calls on one direction taking turns;
+// Close may be called from any goroutine and unblocks them all (see the
+// package doc, "Calls").
+type Stream struct{ end }
+
+// BridgeStream is the bridge's end of a duplex fabric stream in shared
+// memory: it sends into the RX ring, dropping what does not fit (the bridge
+// never waits for an application), and receives from the TX ring. It is
+// made by NewShm and handed to the application with Handover.
+type BridgeStream struct{ end }
+
+// end is one side of a stream region, what Stream and BridgeStream share.
+type end struct {
+	bridge bool // the bridge's end: sends drop instead of waiting
+	mem    []byte
 
 	// Each direction's hot fields sit on cache lines of their own: the
 	// sending and the receiving goroutine (often on different cores) each
 	// write only their own gate.
 	_        [64]byte
 	sg       gate // Send: serialises senders, lets Close wait, counts Sent
-	send     *Producer
-	sendWait *Waiter // nil: the bridge drops instead of waiting
+	send     *producer
+	sendWait *waiter // nil: the bridge drops instead of waiting
 	sr       sendReady
 
 	_        [64]byte
 	rg       gate // receive: serialises receivers, lets Close wait, counts Received
-	recv     *Consumer
-	recvWait *Waiter
+	recv     *consumer
+	recvWait *waiter
 	rr       recvReady
 	_        [64]byte
 
@@ -93,32 +60,20 @@ type Stream struct {
 	conn               *net.UnixConn
 	monDone            chan struct{}
 
-	// queue is the EventQueue this stream is registered with, if any;
-	// while it is set, Close leaves the unmapping to the queue, which may
-	// still be looking at the region (see EventQueue).
-	lifeMu      sync.Mutex
-	queue       *EventQueue
-	releaseLate bool // Close ran while queued: the queue releases
-
-	closed   atomic.Bool
-	broken   atomic.Bool
+	condition
+	tenancy              // Health and peerDrops look at the region under its lifeMu
 	peerGone atomic.Bool // control connection closed: drain, then break
-	errMu    sync.Mutex
-	err      error
 	closeOne sync.Once
-
-	dropped            atomic.Uint64
-	tickPrev, tickLast atomic.Uint64 // drop counts at the last two Ticks
 }
 
-type recvReady struct{ s *Stream }
+type recvReady struct{ s *end }
 
 func (r *recvReady) ready() bool {
 	s := r.s
 	return s.recv.Ready() || s.closed.Load() || s.broken.Load() || s.peerLeft()
 }
 
-type sendReady struct{ s *Stream }
+type sendReady struct{ s *end }
 
 func (r *sendReady) ready() bool {
 	s := r.s
@@ -128,7 +83,7 @@ func (r *sendReady) ready() bool {
 // peerLeft reports an orderly close (state word) or a vanished process
 // (control socket closed). Callers must hold a direction lock or know the
 // region is still mapped.
-func (s *Stream) peerLeft() bool {
+func (s *end) peerLeft() bool {
 	return s.peerGone.Load() || atomic.LoadUint32(s.peerState) == stateClosed
 }
 
@@ -138,72 +93,48 @@ const (
 	fdTxSpace = 2 // bridge signals: TX has space for a sleeping app
 )
 
-// newStream builds one side over an attached region. fds are the three
+// newEnd builds one side over an attached region. fds are the three
 // eventfds in the order fdRxData, fdTxData, fdTxSpace.
-func newStream(side Side, mem []byte, l layout, fds []int) *Stream {
-	s := &Stream{side: side, mem: mem, fds: fds, memfd: -1}
+func newEnd(e *end, bridge bool, mem []byte, l layout, fds []int) {
+	e.bridge, e.mem, e.fds, e.memfd = bridge, mem, fds, -1
 	rx, tx := newRingView(mem, l.rx), newRingView(mem, l.tx)
 	bridgeState, appState := u32at(mem, offBridgeState), u32at(mem, offAppState)
-	if side == BridgeSide {
-		s.send = &Producer{v: rx, wake: signaller{fd: fds[fdRxData]}}
-		s.recv = &Consumer{v: tx, wake: signaller{fd: fds[fdTxSpace]}}
-		s.recvWait = newWaiter(fds[fdTxData], tx.consArmed)
-		s.myState, s.peerState = bridgeState, appState
+	if bridge {
+		e.send = &producer{v: rx, wake: signaller{fd: fds[fdRxData]}}
+		e.recv = &consumer{v: tx, wake: signaller{fd: fds[fdTxSpace]}}
+		e.recvWait = newWaiter(fds[fdTxData], tx.consArmed)
+		e.myState, e.peerState = bridgeState, appState
 	} else {
-		s.send = &Producer{v: tx, wake: signaller{fd: fds[fdTxData]}}
-		s.recv = &Consumer{v: rx, wake: signaller{fd: -1}} // the bridge never sleeps for RX space
-		s.recvWait = newWaiter(fds[fdRxData], rx.consArmed)
-		s.sendWait = newWaiter(fds[fdTxSpace], tx.prodArm)
-		s.myState, s.peerState = appState, bridgeState
+		e.send = &producer{v: tx, wake: signaller{fd: fds[fdTxData]}}
+		e.recv = &consumer{v: rx, wake: signaller{fd: -1}} // the bridge never sleeps for RX space
+		e.recvWait = newWaiter(fds[fdRxData], rx.consArmed)
+		e.sendWait = newWaiter(fds[fdTxSpace], tx.prodArm)
+		e.myState, e.peerState = appState, bridgeState
 	}
-	s.rr.s, s.sr.s = s, s
-	s.sg.init()
-	s.rg.init()
-	atomic.StoreUint32(s.myState, stateOpen)
-	return s
+	e.rr.s, e.sr.s = e, e
+	e.sg.init()
+	e.rg.init()
+	atomic.StoreUint32(e.myState, stateOpen)
 }
 
-// Side returns which end this is.
-func (s *Stream) Side() Side { return s.side }
-
 // MaxPayload is the largest packet the outgoing ring accepts.
-func (s *Stream) MaxPayload() int { return s.send.MaxPayload() }
+func (s *end) MaxPayload() int { return s.send.MaxPayload() }
 
 // RecvDepth is how many packets the incoming ring holds: an application
 // sizes its receive buffering by it.
-func (s *Stream) RecvDepth() int { return s.recv.Depth() }
+func (s *end) RecvDepth() int { return s.recv.Depth() }
 
-// SendDepth is how many packets the outgoing ring holds.
-func (s *Stream) SendDepth() int { return s.send.Depth() }
-
-// RecvWaiter exposes the receive-side Waiter so callers can tune Spin.
-func (s *Stream) RecvWaiter() *Waiter { return s.recvWait }
-
-// SendWaiter exposes the send-side Waiter (nil on the bridge side).
-func (s *Stream) SendWaiter() *Waiter { return s.sendWait }
+// SetRecvSpin sets how long a receive polls an empty ring before it arms
+// the wake-up and sleeps (default 20 µs; zero sleeps at once).
+func (s *end) SetRecvSpin(d time.Duration) { s.recvWait.Spin = d }
 
 // Err returns why the stream is broken or closed, or nil.
-func (s *Stream) Err() error {
-	if s.closed.Load() {
-		return ErrClosed
-	}
-	if !s.broken.Load() {
-		return nil
-	}
-	s.errMu.Lock()
-	defer s.errMu.Unlock()
-	return s.err
-}
+func (s *end) Err() error { return s.failure() }
 
 // markBroken records the first reason the stream died and wakes every
 // waiter of this side so none sleeps on a dead stream.
-func (s *Stream) markBroken(err error) {
-	s.errMu.Lock()
-	if s.err == nil {
-		s.err = errors.Join(ErrBroken, err)
-	}
-	s.errMu.Unlock()
-	s.broken.Store(true)
+func (s *end) markBroken(err error) {
+	s.breakWith(err)
 	s.sg.mark(gateBroken)
 	s.rg.mark(gateBroken)
 	for _, fd := range s.fds {
@@ -213,25 +144,19 @@ func (s *Stream) markBroken(err error) {
 
 // Health reports Broken if the peer is gone or misbehaved, Sick if the
 // stream dropped packets since the Tick before last, Normal otherwise.
-func (s *Stream) Health() Health {
-	if s.broken.Load() || s.closed.Load() || s.peerGone.Load() || s.peerClosedMapped() {
+func (s *end) Health() Health {
+	if s.peerGone.Load() || s.peerClosedMapped() {
 		return Broken
 	}
-	if s.dropped.Load() > s.tickPrev.Load() {
-		return Sick
-	}
-	return Normal
+	return s.health()
 }
 
 // Tick ends a health interval; the owner calls it periodically (the
 // bridge's metrics loop), so "sick" means "dropped recently".
-func (s *Stream) Tick() {
-	s.tickPrev.Store(s.tickLast.Load())
-	s.tickLast.Store(s.dropped.Load())
-}
+func (s *end) Tick() { s.tick() }
 
 // Stats returns a snapshot of the counters.
-func (s *Stream) Stats() Stats {
+func (s *end) Stats() Stats {
 	st := Stats{
 		Sent:     s.sg.count(),
 		Received: s.rg.count(),
@@ -245,11 +170,11 @@ func (s *Stream) Stats() Stats {
 	return st
 }
 
-// PeerDrops is what the bridge published as dropped for this stream's RX
+// peerDrops is what the bridge published as dropped for this stream's RX
 // ring (application side) — informational, the bridge's own count is
 // authoritative.
-func (s *Stream) PeerDrops() uint64 {
-	if s.side == AppSide {
+func (s *end) peerDrops() uint64 {
+	if !s.bridge {
 		s.lifeMu.Lock()
 		defer s.lifeMu.Unlock()
 		if s.mem == nil {
@@ -264,36 +189,40 @@ func (s *Stream) PeerDrops() uint64 {
 // gates (Health, from a metrics loop): under lifeMu, which release holds
 // while it unmaps, so a concurrent Close cannot unmap under the load. A
 // stream already unmapped counts as closed.
-func (s *Stream) peerClosedMapped() bool {
+func (s *end) peerClosedMapped() bool {
 	s.lifeMu.Lock()
 	defer s.lifeMu.Unlock()
 	return s.mem == nil || atomic.LoadUint32(s.peerState) == stateClosed
 }
 
-func (s *Stream) dead() error {
-	if s.closed.Load() {
-		return ErrClosed
-	}
-	if s.broken.Load() {
-		return s.Err()
-	}
-	return nil
-}
-
-// Send puts packets into the outgoing ring. On the bridge side it never
-// waits: packets that do not fit are dropped and counted (the newest are
-// the ones dropped, data the application has not read is never
-// overwritten), and the result is how many were queued. On the application
-// side it blocks until every packet is queued (backpressure) and returns
-// len(pkts), or fewer and an error.
-func (s *Stream) Send(pkts [][]byte) (int, error) {
-	return s.SendMeta(pkts, nil)
-}
+// Send puts packets into the TX ring. It blocks until every packet is
+// queued (backpressure) and returns len(pkts), or fewer and an error.
+func (s *Stream) Send(pkts [][]byte) (int, error) { return s.sendMeta(pkts, nil) }
 
 // SendMeta is Send with a metadata word per packet (meta may be nil).
-func (s *Stream) SendMeta(pkts [][]byte, meta []uint32) (int, error) {
+func (s *Stream) SendMeta(pkts [][]byte, meta []uint32) (int, error) { return s.sendMeta(pkts, meta) }
+
+// SetSendSpin sets how long a send polls a full ring before it arms the
+// wake-up and sleeps (default 20 µs; zero sleeps at once).
+func (s *Stream) SetSendSpin(d time.Duration) { s.sendWait.Spin = d }
+
+// Send puts packets into the RX ring without ever waiting: packets that do
+// not fit, or are larger than MaxPayload, are dropped and counted (the
+// newest are the ones dropped; data the application has not read is never
+// overwritten). It returns how many it queued or dropped as too big, and
+// an error only once the stream is dead.
+func (s *BridgeStream) Send(pkts [][]byte) (int, error) { return s.sendMeta(pkts, nil) }
+
+// SendMeta is Send with a metadata word per packet (meta may be nil).
+func (s *BridgeStream) SendMeta(pkts [][]byte, meta []uint32) (int, error) {
+	return s.sendMeta(pkts, meta)
+}
+
+// sendMeta queues packets with their metadata words (meta may be nil):
+// the bridge's end drops what does not fit, the application's waits.
+func (s *end) sendMeta(pkts [][]byte, meta []uint32) (int, error) {
 	if !s.sg.enter() {
-		return 0, s.dead()
+		return 0, s.failure()
 	}
 	// pending: queued by this call and not yet added to the gate's count.
 	// The deferred closure costs about a nanosecond and keeps the gate
@@ -314,7 +243,7 @@ func (s *Stream) SendMeta(pkts [][]byte, meta []uint32) (int, error) {
 		done += n
 		pending += n
 		if err == ErrTooBig {
-			if s.side == BridgeSide {
+			if s.bridge {
 				s.dropped.Add(1)
 				s.send.countDrops(1)
 				done++
@@ -329,7 +258,7 @@ func (s *Stream) SendMeta(pkts [][]byte, meta []uint32) (int, error) {
 		if done == len(pkts) {
 			break
 		}
-		if s.side == BridgeSide {
+		if s.bridge {
 			lost := uint64(len(pkts) - done)
 			s.dropped.Add(lost)
 			s.send.countDrops(lost)
@@ -342,7 +271,7 @@ func (s *Stream) SendMeta(pkts [][]byte, meta []uint32) (int, error) {
 		if err := s.sendWait.wait(&s.sr, -1); err != nil {
 			return done, err
 		}
-		if err := s.dead(); err != nil {
+		if err := s.failure(); err != nil {
 			return done, err
 		}
 		if s.peerLeft() {
@@ -354,15 +283,15 @@ func (s *Stream) SendMeta(pkts [][]byte, meta []uint32) (int, error) {
 }
 
 // TryRecv takes up to len(bufs) packets without waiting (see
-// Consumer.Consume for the buffer contract).
-func (s *Stream) TryRecv(bufs [][]byte) (int, error) {
+// Link for the buffer contract).
+func (s *end) TryRecv(bufs [][]byte) (int, error) {
 	return s.TryRecvMeta(bufs, nil)
 }
 
 // TryRecvMeta is TryRecv returning the metadata words too.
-func (s *Stream) TryRecvMeta(bufs [][]byte, meta []uint32) (int, error) {
+func (s *end) TryRecvMeta(bufs [][]byte, meta []uint32) (int, error) {
 	if !s.rg.enter() {
-		return 0, s.dead()
+		return 0, s.failure()
 	}
 	n := 0
 	defer func() { s.rg.leave(n) }()
@@ -373,7 +302,7 @@ func (s *Stream) TryRecvMeta(bufs [][]byte, meta []uint32) (int, error) {
 
 // tryRecvIn is TryRecvMeta inside the gate, the stream known not dead at
 // the last look.
-func (s *Stream) tryRecvIn(bufs [][]byte, meta []uint32) (int, error) {
+func (s *end) tryRecvIn(bufs [][]byte, meta []uint32) (int, error) {
 	// Look at the peer's state before the ring: it publishes its last
 	// packets before it leaves, so a ring found empty after the departure
 	// was seen is empty for good.
@@ -392,14 +321,14 @@ func (s *Stream) tryRecvIn(bufs [][]byte, meta []uint32) (int, error) {
 }
 
 // Recv waits until at least one packet is there and takes up to len(bufs).
-func (s *Stream) Recv(bufs [][]byte) (int, error) {
+func (s *end) Recv(bufs [][]byte) (int, error) {
 	return s.RecvTimeout(bufs, -1)
 }
 
 // RecvTimeout is Recv giving up with ErrTimeout after d (d < 0: never).
-func (s *Stream) RecvTimeout(bufs [][]byte, d time.Duration) (int, error) {
+func (s *end) RecvTimeout(bufs [][]byte, d time.Duration) (int, error) {
 	if !s.rg.enter() {
-		return 0, s.dead()
+		return 0, s.failure()
 	}
 	n := 0
 	defer func() { s.rg.leave(n) }()
@@ -412,7 +341,7 @@ func (s *Stream) RecvTimeout(bufs [][]byte, d time.Duration) (int, error) {
 		if err := s.recvWait.wait(&s.rr, d); err != nil {
 			return 0, err
 		}
-		if err := s.dead(); err != nil {
+		if err := s.failure(); err != nil {
 			return 0, err
 		}
 	}
@@ -423,7 +352,7 @@ func (s *Stream) RecvTimeout(bufs [][]byte, d time.Duration) (int, error) {
 // The peer sees the stream become Broken. A stream registered with an
 // EventQueue may be closed at any time from any goroutine: the queue drops
 // it at its next Wait and releases it then.
-func (s *Stream) Close() error {
+func (s *end) Close() error {
 	s.closeOne.Do(func() {
 		s.closed.Store(true)
 		s.sg.mark(gateClosed)
@@ -436,11 +365,7 @@ func (s *Stream) Close() error {
 			s.conn.Close()
 			<-s.monDone
 		}
-		s.lifeMu.Lock()
-		late := s.queue != nil
-		s.releaseLate = late
-		s.lifeMu.Unlock()
-		if !late {
+		if !s.leaveToQueue() {
 			s.release()
 		}
 	})
@@ -449,7 +374,7 @@ func (s *Stream) Close() error {
 
 // release unmaps the region and closes the descriptors, waiting for any
 // Send or Recv still inside.
-func (s *Stream) release() {
+func (s *end) release() {
 	s.sg.seal()
 	s.rg.seal()
 	for _, fd := range s.fds {
@@ -458,7 +383,7 @@ func (s *Stream) release() {
 	if s.memfd >= 0 {
 		unix.Close(s.memfd)
 	}
-	s.lifeMu.Lock() // Health and PeerDrops look at the region under it
+	s.lifeMu.Lock() // Health and peerDrops look at the region under it
 	unix.Munmap(s.mem)
 	s.mem = nil
 	s.lifeMu.Unlock()

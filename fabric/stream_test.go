@@ -12,7 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-func newTestPair(t testing.TB, cfg Config) (*Stream, *Stream) {
+func newTestPair(t testing.TB, cfg Config) (*BridgeStream, *Stream) {
 	t.Helper()
 	b, a, err := NewPair(cfg)
 	if err != nil {
@@ -46,8 +46,8 @@ func TestStreamDropNewestWhenFull(t *testing.T) {
 	if st := b.Stats(); st.Dropped != 34 || st.Sent != 16 {
 		t.Fatalf("stats %+v, want 34 dropped, 16 sent", st)
 	}
-	if a.PeerDrops() != 34 {
-		t.Fatalf("application sees %d drops, want 34", a.PeerDrops())
+	if a.peerDrops() != 34 {
+		t.Fatalf("application sees %d drops, want 34", a.peerDrops())
 	}
 	if h := b.Health(); h != Sick {
 		t.Fatalf("health %v, want sick", h)
@@ -74,7 +74,7 @@ func TestStreamDropNewestWhenFull(t *testing.T) {
 // bridge drains; everything arrives in order, nothing is dropped.
 func TestStreamBackpressure(t *testing.T) {
 	b, a := newTestPair(t, Config{RxSlots: 8, TxSlots: 8, SlotSize: 128})
-	a.SendWaiter().Spin = 0 // make it really sleep
+	a.sendWait.Spin = 0 // make it really sleep
 	const total = 32 * 160
 	done := make(chan error, 1)
 	go func() {
@@ -130,7 +130,7 @@ func TestStreamWakeupsPingPong(t *testing.T) {
 	if testing.Short() {
 		iters = 500
 	}
-	for _, w := range []*Waiter{a.RecvWaiter(), b.RecvWaiter(), a.SendWaiter()} {
+	for _, w := range []*waiter{a.recvWait, b.recvWait, a.sendWait} {
 		w.Spin = 0
 	}
 	errc := make(chan error, 1)
@@ -318,7 +318,7 @@ func manyStreams(t *testing.T, wait func(q *EventQueue, toks []int) (int, error)
 	}
 	defer q.Close()
 	q.Spin = 0
-	bridges := make([]*Stream, streams)
+	bridges := make([]*BridgeStream, streams)
 	var wg sync.WaitGroup
 	for i := range bridges {
 		b, a := newTestPair(t, Config{RxSlots: 4, TxSlots: 16, SlotSize: 128})
@@ -410,7 +410,8 @@ func TestEventQueueDropsDeadStreams(t *testing.T) {
 	}
 	q.Spin = 0
 	const n = 6
-	var br, app [n]*Stream
+	var br [n]*BridgeStream
+	var app [n]*Stream
 	for i := range br {
 		if br[i], app[i], err = NewPair(Config{RxSlots: 4, TxSlots: 16, SlotSize: 128}); err != nil {
 			t.Fatal(err)
@@ -442,7 +443,7 @@ func TestEventQueueDropsDeadStreams(t *testing.T) {
 
 	got := make([]uint32, n)
 	errs := make([]error, n)
-	idOf := func(s *Stream) int {
+	idOf := func(s BridgeEnd) int {
 		for i := range br {
 			if br[i] == s {
 				return i
@@ -558,8 +559,8 @@ func (c *countdown) ready() bool { c.n--; return c.n <= 0 }
 
 // The adaptive spin follows what waits needed: steady waits shorter than
 // MaxSpin raise it to 1.5 times their length, long ones bring it back to
-// Spin; a fixed Waiter never moves. And the learned spin is what the next
-// wait uses: it catches a condition that a fixed Waiter sleeps for.
+// Spin; a fixed waiter never moves. And the learned spin is what the next
+// wait uses: it catches a condition that a fixed waiter sleeps for.
 func TestWaiterAdaptiveSpin(t *testing.T) {
 	fd, err := newEventfd()
 	if err != nil {
@@ -589,7 +590,7 @@ func TestWaiterAdaptiveSpin(t *testing.T) {
 	}
 	fixed := newWaiter(fd, &flag)
 	fixed.learn(80 * time.Microsecond)
-	if fixed.Budget() != DefaultSpin {
+	if fixed.Budget() != defaultSpin {
 		t.Fatalf("a fixed waiter moved to %v", fixed.Budget())
 	}
 

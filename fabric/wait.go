@@ -26,21 +26,21 @@ func eventfdDrain(fd int, buf *[8]byte) {
 	_, _ = unix.Read(fd, buf[:])
 }
 
-// readier is a condition a Waiter waits for. Implementations are pointers
+// readier is a condition a waiter waits for. Implementations are pointers
 // to fields of long-lived objects, so passing one does not allocate.
 type readier interface{ ready() bool }
 
-// DefaultSpin is how long a Waiter polls before it arms the tripwire and
+// defaultSpin is how long a waiter polls before it arms the tripwire and
 // sleeps. A wake-up through the kernel costs a few microseconds, so
 // spinning about that long catches a busy peer's next batch without a
 // system call while an idle stream stops burning the CPU quickly.
-const DefaultSpin = 20 * time.Microsecond
+const defaultSpin = 20 * time.Microsecond
 
-// Waiter is CLAN's tripwire in software: it spins on a condition, then sets
+// waiter is CLAN's tripwire in software: it spins on a condition, then sets
 // an armed flag in shared memory, re-checks the condition, and only then
 // sleeps on an eventfd. The other side signals the eventfd only when it
 // finds the flag armed (and clears it), so a stream that never runs dry
-// makes no system calls at all. One Waiter belongs to one goroutine.
+// makes no system calls at all. One waiter belongs to one goroutine.
 //
 // With MaxSpin above Spin the spin adapts: a wait that ended within
 // MaxSpin (slept or not) moves the spin toward 1.5 times its length, one
@@ -48,7 +48,7 @@ const DefaultSpin = 20 * time.Microsecond
 // shorter than MaxSpin is then caught spinning (sub-microsecond instead of
 // a kernel wake-up, about 20 µs on a VM) at the price of a core busy for
 // those gaps; an idle stream still parks after Spin.
-type Waiter struct {
+type waiter struct {
 	fd   int
 	flag *uint32
 	// Spin is the polling period before sleeping; zero sleeps at once.
@@ -62,15 +62,15 @@ type Waiter struct {
 	sleeps atomic.Uint64
 }
 
-func newWaiter(fd int, flag *uint32) *Waiter {
-	return &Waiter{fd: fd, flag: flag, Spin: DefaultSpin}
+func newWaiter(fd int, flag *uint32) *waiter {
+	return &waiter{fd: fd, flag: flag, Spin: defaultSpin}
 }
 
 // Sleeps counts how often the waiter had to enter the kernel.
-func (w *Waiter) Sleeps() uint64 { return w.sleeps.Load() }
+func (w *waiter) Sleeps() uint64 { return w.sleeps.Load() }
 
 // spinFor is how long the next wait spins.
-func (w *Waiter) spinFor() time.Duration {
+func (w *waiter) spinFor() time.Duration {
 	if w.MaxSpin <= w.Spin {
 		return w.Spin
 	}
@@ -78,7 +78,7 @@ func (w *Waiter) spinFor() time.Duration {
 }
 
 // learn moves the adaptive spin toward what the last wait needed.
-func (w *Waiter) learn(d time.Duration) {
+func (w *waiter) learn(d time.Duration) {
 	if w.MaxSpin <= w.Spin {
 		return
 	}
@@ -91,11 +91,11 @@ func (w *Waiter) learn(d time.Duration) {
 }
 
 // Budget is the spin the next wait will use (Spin unless MaxSpin adapts it).
-func (w *Waiter) Budget() time.Duration { return w.spinFor() }
+func (w *waiter) Budget() time.Duration { return w.spinFor() }
 
 // wait returns nil once r is ready, ErrTimeout when timeout (if >= 0)
 // passes first. Spurious eventfd wake-ups are harmless: the loop re-checks.
-func (w *Waiter) wait(r readier, timeout time.Duration) error {
+func (w *waiter) wait(r readier, timeout time.Duration) error {
 	if r.ready() {
 		return nil
 	}
@@ -106,7 +106,7 @@ func (w *Waiter) wait(r readier, timeout time.Duration) error {
 }
 
 // block spins, then arms the tripwire and sleeps, until r is ready.
-func (w *Waiter) block(r readier, timeout time.Duration, start time.Time) error {
+func (w *waiter) block(r readier, timeout time.Duration, start time.Time) error {
 	if spin := w.spinFor(); spin > 0 {
 		for i := 1; ; i++ {
 			if r.ready() {

@@ -29,53 +29,18 @@ import (
 )
 
 // bridgePlane adapts the real bridge to control.Dataplane for these tests.
-// The bridge takes shared-memory streams only, so a remote application's
-// GENEVE stream is relayed through a local stream pair (one more copy and
-// hop than a bridge that served remote streams itself would need).
 type bridgePlane struct {
 	b *bridge.Bridge
 }
 
-func (p *bridgePlane) AddStream(id uint32, s *fabric.Stream, own classifier.Ownership) error {
+func (p *bridgePlane) AddStream(id uint32, s *fabric.BridgeStream, own classifier.Ownership) error {
 	return p.b.AddStream(id, s, own)
 }
 
+// AddRemoteStream has the bridge serve the GENEVE stream itself; the server
+// closes it when the lease ends, after RemoveStream.
 func (p *bridgePlane) AddRemoteStream(id uint32, rs *fabric.RemoteStream, own classifier.Ownership) error {
-	bs, app, err := fabric.NewPair(fabric.Config{RxSlots: 1024, TxSlots: 1024})
-	if err != nil {
-		return err
-	}
-	if err := p.b.AddStream(id, bs, own); err != nil {
-		bs.Close()
-		app.Close()
-		return err
-	}
-	relay := func(recv, send func([][]byte) (int, error)) {
-		bufs := make([][]byte, 64)
-		for {
-			for i := range bufs {
-				bufs[i] = make([]byte, 2048)
-			}
-			n, err := recv(bufs)
-			if n > 0 {
-				if _, serr := send(bufs[:n]); serr != nil {
-					return
-				}
-			}
-			if err != nil {
-				return
-			}
-		}
-	}
-	// When the server closes the remote stream (the lease ended), the pair
-	// goes too; the bridge has let go of it by then.
-	go func() {
-		relay(rs.Recv, app.Send) // remote application -> bridge
-		app.Close()
-		bs.Close()
-	}()
-	go relay(app.Recv, rs.Send) // bridge -> remote application
-	return nil
+	return p.b.AddStream(id, rs.Bridge(), own)
 }
 
 func (p *bridgePlane) SetOwnership(id uint32, own classifier.Ownership) error {

@@ -19,7 +19,7 @@ import (
 // Send queues whole IP packets and may block until there is room (the TX
 // ring's backpressure); it is only ever called by one goroutine at a time.
 // Recv blocks until at least one packet is there and fills bufs the way
-// fabric.Consumer.Consume does: each buffer is used up to its capacity and
+// fabric.Link.Recv does: each buffer is used up to its capacity and
 // resliced to the packet's length. Closing the link is its owner's business;
 // once closed, Recv must return an error, which ends the receive loop.
 type Link interface {

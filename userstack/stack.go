@@ -120,7 +120,7 @@ func Open(ctx context.Context, opts Options) (*Stack, error) {
 		c.Close()
 		return nil, err
 	}
-	st.RecvWaiter().Spin = opts.Spin
+	st.SetRecvSpin(opts.Spin)
 	// The ring the bridge made, whatever was asked: windows must fit it.
 	cfg := LinkConfig{MTU: mtuOf(reg.MTU, opts.MTU, st.MaxPayload()), MaxPacket: st.MaxPayload(), NoGRO: opts.NoGRO, RxDepth: st.RecvDepth()}
 	s, err := newStack(st, cfg, reg.Addrs, c, c.Close, st.Close)

@@ -66,7 +66,7 @@ func (g *grantAll) Release(_ context.Context, id uint64) error {
 // stream.
 type peer struct {
 	s      *Stack
-	bridge *fabric.Stream
+	bridge *fabric.BridgeStream
 	sendMu sync.Mutex
 	addrs  []netip.Addr
 }

@@ -123,7 +123,7 @@ func (c *Config) checkStreams(d *decoder) {
 		field string
 		slots int
 	}{{"streams.rx_slots", c.Streams.RxSlots}, {"streams.tx_slots", c.Streams.TxSlots}} {
-		if bytes := (int64(r.slots) + 1) * int64(c.Streams.SlotSize); r.slots > 0 && bytes > fabric.MaxRingBytes {
+		if bytes := fabric.RingBytes(r.slots, int(c.Streams.SlotSize)); r.slots > 0 && bytes > fabric.MaxRingBytes {
 			d.errorAt(r.field, "%d slots of %d bytes need a %d-byte ring, above the %d-byte limit", r.slots, int64(c.Streams.SlotSize), bytes, fabric.MaxRingBytes)
 		}
 	}

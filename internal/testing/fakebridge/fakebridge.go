@@ -66,7 +66,7 @@ func (b *Bridge) Counters() Counters {
 }
 
 // AddStream implements control.Dataplane.
-func (b *Bridge) AddStream(id uint32, s *fabric.Stream, own classifier.Ownership) error {
+func (b *Bridge) AddStream(id uint32, s *fabric.BridgeStream, own classifier.Ownership) error {
 	b.add(id, s.Send, s.Recv, own)
 	return nil
 }

@@ -6,7 +6,7 @@ package gpu
 const (
 	threads      = 256   // FB_TRIGGER_THREADS
 	chunk        = 1024  // FB_TRIGGER_CHUNK
-	staticShared = 20592 // the kernels' block_shared, as the PTX declares it
+	staticShared = 29064 // the kernels' block_shared, as the PTX declares it
 	maxGaps      = 64    // FB_TRIGGER_MAX_GAPS, ingest.MaxGaps
 
 	argsSize   = 128

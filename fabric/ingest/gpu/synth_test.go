@@ -15,15 +15,14 @@ import (
 
 // script is a synthetic producer: a deterministic stream of trigger
 // datagrams from several sources, with every quirk the reference counts
-// (datagrams dropped here, sender gaps, repeats, short payloads) when
-// quirks is set. Appended with back-pressure (wait for a free buffer
+// (datagrams dropped here, sender gaps, repeats, short payloads). Appended with back-pressure (wait for a free buffer
 // rather than drop), the same script cuts the same buffers in any ring of
 // the same configuration, whoever consumes it and however fast.
 type script struct {
 	records int
 	sources int
-	maxHits int // energies per payload: 0..maxHits
-	quirks  bool
+	maxHits int    // energies per payload: 0..maxHits
+	quirks  uint32 // one record in quirks/5 has a quirk; 0 none
 	rxStep  uint64 // mean RX time between records, ns
 }
 
@@ -56,8 +55,8 @@ func (s script) feed(r *ingest.Ring, bufferSize int, wait bool) {
 		} else {
 			ingest.PutTriggerPayload(payload, seq, nil)
 		}
-		if s.quirks {
-			switch q := rnd() % 400; {
+		if s.quirks > 0 {
+			switch q := rnd() % s.quirks; {
 			case q == 0: // dropped here: the ring counts it in the source's sequence
 				r.Append(source(src), rx, tooBig)
 			case q == 1: // the sender skipped some
@@ -88,12 +87,17 @@ var ringCases = []ringCase{
 	// Small buffers, aligned windows: windows close by time and continue
 	// over full buffers; 12 sources.
 	{"windows", ingest.Config{Buffers: 8, BufferSize: 8192, Window: 40 * time.Microsecond, AlignWindows: true, MaxSources: 16},
-		script{records: 20000, sources: 12, maxHits: 12, quirks: true, rxStep: 200}, 40_000_000},
+		script{records: 20000, sources: 12, maxHits: 12, quirks: 400, rxStep: 200}, 40_000_000},
 	// Buffers larger than the fake's staging area and holding more than a
 	// chunk of records: read in place, walked in several passes, and
 	// released after their result.
 	{"big", ingest.Config{Buffers: 4, BufferSize: 128 << 10, Window: time.Second, MaxSources: 300},
-		script{records: 30000, sources: 300, maxHits: 1, quirks: true, rxStep: 10}, 66_000_000},
+		script{records: 30000, sources: 300, maxHits: 1, quirks: 400, rxStep: 10}, 66_000_000},
+	// A quirk in most records: more gaps in a buffer than the kernel keeps
+	// aside before its turn, and sources whose first record in a buffer is
+	// behind, both of which make it replay records in turn.
+	{"dense", ingest.Config{Buffers: 8, BufferSize: 32 << 10, Window: time.Second, MaxSources: 4},
+		script{records: 20000, sources: 4, maxHits: 1, quirks: 6, rxStep: 10}, 13_800_000},
 }
 
 // newRing creates a ring for c in a test directory and attaches a consumer.

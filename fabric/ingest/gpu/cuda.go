@@ -32,6 +32,7 @@ const (
 	cuDevAttrMultiprocessorCount        = 16
 	cuDevAttrMaxSharedMemoryPerBlockOpt = 97
 	cuFuncAttrMaxDynamicSharedSize      = 8
+	cuFuncAttrSharedSizeBytes           = 1
 )
 
 // driver is the CUDA driver API, resolved from libcuda.so.1 at run time
@@ -54,6 +55,7 @@ type driver struct {
 	cuModuleUnload            func(mod uintptr) cuResult
 	cuModuleGetFunction       func(fn *uintptr, mod uintptr, name *byte) cuResult
 	cuFuncSetAttribute        func(fn uintptr, attr int32, v int32) cuResult
+	cuFuncGetAttribute        func(v *int32, attr int32, fn uintptr) cuResult
 	cuLaunchKernel            func(fn uintptr, gx, gy, gz, bx, by, bz, smem uint32, stream uintptr, params unsafe.Pointer, extra unsafe.Pointer) cuResult
 	cuStreamCreate            func(s *uintptr, flags uint32) cuResult
 	cuStreamSynchronize       func(s uintptr) cuResult
@@ -108,6 +110,7 @@ func openDriver(name string) (*driver, error) {
 		{&d.cuModuleUnload, "cuModuleUnload"},
 		{&d.cuModuleGetFunction, "cuModuleGetFunction"},
 		{&d.cuFuncSetAttribute, "cuFuncSetAttribute"},
+		{&d.cuFuncGetAttribute, "cuFuncGetAttribute"},
 		{&d.cuLaunchKernel, "cuLaunchKernel"},
 		{&d.cuStreamCreate, "cuStreamCreate"},
 		{&d.cuStreamSynchronize, "cuStreamSynchronize"},
@@ -232,7 +235,7 @@ func openCUDA(ordinal int, ptx []byte) (_ *cudaDevice, err error) {
 	if err := d.err(d.cuDeviceGetAttribute(&v, cuDevAttrMaxSharedMemoryPerBlockOpt, c.dev), "cuDeviceGetAttribute"); err != nil {
 		return nil, err
 	}
-	c.stageMax = int(v) - staticShared
+	optin := int(v)
 	image := append(append([]byte(nil), ptx...), 0)
 	if err := d.err(d.cuModuleLoadData(&c.mod, unsafe.Pointer(&image[0])), "cuModuleLoadData"); err != nil {
 		return nil, err
@@ -245,7 +248,18 @@ func openCUDA(ordinal int, ptx []byte) (_ *cudaDevice, err error) {
 		if err := d.err(d.cuModuleGetFunction(f.fn, c.mod, &n[0]), "cuModuleGetFunction "+f.name); err != nil {
 			return nil, err
 		}
-		if err := d.err(d.cuFuncSetAttribute(*f.fn, cuFuncAttrMaxDynamicSharedSize, int32(c.stageMax)), "cuFuncSetAttribute"); err != nil {
+		// What the compiled kernel declares may exceed the PTX's.
+		if err := d.err(d.cuFuncGetAttribute(&v, cuFuncAttrSharedSizeBytes, *f.fn), "cuFuncGetAttribute"); err != nil {
+			return nil, err
+		}
+		if c.stageMax == 0 || optin-int(v) < c.stageMax {
+			c.stageMax = optin - int(v)
+		}
+	}
+	// Leave room for what the driver reserves per block.
+	c.stageMax = (c.stageMax - 1024) &^ 1023
+	for _, fn := range []uintptr{c.persistent, c.batch} {
+		if err := d.err(d.cuFuncSetAttribute(fn, cuFuncAttrMaxDynamicSharedSize, int32(c.stageMax)), "cuFuncSetAttribute"); err != nil {
 			return nil, err
 		}
 	}

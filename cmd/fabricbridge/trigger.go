@@ -175,4 +175,3 @@ func triggerCommand(ctx context.Context, args []string, stdout io.Writer) error 
 		}
 	}
 }
-

@@ -94,6 +94,16 @@ type Stats struct {
 // wrapping it says which buffer and record.
 var ErrKernel = errors.New("gpu: the kernel found the ring corrupt")
 
+// The kernel lists a gap unless it cannot be among the first maxGaps: per
+// source, at most 64-k in a buffer that k gaps precede, and 2 more at the
+// buffer's start, while fewer than 64 were seen: 64·65/2 + 2·64 < 2300.
+// A list this long for every source is enough; a longer one is a waste of
+// device memory for sources that do not all misbehave at once.
+const (
+	gapsPerSource = 2300
+	maxGapList    = 1 << 22
+)
+
 const (
 	resultSlots  = 1024
 	hostParams   = 64   // in the host block: the kernel's argument and the pointer to it
@@ -137,8 +147,9 @@ type Consumer struct {
 
 // Open loads the CUDA driver (ErrNoDriver if there is none) and prepares
 // the trigger over c's ring: registers the ring for device access, loads
-// the kernel and allocates its state. c must not be used for reading
-// while the GPU consumer runs; close the GPU consumer first, then c.
+// the kernel and allocates its state. c belongs to the GPU consumer
+// (which reads through it in host-driven mode, around it in persistent
+// mode) until that is closed; close c after it.
 func Open(c *ingest.Consumer, opts Options) (*Consumer, error) {
 	dev, err := openCUDA(opts.Device, ptx)
 	if err != nil {
@@ -198,20 +209,23 @@ func open(dev device, c *ingest.Consumer, opts Options) (g *Consumer, err error)
 	if g.hostDev, err = dev.register(g.host); err != nil {
 		return nil, err
 	}
-	g.gapCap = maxGaps * g.maxSrc
+	g.gapCap = min(gapsPerSource*g.maxSrc, maxGapList)
 	for _, a := range []struct {
-		p *uint64
-		n int
+		p    *uint64
+		n    int
+		zero bool
 	}{
-		{&g.argsDev, argsSize}, {&g.stateDev, stateSize}, {&g.sourcesDev, sourceSize * g.maxSrc},
-		{&g.gapsDev, gapSize * g.gapCap},
+		{&g.argsDev, argsSize, false}, {&g.stateDev, stateSize, true}, {&g.sourcesDev, sourceSize * g.maxSrc, true},
+		{&g.gapsDev, gapSize * g.gapCap, false}, // read up to the state's count only
 	} {
 		if *a.p, err = dev.alloc(a.n); err != nil {
 			return nil, err
 		}
 		g.dmem = append(g.dmem, *a.p)
-		if err = dev.copyIn(*a.p, make([]byte, a.n)); err != nil {
-			return nil, err
+		if a.zero {
+			if err = dev.copyIn(*a.p, make([]byte, a.n)); err != nil {
+				return nil, err
+			}
 		}
 	}
 	if opts.Mode == HostDriven {

@@ -1,6 +1,7 @@
 package gpu
 
 import (
+	"cmp"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -511,25 +512,15 @@ func (g *Consumer) Results() (*Results, error) {
 		}
 		slices.SortFunc(all, func(a, b keyed) int {
 			if a.seq != b.seq {
-				return compare(a.seq, b.seq)
+				return cmp.Compare(a.seq, b.seq)
 			}
-			return compare(uint64(a.key), uint64(b.key))
+			return cmp.Compare(a.key, b.key)
 		})
 		for _, k := range all[:min(n, ingest.MaxGaps)] {
 			r.Gaps = append(r.Gaps, k.gap)
 		}
 	}
 	return r, nil
-}
-
-func compare(a, b uint64) int {
-	switch {
-	case a < b:
-		return -1
-	case a > b:
-		return 1
-	}
-	return 0
 }
 
 func (g *Consumer) release() error {

@@ -1,7 +1,6 @@
 package gpu
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"slices"
@@ -72,15 +71,9 @@ func gpuThroughput(t *testing.T, dev device, sc scale, opts Options) throughput 
 	records := fill(r)
 	var last uint64
 	opts.OnResult = func(res Result) { last = res.SeenNs }
-	g, err := open(dev, c, opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer g.release()
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
 	start := ingest.Now()
-	if err := g.Run(ctx); err != nil {
+	g, done := startGPU(t, dev, c, opts)
+	if err := <-done; err != nil {
 		t.Fatal(err)
 	}
 	st := g.Stats()
@@ -149,15 +142,7 @@ func gpuLatency(t *testing.T, dev device, sc scale, opts Options, n int) latenci
 	r, c := newRing(t, ringConfig(64), ingest.ConsumerOptions{})
 	samples := make([]uint64, 0, sc.latency)
 	opts.OnResult = func(res Result) { samples = append(samples, res.SeenNs-res.PublishNs) }
-	g, err := open(dev, c, opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer g.release()
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	done := make(chan error, 1)
-	go func() { done <- g.Run(ctx) }()
+	_, done := startGPU(t, dev, c, opts)
 	payload := make([]byte, ingest.TriggerSeqLen+2*measureHits)
 	energies := make([]uint16, measureHits)
 	next := ingest.Now()

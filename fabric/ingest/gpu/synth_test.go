@@ -159,14 +159,7 @@ func gpuRun(t testing.TB, dev device, rc ringCase, opts Options) (*Results, Stat
 	opts.KeepEnergies = true
 	var seen []Result
 	opts.OnResult = func(res Result) { seen = append(seen, res) }
-	g, err := open(dev, c, opts)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	done := make(chan error, 1)
-	go func() { done <- g.Run(ctx) }()
+	g, done := startGPU(t, dev, c, opts)
 	rc.s.feed(r, rc.cfg.BufferSize, true)
 	r.Close()
 	if err := <-done; err != nil {
@@ -176,11 +169,27 @@ func gpuRun(t testing.TB, dev device, rc ringCase, opts Options) (*Results, Stat
 	if err != nil {
 		t.Fatal(err)
 	}
-	st := g.Stats()
-	if err := g.release(); err != nil {
+	return res, g.Stats(), seen, c
+}
+
+// startGPU opens a GPU consumer on dev over c and starts Run, with a
+// minute to finish; the test's cleanup releases it.
+func startGPU(t testing.TB, dev device, c *ingest.Consumer, opts Options) (*Consumer, chan error) {
+	t.Helper()
+	g, err := open(dev, c, opts)
+	if err != nil {
 		t.Fatal(err)
 	}
-	return res, st, seen, c
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	t.Cleanup(func() {
+		cancel()
+		if err := g.release(); err != nil {
+			t.Error(err)
+		}
+	})
+	done := make(chan error, 1)
+	go func() { done <- g.Run(ctx) }()
+	return g, done
 }
 
 // sameAsReference fails t where the GPU's results differ from the

@@ -156,6 +156,10 @@ func Open(c *ingest.Consumer, opts Options) (*Consumer, error) {
 	if err != nil {
 		return nil, err
 	}
+	if c == nil {
+		dev.close()
+		return nil, errors.New("gpu: Open needs an attached ingest consumer")
+	}
 	g, err := open(dev, c, opts)
 	if err != nil {
 		dev.close()

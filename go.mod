@@ -4,6 +4,7 @@ go 1.26.3
 
 require (
 	github.com/cilium/ebpf v0.22.0
+	github.com/ebitengine/purego v0.11.3
 	github.com/gopacket/gopacket v1.7.7
 	github.com/vishvananda/netlink v1.3.1
 	github.com/vishvananda/netns v0.0.5

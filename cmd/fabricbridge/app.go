@@ -23,11 +23,12 @@ import (
 // The sample applications run on a user-space stack over a stream of the
 // bridge: for trying the bridge out and for benchmarks.
 
-const appUsage = `usage: fabricbridge app http|echo|sink [flags]
+const appUsage = `usage: fabricbridge app http|echo|sink|trigger [flags]
 
-  http   serve HTTP: GET / answers --size bytes, GET /bytes/N answers N bytes
-  echo   TCP echo (and UDP echo with --udp)
-  sink   discard TCP (and UDP with --udp), print the rate every --every
+  http     serve HTTP: GET / answers --size bytes, GET /bytes/N answers N bytes
+  echo     TCP echo (and UDP echo with --udp)
+  sink     discard TCP (and UDP with --udp), print the rate every --every
+  trigger  consume an ingest ring, on the CPU or with --gpu (app trigger -h)
 
 flags (all applications):
   --name NAME          application name, as the bridge's configuration knows it
@@ -160,6 +161,9 @@ func (f clientTLSFiles) config(remote string) (*tls.Config, error) {
 }
 
 func appCommand(ctx context.Context, args []string, stdout io.Writer) error {
+	if len(args) > 0 && args[0] == "trigger" {
+		return triggerCommand(ctx, args[1:], stdout)
+	}
 	o, err := parseApp(args)
 	if err != nil {
 		return err

@@ -1,0 +1,240 @@
+package gpu
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/fabricbridge/fabricbridge/fabric/ingest"
+)
+
+// The measurement's ring: 64 KiB buffers of 64-byte records (a 4-byte
+// sequence number and 16 hits), 1024 to a buffer, one chunk of the kernel.
+const (
+	measureHits     = 16
+	measureBufSize  = 64 << 10
+	measureRecords  = measureBufSize / 64
+	measureBuffers  = 512
+	latencyBuffers  = 4000
+	latencyInterval = 100 * time.Microsecond
+)
+
+// fill appends records from 8 sources until the ring has no free buffer,
+// then closes it: every buffer published, waiting for a consumer.
+func fill(r *ingest.Ring) (records uint64) {
+	payload := make([]byte, ingest.TriggerSeqLen+2*measureHits)
+	energies := make([]uint16, measureHits)
+	seq := make([]uint32, 8)
+	rx := ingest.Now()
+	for i := 0; r.Writable(); i++ {
+		src := i % 8
+		for h := range energies {
+			energies[h] = uint16(i*7 + h*13)
+		}
+		ingest.PutTriggerPayload(payload, seq[src], energies)
+		seq[src]++
+		r.Append(source(src), rx+uint64(i), payload)
+		records++
+	}
+	r.Close()
+	return records
+}
+
+// throughput is one consumer's rate over a full ring.
+type throughput struct {
+	name             string
+	records, buffers uint64
+	elapsed          time.Duration
+}
+
+func (p throughput) faster(q throughput) bool {
+	return p.records*uint64(q.elapsed) > q.records*uint64(p.elapsed)
+}
+
+func (p throughput) String() string {
+	s := p.elapsed.Seconds()
+	return fmt.Sprintf("%-28s %8.1f M records/s  %9.0f buffers/s  (%d records in %v)",
+		p.name, float64(p.records)/s/1e6, float64(p.buffers)/s, p.records, p.elapsed.Round(time.Microsecond))
+}
+
+func ringConfig(buffers int) ingest.Config {
+	return ingest.Config{Buffers: buffers, BufferSize: measureBufSize, Window: time.Second, MaxSources: 64}
+}
+
+// gpuThroughput drains a full ring with a GPU consumer: from Run's start
+// to the last result seen.
+func gpuThroughput(t *testing.T, dev device, sc scale, opts Options) throughput {
+	r, c := newRing(t, ringConfig(sc.buffers), ingest.ConsumerOptions{})
+	records := fill(r)
+	var last uint64
+	opts.OnResult = func(res Result) { last = res.SeenNs }
+	start := ingest.Now()
+	g, done := startGPU(t, dev, c, opts)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	st := g.Stats()
+	if st.Records != records {
+		t.Fatalf("GPU saw %d records of %d", st.Records, records)
+	}
+	name := fmt.Sprintf("GPU %s, %d blocks", opts.Mode, g.blocks)
+	return throughput{name, st.Records, st.Buffers, time.Duration(last - start)}
+}
+
+// cpuThroughput is the reference consumer on one goroutine over the same
+// full ring, timing Process alone (not the wake-ups): the CPU's best case.
+func cpuThroughput(t *testing.T, sc scale) throughput {
+	r, c := newRing(t, ringConfig(sc.buffers), ingest.ConsumerOptions{})
+	records := fill(r)
+	ref := &ingest.Reference{Threshold: 1 << 40}
+	var busy time.Duration
+	var buffers uint64
+	for {
+		b, err := c.Next(time.Second)
+		if errors.Is(err, ingest.ErrClosed) {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		start := time.Now()
+		if err := ref.Process(&b); err != nil {
+			t.Fatal(err)
+		}
+		busy += time.Since(start)
+		buffers++
+		c.Release(&b)
+	}
+	var seen uint64
+	for _, s := range ref.Sources {
+		seen += s.Records
+	}
+	if seen != records {
+		t.Fatalf("reference saw %d records of %d", seen, records)
+	}
+	return throughput{"CPU reference, one core", seen, buffers, busy}
+}
+
+// latencies is publish-to-result latency over paced buffers.
+type latencies struct {
+	name    string
+	samples []uint64
+}
+
+func (l latencies) quantile(q float64) time.Duration {
+	return time.Duration(l.samples[min(len(l.samples)-1, int(q*float64(len(l.samples))))])
+}
+
+func (l latencies) String() string {
+	return fmt.Sprintf("%-40s p50 %7.1f µs  p99 %7.1f µs  p99.9 %7.1f µs  max %7.1f µs  (%d buffers)", l.name,
+		us(l.quantile(0.5)), us(l.quantile(0.99)), us(l.quantile(0.999)), us(time.Duration(l.samples[len(l.samples)-1])), len(l.samples))
+}
+
+func us(d time.Duration) float64 { return float64(d) / 1e3 }
+
+// gpuLatency publishes latencyBuffers buffers of n records, one every
+// latencyInterval, and takes each one's latency from its publication to
+// the host seeing its result.
+func gpuLatency(t *testing.T, dev device, sc scale, opts Options, n int) latencies {
+	r, c := newRing(t, ringConfig(64), ingest.ConsumerOptions{})
+	samples := make([]uint64, 0, sc.latency)
+	opts.OnResult = func(res Result) { samples = append(samples, res.SeenNs-res.PublishNs) }
+	_, done := startGPU(t, dev, c, opts)
+	payload := make([]byte, ingest.TriggerSeqLen+2*measureHits)
+	energies := make([]uint16, measureHits)
+	next := ingest.Now()
+	for b := range sc.latency {
+		for ingest.Now() < next {
+		}
+		next += uint64(latencyInterval)
+		for i := range n {
+			ingest.PutTriggerPayload(payload, uint32(b*n+i), energies)
+			for !r.Writable() {
+			}
+			r.Append(source(0), ingest.Now(), payload)
+		}
+		r.Flush()
+	}
+	r.Close()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if len(samples) != sc.latency {
+		t.Fatalf("%d results for %d buffers", len(samples), sc.latency)
+	}
+	slices.Sort(samples)
+	return latencies{fmt.Sprintf("GPU %s, %d records/buffer", opts.Mode, n), samples}
+}
+
+// TestGPUMeasure measures both modes and the CPU reference: records/s over
+// a full ring, and publish-to-result latency over paced buffers. It logs a
+// table and checks the goals, reporting (not failing) a miss:
+// numbers depend on the machine.
+func TestGPUMeasure(t *testing.T) {
+	dev := cudaOrSkip(t)
+	t.Log("\n" + measure(t, dev, scale{buffers: measureBuffers, latency: latencyBuffers}))
+}
+
+// TestFakeMeasure runs the measurement, small, on the fake device: the
+// harness works before a GPU's time is spent on it.
+func TestFakeMeasure(t *testing.T) {
+	if testing.Short() {
+		t.Skip("short")
+	}
+	t.Log("\n" + measure(t, newFake(), scale{buffers: 16, latency: 200}))
+}
+
+// scale sizes a measurement.
+type scale struct{ buffers, latency int }
+
+func measure(t *testing.T, dev device, sc scale) string {
+	var report strings.Builder
+	info := dev.info()
+	fmt.Fprintf(&report, "device: %s (%d multiprocessors)\n", info.Name, info.Multiprocessors)
+	var cpu throughput
+	for i := range 3 {
+		if p := cpuThroughput(t, sc); i == 0 || p.faster(cpu) {
+			cpu = p
+		}
+	}
+	fmt.Fprintln(&report, cpu)
+	best := throughput{}
+	for _, opts := range []Options{{Mode: Persistent, Blocks: 16}, {Mode: Persistent, Blocks: 64}, {Mode: Persistent, Blocks: 128}, {Mode: HostDriven, Blocks: 32}} {
+		var p throughput
+		for i := range 3 {
+			if q := gpuThroughput(t, dev, sc, opts); i == 0 || q.faster(p) {
+				p = q
+			}
+		}
+		fmt.Fprintln(&report, p)
+		if best.records == 0 || p.faster(best) {
+			best = p
+		}
+	}
+	var lat = map[string]latencies{}
+	for _, n := range []int{64, measureRecords} {
+		for _, mode := range []Mode{Persistent, HostDriven} {
+			l := gpuLatency(t, dev, sc, Options{Mode: mode}, n)
+			lat[fmt.Sprint(mode, n)] = l
+			fmt.Fprintln(&report, l)
+		}
+	}
+	ratio := (float64(best.records) / best.elapsed.Seconds()) / (float64(cpu.records) / cpu.elapsed.Seconds())
+	fmt.Fprintf(&report, "goal: GPU >= 10x the CPU reference's records/s: %.1fx (%s)\n", ratio, verdict(ratio >= 10))
+	for _, n := range []int{64, measureRecords} {
+		p, h := lat[fmt.Sprint(Persistent, n)], lat[fmt.Sprint(HostDriven, n)]
+		fmt.Fprintf(&report, "goal, %d records/buffer: persistent p99 %.1f µs < 50 µs (%s) and < host-driven p50 %.1f µs (%s)\n", n,
+			us(p.quantile(0.99)), verdict(p.quantile(0.99) < 50*time.Microsecond), us(h.quantile(0.5)), verdict(p.quantile(0.99) < h.quantile(0.5)))
+	}
+	return report.String()
+}
+
+func verdict(ok bool) string {
+	if ok {
+		return "met"
+	}
+	return "MISSED"
+}

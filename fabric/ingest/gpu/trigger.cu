@@ -1,0 +1,737 @@
+// SPDX-License-Identifier: MIT
+//
+// trigger.cu: the GPU trigger over an ingest ring, the CUDA twin of
+// ingest.Reference. Built to PTX by Debian's clang without CUDA's headers
+// (see gen.go); the driver compiles the PTX for the GPU at load.
+//
+// Each buffer goes through a block of FB_TRIGGER_THREADS threads in two
+// stages. Stage A runs in parallel across blocks: stage the buffer in
+// shared memory, walk its records (one thread: a record's size says where
+// the next starts), decode them (all threads: source, sequences,
+// energies) and summarise each source's records (a thread per source).
+// Stage B is the reference's sequential fold, taken in publication order
+// through a turn ticket in device memory: each source's summary is applied
+// to its running counts, so per-source counts and gaps come out exactly as
+// the CPU's; thread 0 closes the window, passes the turn on and publishes
+// the result. Many blocks keep many buffers in stage A while one folds.
+// Buffers that do not fit the fast path (see fast) replay every record in
+// turn instead: the same results, slower.
+
+#include "fb_trigger.h"
+
+#define __global__ __attribute__((global))
+#define __device__ __attribute__((device))
+#define __shared__ __attribute__((shared))
+#define __forceinline__ __attribute__((always_inline))
+#define __launch_bounds__(n) __attribute__((launch_bounds(n)))
+
+typedef uint32_t u32x4 __attribute__((ext_vector_type(4)));
+
+static __device__ __forceinline__ unsigned tid() { return __nvvm_read_ptx_sreg_tid_x(); }
+static __device__ __forceinline__ unsigned bid() { return __nvvm_read_ptx_sreg_ctaid_x(); }
+static __device__ __forceinline__ unsigned nblocks() { return __nvvm_read_ptx_sreg_nctaid_x(); }
+
+// Shared words of the ring and the control block live in host memory: sys
+// scope. The turn ticket lives in device memory: gpu scope.
+static __device__ __forceinline__ uint32_t ld_acquire_sys32(const void *p)
+{
+	uint32_t v;
+	asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+	return v;
+}
+static __device__ __forceinline__ uint64_t ld_acquire_sys64(const void *p)
+{
+	uint64_t v;
+	asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+	return v;
+}
+static __device__ __forceinline__ void st_release_sys32(void *p, uint32_t v)
+{
+	asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+static __device__ __forceinline__ void st_release_sys64(void *p, uint64_t v)
+{
+	asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+static __device__ __forceinline__ uint64_t ld_acquire_gpu64(const void *p)
+{
+	uint64_t v;
+	asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+	return v;
+}
+static __device__ __forceinline__ void st_release_gpu64(void *p, uint64_t v)
+{
+	asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+// The buffer's bytes are read past L1 (cached in L2 at most): a buffer
+// comes round again with new data at the same addresses.
+static __device__ __forceinline__ u32x4 ld_cg128(const void *p)
+{
+	u32x4 v;
+	asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+		     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+		     : "l"(p));
+	return v;
+}
+static __device__ __forceinline__ uint64_t ld_cg64(const void *p)
+{
+	uint64_t v;
+	asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(v) : "l"(p));
+	return v;
+}
+static __device__ __forceinline__ uint32_t ld_volatile32(const void *p)
+{
+	return *(const volatile uint32_t *)p;
+}
+static __device__ __forceinline__ void pause(uint32_t ns)
+{
+	asm volatile("nanosleep.u32 %0;" ::"r"(ns));
+}
+static __device__ __forceinline__ uint64_t globaltimer()
+{
+	uint64_t t;
+	asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+	return t;
+}
+static __device__ __forceinline__ uint32_t atomic_add32(uint32_t *p, uint32_t v)
+{
+	return (uint32_t)__nvvm_atom_add_gen_i((int *)p, (int)v);
+}
+static __device__ __forceinline__ void atomic_add64(uint64_t *p, uint64_t v)
+{
+	__nvvm_atom_add_gen_ll((long long *)p, (long long)v);
+}
+static __device__ __forceinline__ void atomic_max32(uint32_t *p, uint32_t v)
+{
+	__nvvm_atom_max_gen_ui(p, v);
+}
+
+// Back-off while polling: short at first, for latency; longer when idle,
+// so a waiting kernel does not flood the bus with reads.
+static __device__ __forceinline__ void backoff(uint32_t *ns, uint32_t cap)
+{
+	pause(*ns);
+	if (*ns < cap)
+		*ns *= 2;
+}
+
+static __device__ __forceinline__ uint32_t be32(const uint8_t *p)
+{
+	return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
+
+#define NONE 0xffff
+#define LOCAL_GAPS 256
+
+// A gap found before the turn, kept in shared memory until the fold knows
+// whether it can be among the first FB_TRIGGER_MAX_GAPS.
+struct local_gap {
+	uint32_t key;
+	uint16_t source;
+	uint16_t sender;
+	uint32_t want;
+	uint32_t got;
+	uint32_t rank; // gaps of its source before it in this buffer
+};
+
+// One block's view of the buffer in hand.
+struct block_shared {
+	struct fb_trigger_job job;
+	const uint8_t *data; // staged copy, or the buffer where it lies
+	uint32_t go;         // persistent mode: 1 to go on, 0 to stop
+	uint32_t n;          // records decoded in this chunk
+	uint32_t bad;        // an fb_trigger_errors code, 0 none
+	uint32_t bad_record;
+	uint32_t next_off;   // where the next chunk starts
+	uint32_t gaps;       // gaps found in this buffer
+	uint32_t gaps_before;
+	uint32_t max_source;
+	uint64_t energy;
+	uint32_t fast;       // the buffer takes the fast path (see process)
+	uint32_t nlocal;     // entries in local
+	uint32_t overflow;   // local overflowed: every source replays
+	uint64_t results_read; // the host's, as last read
+	uint16_t head[FB_TRIGGER_THREADS]; // per source: its first record, or NONE
+	uint16_t tail[FB_TRIGGER_THREADS];
+	uint16_t next[FB_TRIGGER_CHUNK];   // the source's next record, or NONE
+	uint8_t replay[FB_TRIGGER_THREADS]; // the source's local gaps are void
+	struct local_gap local[LOCAL_GAPS];
+	uint32_t off[FB_TRIGGER_CHUNK];
+	uint32_t ring[FB_TRIGGER_CHUNK];
+	uint32_t sender[FB_TRIGGER_CHUNK];
+	uint32_t energy_of[FB_TRIGGER_CHUNK];
+	uint16_t src[FB_TRIGGER_CHUNK];
+	uint16_t plen[FB_TRIGGER_CHUNK];
+};
+
+static __device__ __forceinline__ void fail(const struct fb_trigger_args *a, uint32_t code, uint64_t seq, uint32_t record)
+{
+	struct fb_trigger_ctrl *c = (struct fb_trigger_ctrl *)a->ctrl;
+	struct fb_trigger_state *st = (struct fb_trigger_state *)a->state;
+	if (atomic_add32(&st->failed, 1) == 0) {
+		c->error_seq = seq;
+		c->error_record = record;
+		st_release_sys32(&c->error, code);
+	}
+}
+
+// stopped says whether block work on seq must end: the host asked for it,
+// or another block failed.
+static __device__ __forceinline__ int stopped(const struct fb_trigger_args *a, uint64_t seq)
+{
+	const struct fb_trigger_ctrl *c = (const struct fb_trigger_ctrl *)a->ctrl;
+	const struct fb_trigger_state *st = (const struct fb_trigger_state *)a->state;
+	return seq >= ld_acquire_sys64(&c->stop_seq) || ld_volatile32(&st->failed) != 0;
+}
+
+// wait_ready (thread 0, persistent mode) polls descriptor seq mod N until it
+// holds buffer seq, then fills the job from it, checked as ingest.Consumer
+// checks it. While the previous occupant (seq - N) is still held by another
+// block, the state reads ready with the older sequence number: not ours yet.
+static __device__ __forceinline__ int wait_ready(const struct fb_trigger_args *a, uint64_t seq, struct block_shared *sh)
+{
+	const uint8_t *region = (const uint8_t *)a->region;
+	const struct fb_ingest_desc *d =
+		(const struct fb_ingest_desc *)(region + a->desc_off) + (uint32_t)(seq % a->buffer_count);
+	uint32_t ns = 32;
+	for (uint32_t n = 0;; n++) {
+		if (ld_acquire_sys32(&d->state) == FB_INGEST_READY) {
+			uint64_t got = *(const volatile uint64_t *)&d->seq;
+			if (got == seq)
+				break;
+			if (got > seq) {
+				fail(a, FB_TRIGGER_ESEQ, seq, 0);
+				return 0;
+			}
+		}
+		if ((n & 15) == 15 && stopped(a, seq))
+			return 0;
+		backoff(&ns, 1024);
+	}
+	const volatile struct fb_ingest_desc *v = d;
+	struct fb_trigger_job *j = &sh->job;
+	j->seq = seq;
+	j->records = v->records;
+	j->bytes = v->bytes;
+	j->flags = v->flags;
+	j->publish_ns = v->publish_ns;
+	uint64_t first = v->first_ns, last = v->last_ns;
+	const struct fb_ingest_header *h = (const struct fb_ingest_header *)region;
+	uint32_t sources = ld_acquire_sys32(&h->source_count);
+	j->sources = sources < a->max_sources ? sources : a->max_sources;
+	j->data = (uint64_t)(region + a->buffers_off + (uint64_t)(seq % a->buffer_count) * a->buffer_size);
+	if (j->bytes > a->buffer_size || j->records < 1 || j->records > j->bytes / FB_INGEST_RECORD_HEADER ||
+	    last < first) {
+		fail(a, FB_TRIGGER_EDESC, seq, 0);
+		return 0;
+	}
+	return 1;
+}
+
+// stage copies the buffer into shared memory with all threads, 16 bytes at
+// a time: over the bus, wide reads in flight together are what is fast.
+static __device__ __forceinline__ void stage(const struct fb_trigger_args *a, struct block_shared *sh, uint8_t *smem)
+{
+	uint32_t bytes = sh->job.bytes;
+	const uint8_t *src = (const uint8_t *)sh->job.data;
+	if (bytes > a->stage_bytes) {
+		if (tid() == 0)
+			sh->data = src;
+		return;
+	}
+	uint32_t wide = bytes / 16;
+	u32x4 *d16 = (u32x4 *)smem;
+	for (uint32_t i = tid(); i < wide; i += FB_TRIGGER_THREADS)
+		d16[i] = ld_cg128(src + 16 * i);
+	if (tid() == 0) {
+		if (bytes % 16)
+			*(uint64_t *)(smem + wide * 16) = ld_cg64(src + wide * 16);
+		sh->data = smem;
+	}
+}
+
+// walk (thread 0) finds up to a chunk of records from off, checking each
+// as ingest.RecordIter does.
+static __device__ __forceinline__ void walk(struct block_shared *sh, uint32_t first, uint32_t off)
+{
+	const uint8_t *data = sh->data;
+	uint32_t bytes = sh->job.bytes, left = sh->job.records - first, n = 0;
+	sh->bad = 0;
+	while (n < FB_TRIGGER_CHUNK && n < left) {
+		if (bytes - off < FB_INGEST_RECORD_HEADER) {
+			sh->bad = FB_TRIGGER_ERECORD;
+			break;
+		}
+		uint64_t w = *(const uint64_t *)(data + off);
+		uint32_t size = (uint32_t)w, plen = (uint32_t)(w >> 32) & 0xffff, src = (uint32_t)(w >> 48);
+		if (size < FB_INGEST_RECORD_HEADER || size % FB_INGEST_RECORD_ALIGN != 0 || size > bytes - off ||
+		    plen > size - FB_INGEST_RECORD_HEADER || src >= sh->job.sources) {
+			sh->bad = FB_TRIGGER_ERECORD;
+			break;
+		}
+		if (sh->fast) {
+			if (sh->head[src] == NONE)
+				sh->head[src] = n;
+			else
+				sh->next[sh->tail[src]] = n;
+			sh->tail[src] = n;
+			sh->next[n] = NONE;
+		}
+		sh->off[n++] = off;
+		off += size;
+	}
+	if (!sh->bad && n == left && off != bytes)
+		sh->bad = FB_TRIGGER_ETRAILER;
+	sh->bad_record = first + n;
+	sh->n = n;
+	sh->next_off = off;
+}
+
+// decode (all threads) reads each record of the chunk: its source and
+// sequences, and its hit energies summed.
+static __device__ __forceinline__ void decode(struct block_shared *sh)
+{
+	uint64_t energy = 0;
+	uint32_t maxsrc = 0;
+	for (uint32_t i = tid(); i < sh->n; i += FB_TRIGGER_THREADS) {
+		const uint8_t *r = sh->data + sh->off[i];
+		const struct fb_ingest_record *h = (const struct fb_ingest_record *)r;
+		uint32_t plen = h->payload_len, e = 0, seq = 0;
+		const uint8_t *p = r + FB_INGEST_RECORD_HEADER;
+		if (plen >= 4) {
+			seq = be32(p);
+			for (uint32_t k = 4; k + 2 <= plen; k += 2)
+				e += (uint32_t)p[k] << 8 | p[k + 1];
+		}
+		sh->src[i] = h->source;
+		sh->plen[i] = plen;
+		sh->ring[i] = h->seq;
+		sh->sender[i] = seq;
+		sh->energy_of[i] = e;
+		energy += e;
+		maxsrc = h->source > maxsrc ? h->source : maxsrc;
+	}
+	if (energy)
+		atomic_add64(&sh->energy, energy);
+	if (sh->n)
+		atomic_max32(&sh->max_source, maxsrc);
+}
+
+// emit appends a gap to the list the host sorts.
+static __device__ __forceinline__ void emit(const struct fb_trigger_args *a, uint64_t seq, uint32_t key, uint32_t source,
+					    uint32_t sender, uint32_t want, uint32_t got)
+{
+	struct fb_trigger_state *st = (struct fb_trigger_state *)a->state;
+	uint32_t k = atomic_add32(&st->gap_count, 1);
+	if (k >= a->gap_capacity) {
+		fail(a, FB_TRIGGER_EGAPS, seq, key / 2);
+		return;
+	}
+	struct fb_trigger_gap *g = (struct fb_trigger_gap *)a->gaps + k;
+	g->seq = seq;
+	g->key = key;
+	g->source = source;
+	g->sender = sender;
+	g->want = want;
+	g->got = got;
+}
+
+// note_gap counts a gap found in turn and lists it unless it cannot be
+// among the reference's first FB_TRIGGER_MAX_GAPS: when as many came
+// before it, in earlier buffers, in this buffer from its source (rank) or
+// from its source ever (v.gaps). The host sorts the list and keeps the
+// first; what is listed needs only to include them.
+static __device__ __forceinline__ void note_gap(const struct fb_trigger_args *a, struct block_shared *sh,
+						struct fb_trigger_source &v, uint32_t source, uint32_t index, uint32_t sender,
+						uint32_t want, uint32_t got, uint32_t *rank)
+{
+	atomic_add32(&sh->gaps, 1);
+	if (sh->gaps_before + *rank < FB_TRIGGER_MAX_GAPS && v.gaps < FB_TRIGGER_MAX_GAPS) {
+		v.gaps++;
+		emit(a, sh->job.seq, index * 2 + sender, source, sender, want, got);
+	}
+	(*rank)++;
+}
+
+// step is the reference's Process loop body: record i of the chunk, the
+// index-th of the buffer, applied to its source's counts v.
+static __device__ __forceinline__ void step(const struct fb_trigger_args *a, struct block_shared *sh,
+					    struct fb_trigger_source &v, uint32_t s, uint32_t i, uint32_t index,
+					    uint32_t *rank)
+{
+	uint32_t ring = sh->ring[i], plen = sh->plen[i];
+	uint64_t rx = *(const uint64_t *)(sh->data + sh->off[i] + 8);
+	v.records++;
+	v.bytes += plen;
+	if (v.records == 1) {
+		v.first_rx_ns = rx;
+	} else if (ring != v.next_ring) {
+		note_gap(a, sh, v, s, index, 0, v.next_ring, ring, rank);
+		v.dropped_here += (uint32_t)(ring - v.next_ring);
+	}
+	v.next_ring = ring + 1;
+	v.last_rx_ns = rx;
+	if (plen < 4) {
+		v.short_payloads++;
+		return;
+	}
+	uint32_t seq = sh->sender[i];
+	int32_t d = (int32_t)(seq - v.next_seq);
+	if (!v.have_seq) {
+		v.first_seq = seq;
+		v.have_seq = 1;
+		v.next_seq = seq + 1;
+	} else if (d == 0) {
+		v.next_seq++;
+	} else if (d > 0) {
+		note_gap(a, sh, v, s, index, 1, v.next_seq, seq, rank);
+		v.sender_gaps += (uint64_t)d;
+		v.next_seq = seq + 1;
+	} else {
+		v.sender_backwards++;
+	}
+	v.last_seq = seq;
+}
+
+// fold (all threads, in turn) replays the chunk's records per source, the
+// slow path: thread t owns sources t, t+THREADS, ... and scans them all.
+static __device__ __forceinline__ void fold(const struct fb_trigger_args *a, struct block_shared *sh, uint32_t first)
+{
+	struct fb_trigger_source *table = (struct fb_trigger_source *)a->sources;
+	uint32_t nsrc = sh->max_source + 1;
+	if (sh->n == 0)
+		return;
+	for (uint32_t s = tid(); s < nsrc; s += FB_TRIGGER_THREADS) {
+		struct fb_trigger_source v = table[s];
+		uint32_t rank = 0, touched = 0;
+		for (uint32_t i = 0; i < sh->n; i++) {
+			if (sh->src[i] != s)
+				continue;
+			touched = 1;
+			step(a, sh, v, s, i, first + i, &rank);
+		}
+		if (touched)
+			table[s] = v;
+	}
+}
+
+// take_turn (all threads) waits until every earlier buffer is folded.
+static __device__ __forceinline__ int take_turn(const struct fb_trigger_args *a, struct block_shared *sh)
+{
+	struct fb_trigger_state *st = (struct fb_trigger_state *)a->state;
+	if (tid() == 0) {
+		uint64_t seq = sh->job.seq;
+		uint32_t ns = 16;
+		sh->go = 1;
+		for (uint32_t n = 0; ld_acquire_gpu64(&st->turn) != seq; n++) {
+			if ((n & 255) == 255 && stopped(a, seq)) {
+				sh->go = 0;
+				break;
+			}
+			backoff(&ns, 64);
+		}
+		sh->gaps_before = st->gaps_before;
+	}
+	__syncthreads();
+	return sh->go;
+}
+
+static __device__ __forceinline__ void local_gap(struct block_shared *sh, uint32_t s, uint32_t key, uint32_t sender,
+						 uint32_t want, uint32_t got, uint32_t rank)
+{
+	if (rank >= FB_TRIGGER_MAX_GAPS)
+		return;
+	uint32_t k = atomic_add32(&sh->nlocal, 1);
+	if (k >= LOCAL_GAPS) {
+		sh->overflow = 1;
+		return;
+	}
+	struct local_gap *g = &sh->local[k];
+	g->key = key;
+	g->source = s;
+	g->sender = sender;
+	g->want = want;
+	g->got = got;
+	g->rank = rank;
+}
+
+// fast is the fold of a buffer that is staged, one chunk, and from at most
+// FB_TRIGGER_THREADS sources. Before the turn, thread s summarises source
+// s's records in this buffer (in parallel with other blocks): all but the
+// first record's checks depend only on the buffer. The sender sequence's
+// state after the first non-short record is that record's (accepted: the
+// first ever, or not behind) unless it is behind, which only the turn can
+// tell; then the source replays its records in turn. In turn, each source
+// applies its summary: a few words per source, not a pass over records.
+static __device__ __forceinline__ int fast(const struct fb_trigger_args *a, struct block_shared *sh)
+{
+	uint32_t s = tid();
+	int present = s < sh->job.sources && sh->head[s] != NONE;
+	uint32_t first_i = 0, ring1 = 0, prev = 0, last_i = 0, k = 0, shorts = 0, nint = 0;
+	uint32_t have_t = 0, t1 = 0, t1_i = 0, nexts = 0, last_t = 0;
+	uint64_t bytes = 0, dropped = 0, sgaps = 0, back = 0, rx1 = 0, rxk = 0;
+	if (present) {
+		first_i = sh->head[s];
+		ring1 = sh->ring[first_i];
+		for (uint32_t i = first_i; i != NONE; i = sh->next[i]) {
+			uint32_t ring = sh->ring[i], plen = sh->plen[i];
+			k++;
+			bytes += plen;
+			if (i != first_i && ring != prev + 1) {
+				local_gap(sh, s, i * 2, 0, prev + 1, ring, nint++);
+				dropped += (uint32_t)(ring - (prev + 1));
+			}
+			prev = ring;
+			last_i = i;
+			if (plen < 4) {
+				shorts++;
+				continue;
+			}
+			uint32_t t = sh->sender[i];
+			if (!have_t) {
+				have_t = 1;
+				t1 = t;
+				t1_i = i;
+				nexts = t + 1;
+			} else {
+				int32_t d = (int32_t)(t - nexts);
+				if (d == 0) {
+					nexts++;
+				} else if (d > 0) {
+					local_gap(sh, s, i * 2 + 1, 1, nexts, t, nint++);
+					sgaps += (uint64_t)d;
+					nexts = t + 1;
+				} else {
+					back++;
+				}
+			}
+			last_t = t;
+		}
+		rx1 = *(const uint64_t *)(sh->data + sh->off[first_i] + 8);
+		rxk = *(const uint64_t *)(sh->data + sh->off[last_i] + 8);
+	}
+	if (!take_turn(a, sh))
+		return 0;
+	if (present) {
+		struct fb_trigger_source *e = (struct fb_trigger_source *)a->sources + s;
+		struct fb_trigger_source v = *e;
+		uint32_t rank = 0;
+		if (sh->overflow || (have_t && v.have_seq && (int32_t)(t1 - v.next_seq) < 0)) {
+			sh->replay[s] = 1;
+			for (uint32_t i = first_i; i != NONE; i = sh->next[i])
+				step(a, sh, v, s, i, i, &rank);
+		} else {
+			if (v.records == 0) {
+				v.first_rx_ns = rx1;
+			} else if (ring1 != v.next_ring) {
+				note_gap(a, sh, v, s, first_i, 0, v.next_ring, ring1, &rank);
+				v.dropped_here += (uint32_t)(ring1 - v.next_ring);
+			}
+			v.records += k;
+			v.bytes += bytes;
+			v.dropped_here += dropped;
+			v.next_ring = prev + 1;
+			v.last_rx_ns = rxk;
+			v.short_payloads += shorts;
+			if (have_t) {
+				if (!v.have_seq) {
+					v.first_seq = t1;
+					v.have_seq = 1;
+				} else {
+					int32_t d = (int32_t)(t1 - v.next_seq);
+					if (d > 0) {
+						rank = 0;
+						note_gap(a, sh, v, s, t1_i, 1, v.next_seq, t1, &rank);
+						v.sender_gaps += (uint64_t)d;
+					}
+				}
+				v.sender_gaps += sgaps;
+				v.sender_backwards += back;
+				v.next_seq = nexts;
+				v.last_seq = last_t;
+			}
+			if (nint)
+				atomic_add32(&sh->gaps, nint);
+		}
+		*e = v;
+	}
+	__syncthreads();
+	// The gaps found before the turn, where they may still count. A
+	// source that replayed listed its own.
+	if (sh->gaps_before < FB_TRIGGER_MAX_GAPS && !sh->overflow) {
+		uint32_t n = sh->nlocal < LOCAL_GAPS ? sh->nlocal : LOCAL_GAPS;
+		for (uint32_t i = tid(); i < n; i += FB_TRIGGER_THREADS) {
+			struct local_gap g = sh->local[i];
+			if (!sh->replay[g.source] && sh->gaps_before + g.rank < FB_TRIGGER_MAX_GAPS)
+				emit(a, sh->job.seq, g.key, g.source, g.sender, g.want, g.got);
+		}
+	}
+	__syncthreads();
+	return 1;
+}
+
+// finish (thread 0, in turn) closes the window and passes the turn on, then
+// publishes the result; a bad buffer keeps the turn, so that the blocks
+// waiting for it see the failure and fold nothing after it.
+static __device__ __forceinline__ void finish(const struct fb_trigger_args *a, struct block_shared *sh, uint32_t records)
+{
+	struct fb_trigger_state *st = (struct fb_trigger_state *)a->state;
+	struct fb_trigger_ctrl *c = (struct fb_trigger_ctrl *)a->ctrl;
+	uint64_t seq = sh->job.seq;
+	uint64_t window = st->window_energy + sh->energy;
+	uint32_t flags = 0;
+	st->buffers++;
+	st->records += records;
+	uint32_t slots = sh->max_source + 1;
+	if (records && slots > st->source_slots)
+		st->source_slots = slots;
+	uint32_t gb = st->gaps_before + sh->gaps;
+	st->gaps_before = gb < FB_TRIGGER_MAX_GAPS ? gb : FB_TRIGGER_MAX_GAPS;
+	if (sh->bad) {
+		// As the reference: the records before the bad one count, the
+		// window stays open.
+		st->window_energy = window;
+		fail(a, sh->bad, seq, sh->bad_record);
+		return;
+	}
+	if (!(sh->job.flags & FB_INGEST_BUF_CONTINUED)) {
+		st->windows++;
+		flags |= FB_TRIGGER_CLOSED;
+		if (window >= a->threshold) {
+			st->triggers++;
+			flags |= FB_TRIGGER_TRIGGERED;
+		}
+		st->window_energy = 0;
+	} else {
+		st->window_energy = window;
+	}
+	st_release_gpu64(&st->turn, seq + 1);
+	uint32_t ns = 32;
+	while (seq - sh->results_read >= a->result_slots) {
+		sh->results_read = ld_acquire_sys64(&c->results_read);
+		if (seq - sh->results_read < a->result_slots)
+			break;
+		if (stopped(a, seq))
+			return;
+		backoff(&ns, 1024);
+	}
+	volatile struct fb_trigger_result *r = (volatile struct fb_trigger_result *)a->results + seq % a->result_slots;
+	r->publish_ns = sh->job.publish_ns;
+	r->buffer_energy = sh->energy;
+	r->window_energy = window;
+	r->records = records;
+	r->flags = flags;
+	r->gpu_ns = globaltimer();
+	st_release_sys64((void *)&r->seq1, seq + 1);
+}
+
+// process runs one buffer through both stages; 0 when the block must stop.
+// release, in persistent mode, is the descriptor to hand back.
+static __device__ __forceinline__ int process(const struct fb_trigger_args *a, struct block_shared *sh, uint8_t *smem,
+					      struct fb_ingest_desc *release)
+{
+	if (tid() == 0) {
+		sh->energy = 0;
+		sh->gaps = 0;
+		sh->max_source = 0;
+		sh->nlocal = 0;
+		sh->overflow = 0;
+	}
+	for (uint32_t i = tid(); i < FB_TRIGGER_THREADS; i += FB_TRIGGER_THREADS) {
+		sh->head[i] = NONE;
+		sh->replay[i] = 0;
+	}
+	stage(a, sh, smem);
+	__syncthreads();
+	// A staged buffer is ours in shared memory: the producer may have it
+	// back at once. The barrier ordered every thread's reads before this.
+	int staged = sh->data == smem;
+	if (tid() == 0) {
+		if (release && staged)
+			st_release_sys32(&release->state, FB_INGEST_FREE);
+		sh->fast = staged && sh->job.records <= FB_TRIGGER_CHUNK && sh->job.sources <= FB_TRIGGER_THREADS;
+		walk(sh, 0, 0);
+	}
+	__syncthreads();
+	decode(sh);
+	__syncthreads();
+	uint32_t first = 0;
+	if (sh->fast) {
+		if (!fast(a, sh))
+			return 0;
+		first = sh->n;
+	} else {
+		if (!take_turn(a, sh))
+			return 0;
+		for (;;) {
+			fold(a, sh, first);
+			__syncthreads();
+			first += sh->n;
+			if (sh->bad || first >= sh->job.records)
+				break;
+			if (tid() == 0)
+				walk(sh, first, sh->next_off);
+			__syncthreads();
+			decode(sh);
+			__syncthreads();
+		}
+	}
+	if (tid() == 0) {
+		finish(a, sh, first);
+		if (release && !staged && !sh->bad)
+			st_release_sys32(&release->state, FB_INGEST_FREE);
+	}
+	__syncthreads();
+	return 1;
+}
+
+// fb_trigger_persistent runs until the host's stop_seq: block b takes
+// buffers first_seq + b, + b + gridDim, ... as the producer publishes them.
+// Every block must be resident at once (the turn passes through all).
+extern "C" __global__ void __launch_bounds__(FB_TRIGGER_THREADS) fb_trigger_persistent(const struct fb_trigger_args *a)
+{
+	extern __shared__ u32x4 stage_mem[];
+	__shared__ struct block_shared sh;
+	uint8_t *region = (uint8_t *)a->region;
+	if (tid() == 0)
+		sh.results_read = 0;
+	for (uint64_t seq = a->first_seq + bid();; seq += nblocks()) {
+		if (tid() == 0)
+			sh.go = wait_ready(a, seq, &sh);
+		__syncthreads();
+		if (!sh.go)
+			return;
+		struct fb_ingest_desc *d = (struct fb_ingest_desc *)(region + a->desc_off) + (uint32_t)(seq % a->buffer_count);
+		if (!process(a, &sh, (uint8_t *)stage_mem, d))
+			return;
+		struct fb_trigger_state *st = (struct fb_trigger_state *)a->state;
+		if (ld_volatile32(&st->failed))
+			return;
+	}
+}
+
+// fb_trigger_batch is the host-driven mode: block b takes job b, a buffer
+// the host copied to device memory; the turn keeps the fold in order.
+extern "C" __global__ void __launch_bounds__(FB_TRIGGER_THREADS) fb_trigger_batch(const struct fb_trigger_args *a)
+{
+	extern __shared__ u32x4 stage_mem[];
+	__shared__ struct block_shared sh;
+	if (tid() == 0) {
+		sh.results_read = 0;
+		const volatile struct fb_trigger_job *j = (const volatile struct fb_trigger_job *)a->jobs + bid();
+		sh.job.data = j->data;
+		sh.job.seq = j->seq;
+		sh.job.publish_ns = j->publish_ns;
+		sh.job.records = j->records;
+		sh.job.bytes = j->bytes;
+		sh.job.flags = j->flags;
+		sh.job.sources = j->sources;
+		sh.go = sh.job.bytes <= a->buffer_size && sh.job.records >= 1 &&
+			sh.job.records <= sh.job.bytes / FB_INGEST_RECORD_HEADER;
+		if (!sh.go)
+			fail(a, FB_TRIGGER_EDESC, sh.job.seq, 0);
+	}
+	__syncthreads();
+	if (sh.go)
+		process(a, &sh, (uint8_t *)stage_mem, 0);
+}

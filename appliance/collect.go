@@ -4,6 +4,7 @@ import (
 	"strconv"
 
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
+	"github.com/fabricbridge/fabricbridge/fabric"
 )
 
 var (
@@ -17,7 +18,29 @@ var (
 		Help: "Applications connected to the control plane."}
 	famAppClaims = metrics.Family{Name: "fabricbridge_application_claims", Type: metrics.Gauge,
 		Help: "Listeners and flows each connected application holds."}
+	famGeneveReceived = metrics.Family{Name: "fabricbridge_geneve_received_total", Type: metrics.Counter,
+		Help: "GENEVE data packets of remote applications accepted into their streams."}
+	famGeneveRefused = metrics.Family{Name: "fabricbridge_geneve_refused_total", Type: metrics.Counter,
+		Help: "GENEVE datagrams refused, by reason (wrong_vni: no stream has that VNI; wrong_source: not from the stream's registered peer; malformed: not GENEVE or not IP inside; bad_credit: an impossible credit update; overflow: the peer sent beyond its credit; dead: data for a stream already broken or closing)."}
+	famGeneveUnreachable = metrics.Family{Name: "fabricbridge_geneve_unreachable_total", Type: metrics.Counter,
+		Help: "ICMP port unreachable received for a remote application's address; its streams broke."}
 )
+
+// collectGeneve writes the counters of the remote transport's endpoint:
+// refusals above all, which show a misconfigured or hostile peer.
+func collectGeneve(w *metrics.Writer, c fabric.RemoteCounters) {
+	w.AddUint(famGeneveReceived, c.Received)
+	for _, r := range []struct {
+		reason string
+		n      uint64
+	}{
+		{"wrong_vni", c.WrongVNI}, {"wrong_source", c.WrongSource}, {"malformed", c.Malformed},
+		{"bad_credit", c.BadCredits}, {"overflow", c.Overflow}, {"dead", c.Dead},
+	} {
+		w.AddUint(famGeneveRefused, r.n, metrics.L("reason", r.reason)...)
+	}
+	w.AddUint(famGeneveUnreachable, c.Unreachable)
+}
 
 // collect writes every metric of the daemon for one scrape.
 func (d *Daemon) collect(w *metrics.Writer) {
@@ -44,4 +67,7 @@ func (d *Daemon) collect(w *metrics.Writer) {
 		return "application claim"
 	}, byStream)
 	d.ingest.Collect(w)
+	if d.remote != nil {
+		collectGeneve(w, d.remote.Counters())
+	}
 }

@@ -152,6 +152,12 @@ func (c *Config) checkIngest(d *decoder) {
 		if g.LatencyBudget <= 0 {
 			d.errorAt(p+".latency_budget", "must be longer than 0")
 		}
+		if g.Sources < 1 || g.Sources > MaxIngestSources {
+			d.errorAt(p+".sources", "must be from 1 to %d, not %d", MaxIngestSources, g.Sources)
+		}
+		if g.SourceIdle <= 0 {
+			d.errorAt(p+".source_idle", "must be longer than 0")
+		}
 	}
 }
 

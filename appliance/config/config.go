@@ -6,6 +6,8 @@ import (
 	"path/filepath"
 	"reflect"
 	"time"
+
+	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
 )
 
 // Config is one fabricbridge configuration file, decoded and checked. Every
@@ -95,6 +97,12 @@ type Ingest struct {
 	LatencyBudget Duration `yaml:"latency_budget"`
 	// Hugepages backs the ring with huge pages when the machine has them.
 	Hugepages bool `yaml:"hugepages"`
+	// Sources bounds the ring's table of senders (address and ports);
+	// SourceIdle is how long a sender must have been silent before a new
+	// one may take its entry when the table is full (fabric/ingest
+	// Config.SourceIdle).
+	Sources    int      `yaml:"sources"`
+	SourceIdle Duration `yaml:"source_idle"`
 }
 
 // Listener claims every packet to one local address and port for an
@@ -227,8 +235,13 @@ const (
 	DefaultIngestSize    = 1 << 20
 	DefaultIngestWindow  = 100 * time.Microsecond
 	DefaultIngestBudget  = time.Millisecond
-	DefaultQuotaPorts    = 1024
-	DefaultQuotaSlots    = 8192
+	// DefaultIngestSources and DefaultIngestSourceIdle size an ingest
+	// ring's table of senders; MaxIngestSources is the most it may hold.
+	DefaultIngestSources    = fingest.DefaultMaxSources
+	DefaultIngestSourceIdle = fingest.DefaultSourceIdle
+	MaxIngestSources        = fingest.MaxSourcesCap
+	DefaultQuotaPorts       = 1024
+	DefaultQuotaSlots       = 8192
 
 	// MaxStaticID is the largest id of a static listener or rule. The ids
 	// above it, up to classifier.MaxRuleID, are left to the control plane
@@ -258,6 +271,7 @@ func (g *Ingest) setDefaults() {
 	g.Buffers, g.BufferSize = DefaultIngestBuffers, DefaultIngestSize
 	g.Window, g.LatencyBudget = Duration(DefaultIngestWindow), Duration(DefaultIngestBudget)
 	g.Hugepages = true
+	g.Sources, g.SourceIdle = DefaultIngestSources, Duration(DefaultIngestSourceIdle)
 }
 
 // Load reads and checks a configuration file.

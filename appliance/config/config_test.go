@@ -59,6 +59,10 @@ func TestErrorsArePrecise(t *testing.T) {
 		{"size suffix", base + "ingest:\n  - name: t\n    buffer_size: 1T\n", []string{`t.yaml:5:18: ingest[0].buffer_size: "1T" is not a size (a number of bytes, optionally with K, M or G)`}},
 		{"duration", base + "ingest:\n  - name: t\n    window: soon\n", []string{`t.yaml:5:13: ingest[0].window: "soon" is not a duration (for example 100us, 5s)`}},
 		{"ingest unnamed", base + "ingest:\n  - buffers: 8\n", []string{"t.yaml:4:5: ingest[0].name: required"}},
+		{"ingest sources", base + "ingest:\n  - {name: t, sources: 0, source_idle: 0s}\n", []string{
+			"t.yaml:4:15: ingest[0].sources: must be from 1 to 65536, not 0",
+			"t.yaml:4:27: ingest[0].source_idle: must be longer than 0",
+		}},
 		{"listener fields", base + "listeners:\n  - {id: 1, port: 80}\n", []string{
 			"t.yaml:4:5: listeners[0].protocol: required: tcp or udp",
 			"t.yaml:4:5: listeners[0].app: required: the application to deliver to",
@@ -186,7 +190,8 @@ func TestDefaults(t *testing.T) {
 		t.Errorf("defaults: reserved %v streams %+v", c.ReservedPorts, c.Streams)
 	}
 	g := c.Ingest[0]
-	if g.Buffers != 64 || g.BufferSize != 1<<20 || time.Duration(g.Window) != 100*time.Microsecond || !g.Hugepages {
+	if g.Buffers != 64 || g.BufferSize != 1<<20 || time.Duration(g.Window) != 100*time.Microsecond || !g.Hugepages ||
+		g.Sources != 256 || time.Duration(g.SourceIdle) != time.Second {
 		t.Errorf("ingest defaults: %+v", g)
 	}
 	if c.Control.Socket != DefaultSocket || c.Control.AdminSocket != "/run/fabricbridge/admin.sock" || c.Control.SocketMode != 0o660 || c.Control.TCP.Address != "" {

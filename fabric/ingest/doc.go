@@ -19,6 +19,24 @@
 // memory is N×B whatever the number of sources. Separate rings remain one
 // configuration away: give each source its own ingest rule and buffer id.
 //
+// # A bounded source table
+//
+// The table has Config.MaxSources entries. When it is full, a new source
+// takes over the entry of the least recently seen source, provided that
+// source has sent nothing for Config.SourceIdle and the consumer has
+// released every buffer holding one of its records; otherwise the new
+// source's datagram is dropped and counted (Stats.SourceFull). So a burst
+// of new sources, spoofed addresses or ports included, fills the table for
+// as long as it lasts plus SourceIdle, never for good, and the sources in
+// the table when it starts keep their entries while they go on sending. An
+// entry given to another source (Stats.SourceEvicted) has its
+// generation incremented, which every record carries (source_gen), and the
+// new source's sequence starts at 0: a consumer tracking a source by its
+// index starts afresh when the generation changes, and an evicted source
+// that comes back is a new source, maybe in another entry. Because no
+// unreleased buffer names an entry's previous source, a consumer reading
+// the entry for a record it holds always reads the record's source.
+//
 // # Several receive queues, one ring
 //
 // The NIC spreads flows over receive queues by hashing their addresses and
@@ -99,7 +117,7 @@
 //	  72   u32  buffer_id     the ingest rule's buffer (stream) id
 //	  producer's line (the producer writes, the consumer reads):
 //	  128  u64  published     buffers published so far (next sequence number)
-//	  136  u32  source_count  valid entries in the source table
+//	  136  u32  source_count  valid entries in the source table (never decreases)
 //	  140  u32  producer_state 1 open, 2 closed
 //	  144  u64  records       records written (informational)
 //	  152  u64  dropped       datagrams dropped (informational)
@@ -133,7 +151,8 @@
 //	                          packet socket's stamp on the AF_PACKET path)
 //	  16   u32  seq           per-source sequence: every datagram of the source
 //	                          that reached the producer, stored or dropped
-//	  20   u32  reserved 0
+//	  20   u32  source_gen    the source entry's generation: how many sources
+//	                          held the entry before this one
 //	  24   payload
 //
 // # Reading the region from CUDA

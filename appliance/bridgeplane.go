@@ -77,6 +77,7 @@ func bridgeConfig(in config.Interface, log *slog.Logger) (bridge.Config, error) 
 		BusyPoll:   time.Duration(in.BusyPoll),
 		Spin:       time.Duration(in.Spin),
 		CPUs:       in.CPUs,
+		RouteCache: in.RouteCache,
 		Logger:     log,
 	}
 	if bc.Spin == 0 {
@@ -336,6 +337,7 @@ func (p *bridgePlane) Collect(w *metrics.Writer, names func(uint32) string, apps
 		}
 	}
 	w.AddUint(famKernelSendErr, st.KernelSendErrors, in)
+	collectRoutes(w, st.Routes, in)
 	blind := 0.0
 	if st.VLANRulesBlind {
 		blind = 1

@@ -4,6 +4,7 @@ import (
 	"strconv"
 
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
+	"github.com/fabricbridge/fabricbridge/bridge"
 	"github.com/fabricbridge/fabricbridge/fabric"
 )
 
@@ -25,6 +26,22 @@ var (
 	famGeneveUnreachable = metrics.Family{Name: "fabricbridge_geneve_unreachable_total", Type: metrics.Counter,
 		Help: "ICMP port unreachable received for a remote application's address; its streams broke."}
 )
+
+var (
+	famRouteCache = metrics.Family{Name: "fabricbridge_route_cache_entries", Type: metrics.Gauge,
+		Help: "Destinations whose next hop the bridge keeps (interfaces[].route_cache bounds them)."}
+	famRouteEvictions = metrics.Family{Name: "fabricbridge_route_cache_evictions_total", Type: metrics.Counter,
+		Help: "Destinations evicted from the bridge's route caches to stay within interfaces[].route_cache."}
+	famRouteLookups = metrics.Family{Name: "fabricbridge_route_lookups_total", Type: metrics.Counter,
+		Help: "Kernel route lookups for new destinations, by result (done; deferred: over the rate limit, the packet went through the kernel)."}
+)
+
+func collectRoutes(w *metrics.Writer, st bridge.RouteCacheStats, labels ...metrics.Label) {
+	w.Add(famRouteCache, float64(st.Entries), labels...)
+	w.AddUint(famRouteEvictions, st.Evicted, labels...)
+	w.AddUint(famRouteLookups, st.Lookups, append(labels, metrics.Label{Name: "result", Value: "done"})...)
+	w.AddUint(famRouteLookups, st.Deferred, append(labels, metrics.Label{Name: "result", Value: "deferred"})...)
+}
 
 // collectGeneve writes the counters of the remote transport's endpoint:
 // refusals above all, which show a misconfigured or hostile peer.

@@ -7,6 +7,7 @@ import (
 	"reflect"
 	"time"
 
+	"github.com/fabricbridge/fabricbridge/bridge"
 	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
 )
 
@@ -71,6 +72,10 @@ type Interface struct {
 	// holding its CPU while windows are open (bridge/ingest
 	// Config.Priority). 0: ordinary threads.
 	IngestPriority int `yaml:"ingest_priority"`
+	// RouteCache bounds how many destinations the bridge keeps the next
+	// hop of (bridge Config.RouteCache); a flood of new peer addresses
+	// evicts entries instead of growing the daemon.
+	RouteCache int `yaml:"route_cache"`
 }
 
 // Streams sizes the stream an application gets when it does not ask for
@@ -229,6 +234,8 @@ const (
 	DefaultFrames        = 4096
 	DefaultFrameSize     = 2048
 	DefaultSpin          = 20 * time.Microsecond
+	DefaultRouteCache    = bridge.DefaultRouteCache
+	MaxRouteCache        = 1 << 24
 	DefaultReservedLo    = 61000
 	DefaultReservedHi    = 61999
 	DefaultIngestBuffers = 64
@@ -265,6 +272,7 @@ func Default() *Config {
 func (i *Interface) setDefaults() {
 	i.FrameSize, i.Frames = DefaultFrameSize, DefaultFrames
 	i.Spin = Duration(DefaultSpin)
+	i.RouteCache = DefaultRouteCache
 }
 
 func (g *Ingest) setDefaults() {

@@ -59,6 +59,9 @@ func TestErrorsArePrecise(t *testing.T) {
 		{"size suffix", base + "ingest:\n  - name: t\n    buffer_size: 1T\n", []string{`t.yaml:5:18: ingest[0].buffer_size: "1T" is not a size (a number of bytes, optionally with K, M or G)`}},
 		{"duration", base + "ingest:\n  - name: t\n    window: soon\n", []string{`t.yaml:5:13: ingest[0].window: "soon" is not a duration (for example 100us, 5s)`}},
 		{"ingest unnamed", base + "ingest:\n  - buffers: 8\n", []string{"t.yaml:4:5: ingest[0].name: required"}},
+		{"route cache", "interfaces: [{name: eth0, route_cache: 8}]\naddresses: [198.18.0.1]\n", []string{
+			"t.yaml:1:27: interfaces[0].route_cache: must be from 16 to 16777216 destinations, not 8",
+		}},
 		{"ingest sources", base + "ingest:\n  - {name: t, sources: 0, source_idle: 0s}\n", []string{
 			"t.yaml:4:15: ingest[0].sources: must be from 1 to 65536, not 0",
 			"t.yaml:4:27: ingest[0].source_idle: must be longer than 0",
@@ -183,7 +186,7 @@ func TestDefaults(t *testing.T) {
 	}
 	in := c.Interfaces[0]
 	if in.Attach != AttachAuto || in.Path != PathAuto || in.FrameSize != 2048 || in.Frames != 4096 || len(in.Queues) != 0 ||
-		time.Duration(in.Spin) != 20*time.Microsecond || len(in.CPUs) != 0 {
+		time.Duration(in.Spin) != 20*time.Microsecond || len(in.CPUs) != 0 || in.RouteCache != 4096 {
 		t.Errorf("interface defaults: %+v", in)
 	}
 	if c.ReservedPorts != (PortRange{61000, 61999}) || c.Streams != (Streams{1024, 1024, 2048}) {

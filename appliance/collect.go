@@ -2,7 +2,9 @@ package appliance
 
 import (
 	"strconv"
+	"sync"
 
+	"github.com/fabricbridge/fabricbridge/appliance/config"
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 	"github.com/fabricbridge/fabricbridge/bridge"
 	"github.com/fabricbridge/fabricbridge/fabric"
@@ -43,6 +45,37 @@ func collectRoutes(w *metrics.Writer, st bridge.RouteCacheStats, labels ...metri
 	w.AddUint(famRouteLookups, st.Deferred, append(labels, metrics.Label{Name: "result", Value: "deferred"})...)
 }
 
+var famConfigRefused = metrics.Family{Name: "fabricbridge_config_refusals_total", Type: metrics.Counter,
+	Help: "Configuration files a reload refused, by reason (too_big, not_text, too_deep, syntax, documents, too_long, aliases, too_many_errors, value, unreadable)."}
+
+// reasonCounts counts events by reason; the zero value is ready.
+type reasonCounts struct {
+	mu sync.Mutex
+	n  map[string]uint64
+}
+
+func (c *reasonCounts) add(reason string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.n == nil {
+		c.n = map[string]uint64{}
+	}
+	c.n[reason]++
+}
+
+// collect writes one sample per reason seen, in the order of reasons.
+func (c *reasonCounts) collect(w *metrics.Writer, f metrics.Family, reasons []string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, r := range reasons {
+		w.AddUint(f, c.n[r], metrics.L("reason", r)...)
+	}
+}
+
+// configReasons are the values of config.Reason.
+var configReasons = []string{config.ReasonTooBig, config.ReasonNotText, config.ReasonTooDeep, config.ReasonSyntax,
+	config.ReasonDocuments, config.ReasonTooLong, config.ReasonAliasBomb, config.ReasonTooMany, config.ReasonValue, config.ReasonUnreadable}
+
 // collectGeneve writes the counters of the remote transport's endpoint:
 // refusals above all, which show a misconfigured or hostile peer.
 func collectGeneve(w *metrics.Writer, c fabric.RemoteCounters) {
@@ -64,6 +97,7 @@ func (d *Daemon) collect(w *metrics.Writer) {
 	w.Add(famStart, float64(d.started.UnixNano())/1e9)
 	w.AddUint(famReloads, d.reloadsOK.Load(), metrics.L("result", "ok")...)
 	w.AddUint(famReloads, d.reloadsKO.Load(), metrics.L("result", "error")...)
+	d.refused.collect(w, famConfigRefused, configReasons)
 	cfg := d.Config()
 	w.Add(famStatic, float64(len(cfg.Listeners)), metrics.L("kind", "listener")...)
 	w.Add(famStatic, float64(len(cfg.Rules)), metrics.L("kind", "rule")...)

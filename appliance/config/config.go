@@ -2,7 +2,6 @@ package config
 
 import (
 	"fmt"
-	"os"
 	"path/filepath"
 	"reflect"
 	"time"
@@ -282,15 +281,6 @@ func (g *Ingest) setDefaults() {
 	g.Sources, g.SourceIdle = DefaultIngestSources, Duration(DefaultIngestSourceIdle)
 }
 
-// Load reads and checks a configuration file.
-func Load(path string) (*Config, error) {
-	data, err := os.ReadFile(path)
-	if err != nil {
-		return nil, err
-	}
-	return Parse(path, data)
-}
-
 // Parse decodes and checks a configuration; file names it in errors. The
 // error, if any, is an Errors listing every problem with its line and field.
 func Parse(file string, data []byte) (*Config, error) {
@@ -308,6 +298,7 @@ func Parse(file string, data []byte) (*Config, error) {
 		}
 		c.check(d)
 	}
+	d.finish()
 	if len(d.errs) > 0 {
 		d.errs.sort()
 		return nil, d.errs

@@ -210,7 +210,7 @@ func TestDefaults(t *testing.T) {
 
 func TestEmptyFileNeedsTheMachine(t *testing.T) {
 	_, err := Parse("t.yaml", nil)
-	want := "t.yaml: interfaces: at least one interface is required\nt.yaml: addresses: at least one address is required: the addresses applications may use"
+	want := "t.yaml:1: interfaces: at least one interface is required\nt.yaml:1: addresses: at least one address is required: the addresses applications may use"
 	if err == nil || err.Error() != want {
 		t.Errorf("got %v, want\n%s", err, want)
 	}

@@ -93,7 +93,12 @@
 // invalidates. A packet whose neighbour is not known yet is handed to the
 // kernel through a raw IP socket (counted as TxViaKernel): the kernel
 // resolves the neighbour, sends the packet, and the new neighbour entry
-// reaches the bridge as a notification.
+// reaches the bridge as a notification. The next hops are kept per
+// destination, at most Config.RouteCache of them (a random one makes room),
+// and new destinations are looked up in the kernel at a bounded rate: a
+// flood of new peer addresses (the spoofed sources of a SYN flood, whose
+// SYN-ACKs go back to them) costs bounded memory and system calls, and the
+// packets it cannot look up yet go through the kernel (RouteCacheStats).
 //
 // # Capture
 //

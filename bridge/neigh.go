@@ -1,6 +1,7 @@
 package bridge
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -208,9 +209,14 @@ func newResolver(h *netlink.Handle, ns netns.NsHandle, ifindex, mtu, cacheSize i
 					return
 				}
 				r.mu.Lock()
-				r.apply(u.Type, &u.Neigh)
+				changed := r.apply(u.Type, &u.Neigh)
 				r.mu.Unlock()
-				r.gen.Add(1)
+				// Entries that are not usable (the incomplete and failed
+				// ones a flood of new destinations makes the kernel
+				// create) change no answer: the queues keep their caches.
+				if changed {
+					r.gen.Add(1)
+				}
 			case u, ok := <-links:
 				if !ok {
 					return
@@ -242,17 +248,24 @@ func newResolver(h *netlink.Handle, ns netns.NsHandle, ifindex, mtu, cacheSize i
 	return r, nil
 }
 
-func (r *resolver) apply(typ uint16, n *netlink.Neigh) {
+// apply follows one neighbour entry; it reports whether the usable set
+// changed.
+func (r *resolver) apply(typ uint16, n *netlink.Neigh) bool {
 	a, ok := netip.AddrFromSlice(n.IP)
 	if !ok {
-		return
+		return false
 	}
 	k := neighKey{n.LinkIndex, a.Unmap()}
+	old, had := r.neigh[k]
 	if typ == unix.RTM_DELNEIGH || n.State&usableNUD == 0 || len(n.HardwareAddr) != 6 {
 		delete(r.neigh, k)
-		return
+		return had
+	}
+	if had && bytes.Equal(old, n.HardwareAddr) {
+		return false
 	}
 	r.neigh[k] = append(net.HardwareAddr(nil), n.HardwareAddr...)
+	return true
 }
 
 // applyLink follows VLAN devices on our interface: created, changed (id,

@@ -85,3 +85,35 @@ func TestRouteCacheDefault(t *testing.T) {
 		t.Fatalf("%d routes cached, want %d", len(r.routes), DefaultRouteCache)
 	}
 }
+
+// TestUnusableNeighboursKeepCaches: the incomplete and failed entries that
+// the kernel makes for each new destination of a flood change no answer,
+// so they must not empty the queues' caches; a usable entry, a new address
+// for it and its loss do.
+func TestUnusableNeighboursKeepCaches(t *testing.T) {
+	var lookups int
+	r := floodResolver(0, &lookups)
+	dst := netip.MustParseAddr("2001:db8::7")
+	mac := net.HardwareAddr{2, 0, 0, 0, 0, 7}
+	n := func(state int, hw net.HardwareAddr) *netlink.Neigh {
+		return &netlink.Neigh{LinkIndex: r.ifindex, IP: dst.AsSlice(), State: state, HardwareAddr: hw}
+	}
+	for _, c := range []struct {
+		what    string
+		typ     uint16
+		neigh   *netlink.Neigh
+		changed bool
+	}{
+		{"incomplete", unix.RTM_NEWNEIGH, n(netlink.NUD_INCOMPLETE, nil), false},
+		{"failed, never usable", unix.RTM_NEWNEIGH, n(netlink.NUD_FAILED, nil), false},
+		{"reachable", unix.RTM_NEWNEIGH, n(netlink.NUD_REACHABLE, mac), true},
+		{"stale, same address", unix.RTM_NEWNEIGH, n(netlink.NUD_STALE, mac), false},
+		{"new address", unix.RTM_NEWNEIGH, n(netlink.NUD_REACHABLE, net.HardwareAddr{2, 0, 0, 0, 0, 8}), true},
+		{"failed", unix.RTM_NEWNEIGH, n(netlink.NUD_FAILED, nil), true},
+		{"deleted, already gone", unix.RTM_DELNEIGH, n(netlink.NUD_FAILED, nil), false},
+	} {
+		if got := r.apply(c.typ, c.neigh); got != c.changed {
+			t.Errorf("%s: changed %v, want %v", c.what, got, c.changed)
+		}
+	}
+}

@@ -48,8 +48,12 @@ func TestSynFloodMemoryPlateau(t *testing.T) {
 				batch[j] = ippkt.TCP(netip.AddrPortFrom(netip.AddrFrom16(src), uint16(1024+n%60000)), dst, uint32(n), 0, true, false, false, nil)
 			}
 			w.fb.InjectAll(batch)
-			// The application's ring holds 1024 packets: let it drain.
-			time.Sleep(2 * time.Millisecond)
+			// The application's ring holds 1024 packets: let the stack
+			// take what reached it before the next batch.
+			steered := w.fb.Counters().Steered
+			for deadline := time.Now().Add(5 * time.Second); b.ns.Stats().TCP.ValidSegmentsReceived.Value() < steered && time.Now().Before(deadline); {
+				time.Sleep(time.Millisecond)
+			}
 		}
 		after = append(after, live())
 	}

@@ -213,11 +213,17 @@ func excerpt(s string) string {
 	if len(s) <= maxQuote {
 		return fmt.Sprintf("%q", s)
 	}
-	cut := maxQuote
-	for cut > 0 && !utf8.RuneStart(s[cut]) {
+	return fmt.Sprintf("%q… (%d bytes)", head(s), len(s))
+}
+
+// head is the beginning of s that an error message quotes: at most
+// maxQuote bytes, whole characters.
+func head(s string) string {
+	cut := min(len(s), maxQuote)
+	for cut < len(s) && cut > 0 && !utf8.RuneStart(s[cut]) {
 		cut--
 	}
-	return fmt.Sprintf("%q… (%d bytes)", s[:cut], len(s))
+	return s[:cut]
 }
 
 // schemaText is text of this package's own, not of the file, that an error
@@ -230,11 +236,7 @@ type schemaText string
 func shortArgs(args []any) []any {
 	for i, a := range args {
 		if s, ok := a.(string); ok && len(s) > maxQuote {
-			cut := maxQuote
-			for cut > 0 && !utf8.RuneStart(s[cut]) {
-				cut--
-			}
-			args[i] = s[:cut] + "…"
+			args[i] = head(s) + "…"
 		}
 	}
 	return args

@@ -118,7 +118,7 @@ func (d *decoder) add(p pos, field, reason, msg string) {
 		return
 	}
 	if len(field) > 2*maxQuote {
-		field = field[:maxQuote] + "…"
+		field = head(field) + "…"
 	}
 	d.errs = append(d.errs, &Error{File: d.file, Line: p.line, Column: p.col, Field: field, Msg: msg, Reason: reason})
 }

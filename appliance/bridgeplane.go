@@ -63,6 +63,7 @@ func bridgeConfig(in config.Interface, log *slog.Logger) (bridge.Config, error) 
 		BusyPoll:   time.Duration(in.BusyPoll),
 		Spin:       time.Duration(in.Spin),
 		CPUs:       in.CPUs,
+		RouteCache: in.RouteCache,
 		Logger:     log,
 	}
 	if bc.Spin == 0 {
@@ -307,6 +308,7 @@ func (p *bridgePlane) Collect(w *metrics.Writer, names func(uint32) string, apps
 		collectRules(w, p.ifname, rc, names)
 	}
 	w.AddUint(famKernelSendErr, st.KernelSendErrors, in)
+	collectRoutes(w, st.Routes, in)
 	blind := 0.0
 	if st.VLANRulesBlind {
 		blind = 1

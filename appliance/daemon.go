@@ -56,6 +56,7 @@ type Daemon struct {
 	closed    bool
 	reloadsOK atomic.Uint64
 	reloadsKO atomic.Uint64
+	refused   reasonCounts // configuration files refused on SIGHUP, by config.Reason
 }
 
 // NewLogger builds the configured structured logger; level is adjustable
@@ -318,7 +319,7 @@ func (d *Daemon) shutdown() error {
 // reloads the file on SIGHUP, and shuts down when ctx ends (the caller
 // ties ctx to SIGTERM and SIGINT).
 func Run(ctx context.Context, path string, opts Options) error {
-	cfg, err := config.Load(path)
+	cfg, err := config.LoadContext(ctx, path)
 	if err != nil {
 		return err
 	}
@@ -336,9 +337,10 @@ func Run(ctx context.Context, path string, opts Options) error {
 			return d.Close()
 		case <-hup:
 			d.log.Info("SIGHUP: reloading", "config", path)
-			next, err := config.Load(path)
+			next, err := config.LoadContext(ctx, path)
 			if err != nil {
 				d.reloadsKO.Add(1)
+				d.refused.add(config.Reason(err))
 			} else {
 				err = d.Reload(next)
 			}

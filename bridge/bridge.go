@@ -105,8 +105,12 @@ type Config struct {
 	// on CPUs[i%len(CPUs)]. A loop that spins for latency wants a core of
 	// its own, near the interrupts of its NIC queue; each CPU must be one
 	// this process may run on.
-	CPUs   []int
-	Logger *slog.Logger
+	CPUs []int
+	// RouteCache bounds the destinations whose next hop the bridge keeps
+	// (shared, and per queue); default DefaultRouteCache. Beyond it, a
+	// random entry is evicted.
+	RouteCache int
+	Logger     *slog.Logger
 
 	// manual (tests): no loops run; tests drive rxOnce and round themselves.
 	manual bool
@@ -327,7 +331,7 @@ func (b *Bridge) openCommon() error {
 	if b.kernel, err = newKernelPath(); err != nil {
 		return err
 	}
-	if b.res, err = newResolver(b.nl, ns, b.ifindex, b.mtu, b.log); err != nil {
+	if b.res, err = newResolver(b.nl, ns, b.ifindex, b.mtu, b.cfg.RouteCache, b.log); err != nil {
 		return err
 	}
 	return nil

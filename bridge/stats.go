@@ -21,6 +21,8 @@ type Stats struct {
 	// strips VLAN tags before XDP and could not be made to stop, so those
 	// rules cannot match (see docs/bridge.md, VLANs).
 	VLANRulesBlind bool
+	// Routes are the route cache's counters.
+	Routes RouteCacheStats
 }
 
 // RxDrops counts received frames that reached no stream, by reason.
@@ -69,6 +71,9 @@ type StreamStats struct {
 // Stats reads every counter; cheap enough to call once a second.
 func (b *Bridge) Stats() Stats {
 	s := Stats{Path: b.path.String(), Tried: slices.Clone(b.tried), KernelSendErrors: b.kernelErrs.Load(), VLANRulesBlind: b.vlanBlind.Load()}
+	if b.res != nil {
+		s.Routes = b.res.stats()
+	}
 	for _, q := range b.queues {
 		qs := QueueStats{
 			Queue:     q.id,

@@ -50,10 +50,33 @@ func main() {
 		fmt.Fprint(os.Stderr, usage)
 		os.Exit(2)
 	}
+	cmd, args := os.Args[1], os.Args[2:]
+	var err error
+	if cmd == "check" {
+		// Nothing to clean up: SIGTERM and Ctrl-C end it at once, as
+		// they end any process that does not catch them.
+		err = checkCommand(args, os.Stdout, os.Stderr)
+	} else {
+		err = dispatch(cmd, args)
+	}
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "fabricbridge: %v\n", err)
+		os.Exit(1)
+	}
+}
+
+// dispatch runs a command that cleans up after itself when SIGTERM or
+// Ctrl-C ends its context. A second signal ends the process at once,
+// should the cleaning up hang.
+func dispatch(cmd string, args []string) error {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	go func() {
+		<-ctx.Done()
+		stop()
+	}()
 	var err error
-	switch cmd, args := os.Args[1], os.Args[2:]; cmd {
+	switch cmd {
 	case "demo":
 		err = demoCommand(ctx, args)
 	case "run":
@@ -64,18 +87,13 @@ func main() {
 		err = captureCommand(ctx, args, os.Stderr)
 	case "stats":
 		err = statsCommand(ctx, args, os.Stdout)
-	case "check":
-		err = checkCommand(args, os.Stdout, os.Stderr)
 	case "help", "-h", "--help":
 		fmt.Print(usage)
 	default:
 		fmt.Fprintf(os.Stderr, "fabricbridge: unknown command %q\n\n%s", cmd, usage)
 		os.Exit(2)
 	}
-	if err != nil {
-		fmt.Fprintf(os.Stderr, "fabricbridge: %v\n", err)
-		os.Exit(1)
-	}
+	return err
 }
 
 func demoCommand(ctx context.Context, args []string) error {

@@ -54,7 +54,7 @@ const (
 //	72   u32  buffer_id       the ingest rule's buffer (stream) id
 //	producer's line (the producer writes, the consumer reads):
 //	128  u64  published       buffers published so far (the next sequence number)
-//	136  u32  source_count    valid entries in the source table
+//	136  u32  source_count    valid entries in the source table (never decreases)
 //	140  u32  producer_state  sideOpen, sideClosed
 //	144  u64  records         records written (informational)
 //	152  u64  dropped         datagrams dropped (informational)

@@ -5,10 +5,12 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"net"
 	"net/http"
 	"net/netip"
 	"reflect"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -16,6 +18,7 @@ import (
 
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 	"github.com/fabricbridge/fabricbridge/control"
+	"github.com/fabricbridge/fabricbridge/deploy"
 	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
 )
 
@@ -73,12 +76,20 @@ func getJSON(t *testing.T, c *http.Client, path string, v any) {
 	}
 }
 
-// TestReadOnlyAPI runs a daemon with a connected application, a configured
-// listener, a drop rule and an ingest ring, sends traffic to each, and
-// decodes every endpoint on both addresses against the daemon's own state
-// and the traffic sent. Then it takes the control plane away and sees
-// readiness go.
-func TestReadOnlyAPI(t *testing.T) {
+// busyDaemon is a daemon with something in every part the API and the
+// metrics show: a connected application with a listener and five flows, a
+// configured listener, a drop rule, an ingest rule and ring with a
+// consumer, and traffic counted by each.
+type busyDaemon struct {
+	tp       *topo
+	d        *Daemon
+	reg      control.Registration
+	listener control.Claim
+	flows    []control.Claim
+}
+
+func startBusyDaemon(t *testing.T) *busyDaemon {
+	t.Helper()
 	tp := newTopo(t)
 	c := tp.config(t, `ingest:
   - {name: trigger, buffers: 16, buffer_size: 64K, window: 1ms}
@@ -89,39 +100,38 @@ rules:
   - {id: 3, name: blocked, match: {protocol: udp, dst_port: 6666}, action: drop}
   - {id: 2, priority: 5, match: {ip: 4, protocol: udp, src: 198.18.0.0/15, dst_port: 9000-9003}, action: ingest, ingest: trigger}
 `)
-	d := tp.start(t, c, io.Discard)
-	defer d.Close()
+	b := &busyDaemon{tp: tp, d: tp.start(t, c, io.Discard)}
+	t.Cleanup(func() { b.d.Close() })
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	cl, err := control.DialLocal(ctx, c.Control.Socket, "raw")
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer cl.Close()
+	t.Cleanup(func() { cl.Close() })
 	reg, stream, err := cl.RegisterLocal(ctx, 0, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer stream.Close()
+	t.Cleanup(func() { stream.Close() })
+	b.reg = reg
 	local := tp.v.A.Addr4.Addr()
-	listener, err := cl.Listen(ctx, "udp", local, 5000)
-	if err != nil {
+	if b.listener, err = cl.Listen(ctx, "udp", local, 5000); err != nil {
 		t.Fatal(err)
 	}
 	// Five flows, so that pages of two take three requests.
-	var flows []control.Claim
 	for i := range 5 {
 		f, err := cl.Connect(ctx, "tcp", local, netip.AddrPortFrom(tp.v.B.Addr4.Addr(), uint16(7000+i)))
 		if err != nil {
 			t.Fatal(err)
 		}
-		flows = append(flows, f)
+		b.flows = append(b.flows, f)
 	}
 	cons, err := fingest.Open(IngestPath(c, "trigger"), fingest.ConsumerOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer cons.Close()
+	t.Cleanup(func() { cons.Close() })
 
 	if _, err := tp.outside.Ping(local, 1, 3*time.Second); err != nil {
 		t.Fatal(err)
@@ -132,14 +142,23 @@ rules:
 	// The ingest ring publishes within its window, the stream at once.
 	deadline := time.Now().Add(5 * time.Second)
 	for time.Now().Before(deadline) {
-		s, _ := d.samples()
+		s, _ := b.d.samples()
 		if value(t, s, "fabricbridge_ingest_records_total", "ring", "trigger") == 13 &&
 			value(t, s, "fabricbridge_stream_rx_packets_total", "stream", fmt.Sprint(reg.Stream)) == 7 {
 			break
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+	return b
+}
 
+// TestReadOnlyAPI decodes every endpoint of a busy daemon on both
+// addresses against the daemon's own state and the traffic sent. Then it
+// takes the control plane away and sees readiness go.
+func TestReadOnlyAPI(t *testing.T) {
+	b := startBusyDaemon(t)
+	tp, d, reg, c := b.tp, b.d, b.reg, b.d.Config()
+	local := tp.v.A.Addr4.Addr()
 	for where, hc := range apiClients(t, tp, d) {
 		t.Run(where, func(t *testing.T) {
 			if code, body := get(t, hc, "GET", "/healthz"); code != 200 || body != "ok\n" {
@@ -181,9 +200,9 @@ rules:
 				}
 				path = "/v1/flows?limit=2&app=raw&after=" + page.Next
 			}
-			wantFlows := []Flow{{App: "raw", Stream: reg.Stream, ID: listener.ID, Kind: "listener", Protocol: "udp",
+			wantFlows := []Flow{{App: "raw", Stream: reg.Stream, ID: b.listener.ID, Kind: "listener", Protocol: "udp",
 				Local: netip.AddrPortFrom(local, 5000).String(), Rule: got[0].Rule}}
-			for i, f := range flows {
+			for i, f := range b.flows {
 				wantFlows = append(wantFlows, Flow{App: "raw", Stream: reg.Stream, ID: f.ID, Kind: "flow", Protocol: "tcp",
 					Local:  netip.AddrPortFrom(f.Addr, f.Port).String(),
 					Remote: netip.AddrPortFrom(tp.v.B.Addr4.Addr(), uint16(7000+i)).String()})
@@ -274,6 +293,25 @@ rules:
 	s = tp.scrape(t, d)
 	if v := value(t, s, "fabricbridge_ready"); v != 0 {
 		t.Errorf("fabricbridge_ready %v while not ready", v)
+	}
+}
+
+// TestDeployMetricsExported: every metric that deploy's Grafana dashboard
+// and Prometheus alerting rules name is exported by a running daemon.
+func TestDeployMetricsExported(t *testing.T) {
+	b := startBusyDaemon(t)
+	exported := map[string]bool{}
+	for _, s := range b.tp.scrape(t, b.d) {
+		exported[s.Name] = true
+	}
+	names, err := deploy.MetricNames()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range slices.Sorted(maps.Keys(names)) {
+		if !exported[n] {
+			t.Errorf("%s names %s, which the daemon does not export", names[n], n)
+		}
 	}
 }
 

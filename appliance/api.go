@@ -214,9 +214,9 @@ func (d *Daemon) routeReadOnly(mux *http.ServeMux) {
 	mux.HandleFunc("GET /readyz", d.serveReadyz)
 	mux.HandleFunc("GET /v1/apps", d.serveApps)
 	mux.HandleFunc("GET /v1/flows", d.serveFlows)
-	mux.HandleFunc("GET /v1/rules", d.serveRules)
-	mux.HandleFunc("GET /v1/streams", d.serveStreams)
-	mux.HandleFunc("GET /v1/ingest", d.serveIngest)
+	mux.HandleFunc("GET /v1/rules", d.sampled(d.rulesView))
+	mux.HandleFunc("GET /v1/streams", d.sampled(d.streamsView))
+	mux.HandleFunc("GET /v1/ingest", d.sampled(d.ingestView))
 }
 
 func writeJSON(w http.ResponseWriter, v any) {
@@ -224,6 +224,19 @@ func writeJSON(w http.ResponseWriter, v any) {
 	enc := json.NewEncoder(w)
 	enc.SetIndent("", "  ")
 	enc.Encode(v)
+}
+
+// sampled serves what view makes of one collection of the daemon's
+// metrics.
+func (d *Daemon) sampled(view func([]metrics.Sample) any) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		s, err := d.samples()
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		writeJSON(w, view(s))
+	}
 }
 
 // samples is one collection of the daemon's metrics, read back.
@@ -318,12 +331,7 @@ func prefix(p config.Prefix) string {
 	return p.String()
 }
 
-func (d *Daemon) serveRules(w http.ResponseWriter, r *http.Request) {
-	s, err := d.samples()
-	if err != nil {
-		http.Error(w, err.Error(), http.StatusInternalServerError)
-		return
-	}
+func (d *Daemon) rulesView(s []metrics.Sample) any {
 	cfg := d.Config()
 	names := cfg.RuleNames()
 	resp := RulesResponse{Rules: []Rule{}}
@@ -346,7 +354,7 @@ func (d *Daemon) serveRules(w http.ResponseWriter, r *http.Request) {
 			Src: prefix(x.Match.Src), Dst: prefix(x.Match.Dst), SrcPort: portRange(x.Match.SrcPort), DstPort: portRange(x.Match.DstPort)}
 		add(Rule{ID: x.ID, Kind: "rule", Priority: x.Priority, Match: m, Action: x.Action.String(), App: x.App, Ingest: x.Ingest})
 	}
-	writeJSON(w, resp)
+	return resp
 }
 
 // sum adds samples up: counters the metrics split by a label the API does
@@ -359,12 +367,7 @@ func sum(s []metrics.Sample) uint64 {
 	return n
 }
 
-func (d *Daemon) serveStreams(w http.ResponseWriter, r *http.Request) {
-	s, err := d.samples()
-	if err != nil {
-		http.Error(w, err.Error(), http.StatusInternalServerError)
-		return
-	}
+func (d *Daemon) streamsView(s []metrics.Sample) any {
 	byID := map[uint32]*Stream{}
 	for _, x := range s {
 		if !strings.HasPrefix(x.Name, "fabricbridge_stream_") {
@@ -404,15 +407,10 @@ func (d *Daemon) serveStreams(w http.ResponseWriter, r *http.Request) {
 	for _, id := range sortedKeys(byID) {
 		resp.Streams = append(resp.Streams, *byID[id])
 	}
-	writeJSON(w, resp)
+	return resp
 }
 
-func (d *Daemon) serveIngest(w http.ResponseWriter, r *http.Request) {
-	s, err := d.samples()
-	if err != nil {
-		http.Error(w, err.Error(), http.StatusInternalServerError)
-		return
-	}
+func (d *Daemon) ingestView(s []metrics.Sample) any {
 	cfg := d.Config()
 	resp := IngestResponse{Rings: []IngestRing{}}
 	for _, g := range cfg.Ingest {
@@ -440,5 +438,5 @@ func (d *Daemon) serveIngest(w http.ResponseWriter, r *http.Request) {
 			resp.Engine[e.Label("outcome")] += uint64(e.Value)
 		}
 	}
-	writeJSON(w, resp)
+	return resp
 }

@@ -17,7 +17,6 @@ import (
 	"time"
 
 	"github.com/fabricbridge/fabricbridge/appliance/config"
-	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 	"github.com/fabricbridge/fabricbridge/classifier"
 	"github.com/fabricbridge/fabricbridge/control"
 	"github.com/fabricbridge/fabricbridge/fabric"
@@ -48,6 +47,7 @@ type Daemon struct {
 	admin   *http.Server
 	metAddr net.Addr
 	started time.Time
+	live    liveness
 
 	reserved   *classifier.PortSet
 	portRecord string // where the ports this daemon reserved are recorded
@@ -154,7 +154,7 @@ func Start(cfg *config.Config, opts Options) (_ *Daemon, err error) {
 		}
 		d.metAddr = ln.Addr()
 		mux := http.NewServeMux()
-		mux.Handle("/metrics", metrics.Handler(d.collect))
+		d.routeReadOnly(mux)
 		d.metrics = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 		go d.metrics.Serve(ln)
 		d.log.Info("metrics", "address", "http://"+ln.Addr().String()+"/metrics")
@@ -167,9 +167,12 @@ func Start(cfg *config.Config, opts Options) (_ *Daemon, err error) {
 // is closed.
 func (d *Daemon) serve(name string, loop func() error) {
 	d.serving.Add(1)
+	d.live.started(name)
 	go func() {
 		defer d.serving.Done()
-		if err := loop(); err != nil {
+		err := loop()
+		d.live.stopped(name, err)
+		if err != nil {
 			d.log.Error("control listener failed", "listener", name, "error", err)
 		}
 	}()

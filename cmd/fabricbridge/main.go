@@ -76,8 +76,8 @@ traffic of applications that registered with it to their own user-space
 TCP/IP stacks over shared-memory streams, and trigger datagrams to ingest
 rings, leaving everything else to the kernel.
 
-The daemon (run) reads its configuration from ` + DefaultConfig + `;
-check validates a file, stats and capture watch a running daemon, app runs
+The daemon (run) reads its configuration from ` + DefaultConfig + `
+(fabricbridge.yaml(5)); check validates a file, stats and capture watch a running daemon, app runs
 sample applications on a user-space stack and demo shows the whole appliance
 in network namespaces of its own.`,
 		Args: func(c *cobra.Command, args []string) error {

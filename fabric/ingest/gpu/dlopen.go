@@ -69,4 +69,3 @@ func openDriver(name string) (*driver, error) {
 	}
 	return d, nil
 }
-

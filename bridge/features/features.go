@@ -3,6 +3,8 @@
 // ethtool ioctl's feature interface (ETHTOOL_GSTRINGS for the names,
 // ETHTOOL_GFEATURES and ETHTOOL_SFEATURES for the bits): the one interface
 // that names every feature, receive offloads and VLAN stripping among them.
+// It also reads and sets the interface's queue channels (`ethtool -l`,
+// `ethtool -L`), through the same ioctl.
 package features
 
 import (

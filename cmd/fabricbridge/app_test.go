@@ -10,6 +10,7 @@ import (
 	"net/netip"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -135,4 +136,24 @@ func TestAppUsage(t *testing.T) {
 			t.Errorf("%v accepted", args)
 		}
 	}
+}
+
+// TestSinkCountsAsBytesArrive: the sink counts a connection's bytes while
+// it is open, so that its rate covers a long transfer as it runs.
+func TestSinkCountsAsBytesArrive(t *testing.T) {
+	app, peer := net.Pipe()
+	var n atomic.Int64
+	done := make(chan struct{})
+	go func() { sinkConn(app, &n); close(done) }()
+	if _, err := peer.Write(make([]byte, 1000)); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(5 * time.Second); n.Load() < 1000 && time.Now().Before(deadline); {
+		time.Sleep(time.Millisecond)
+	}
+	if got := n.Load(); got != 1000 {
+		t.Errorf("with the connection open the sink counted %d bytes, want 1000", got)
+	}
+	peer.Close()
+	<-done
 }

@@ -23,15 +23,7 @@ reserved_ports: %s
 metrics: {address: "%s"}
 control: {socket: %s}
 `, end.Name, end.Addr4.Addr(), ports, metrics, filepath.Join(dir, name+".sock"))
-	path := filepath.Join(dir, name+".yaml")
-	if err := os.WriteFile(path, []byte(text), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	c, err := config.Load(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return c
+	return loadConfigText(t, filepath.Join(dir, name+".yaml"), text)
 }
 
 // TestTwoDaemonsOneNamespace: two daemons on two interfaces of one

@@ -22,6 +22,21 @@ func servedQueues(b *Bridge) []int {
 	return ids
 }
 
+// openAllQueues opens a bridge on every queue in use of interface name in
+// ns, logging at info, and closes it when the test ends.
+func openAllQueues(t *testing.T, ns *topology.NS, name string) *Bridge {
+	t.Helper()
+	var b *Bridge
+	if err := ns.Do(func() (err error) {
+		b, err = Open(Config{Interface: name, FrameCount: 256, Logger: slog.New(slog.NewTextHandler(logWriter{t}, nil))})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { b.Close() })
+	return b
+}
+
 // TestAllQueuesPlainVeth: a veth made as `ip link add … type veth` makes
 // it, with queues allocated for every CPU and one in use. Serving all
 // queues binds the one in use and stays on XDP; counting the allocated
@@ -47,14 +62,7 @@ func TestAllQueuesPlainVeth(t *testing.T) {
 		allocated = l.Attrs().NumRxQueues
 	}
 	t.Logf("veth: %d receive queues allocated", allocated)
-	var b *Bridge
-	if err := ns.Do(func() (err error) {
-		b, err = Open(Config{Interface: "fbplain0", FrameCount: 256, Logger: slog.New(slog.NewTextHandler(logWriter{t}, nil))})
-		return err
-	}); err != nil {
-		t.Fatal(err)
-	}
-	defer b.Close()
+	b := openAllQueues(t, ns, "fbplain0")
 	if b.Path() != PathNativeCopy {
 		t.Errorf("path %v, want native-copy; tried %v", b.Path(), b.Tried())
 	}
@@ -105,14 +113,7 @@ func TestAllQueuesFollowChannels(t *testing.T) {
 		t.Errorf("queues [0 1] with one in use: %v", err)
 	}
 
-	var b *Bridge
-	if err := br.Do(func() (err error) {
-		b, err = Open(Config{Interface: v.A.Name, FrameCount: 256, Logger: slog.New(slog.NewTextHandler(logWriter{t}, nil))})
-		return err
-	}); err != nil {
-		t.Fatal(err)
-	}
-	defer b.Close()
+	b := openAllQueues(t, br, v.A.Name)
 	if b.Path() != PathNativeCopy {
 		t.Fatalf("path %v, want native-copy; tried %v", b.Path(), b.Tried())
 	}

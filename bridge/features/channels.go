@@ -30,12 +30,9 @@ type Device struct {
 
 // OpenDevice opens an ethtool socket for interface name.
 func OpenDevice(name string) (*Device, error) {
-	if len(name) >= unix.IFNAMSIZ {
-		return nil, fmt.Errorf("features: interface name %q too long", name)
-	}
-	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	fd, err := ethtoolSocket(name)
 	if err != nil {
-		return nil, fmt.Errorf("features: socket: %w", err)
+		return nil, err
 	}
 	return &Device{f: Interface{fd: fd, name: name}}, nil
 }

@@ -64,6 +64,11 @@ type Claim struct {
 	Port uint16
 }
 
+// Unreachable is the error for a control socket (a path or a TCP address)
+// that dialling failed with err: ErrBridgeGone to errors.Is, and, when
+// nothing listens there, "no fabricbridge daemon at ADDR (is it running?)".
+func Unreachable(addr string, err error) error { return &unreachableError{addr: addr, err: err} }
+
 // unreachableError is a control socket no daemon answers on. It is
 // ErrBridgeGone to errors.Is, but says what a user needs to know first.
 type unreachableError struct {

@@ -157,3 +157,13 @@ func TestSinkCountsAsBytesArrive(t *testing.T) {
 	peer.Close()
 	<-done
 }
+
+// TestAppWithoutDaemon: an application started with no daemon says so and
+// names the socket it tried.
+func TestAppWithoutDaemon(t *testing.T) {
+	sock := t.TempDir() + "/control.sock"
+	err := appCommand(context.Background(), []string{"sink", "--control", sock}, io.Discard)
+	if want := "app sink: no fabricbridge daemon at " + sock + " (is it running?)"; err == nil || err.Error() != want {
+		t.Errorf("got %v, want %q", err, want)
+	}
+}

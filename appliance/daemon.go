@@ -51,6 +51,7 @@ type Daemon struct {
 
 	reserved   *classifier.PortSet
 	portRecord string // where the ports this daemon reserved are recorded
+	netns      uint64 // the home namespace's inode, in the record
 
 	mu        sync.Mutex // serialises Reload and Close
 	closed    bool
@@ -107,8 +108,9 @@ func Start(cfg *config.Config, opts Options) (_ *Daemon, err error) {
 		d.log.Warn("removed stale pinned BPF objects", "paths", pins)
 	}
 	d.portRecord = cfg.Control.Socket + ".ports"
-	if d.reserved, err = adoptReservation(d.portRecord, cfg.ReservedPorts); err != nil {
-		return nil, cfg.Errorf("reserved_ports", "%v", err)
+	d.netns = netnsID()
+	if d.reserved, err = d.reserve(cfg); err != nil {
+		return nil, err
 	}
 	d.log.Info("reserved ports for applications' outgoing connections", "range", cfg.ReservedPorts.String(), "added", d.reserved.String())
 
@@ -150,7 +152,7 @@ func Start(cfg *config.Config, opts Options) (_ *Daemon, err error) {
 	if cfg.Metrics.Address != "" {
 		ln, err := net.Listen("tcp", string(cfg.Metrics.Address))
 		if err != nil {
-			return nil, cfg.Errorf("metrics.address", "%v", err)
+			return nil, metricsAddrErr(cfg, d.peers(cfg), err)
 		}
 		d.metAddr = ln.Addr()
 		mux := http.NewServeMux()
@@ -303,7 +305,7 @@ func (d *Daemon) shutdown() error {
 		errs = append(errs, d.plane.Close())
 	}
 	if d.reserved != nil {
-		err := d.home.do(func() error { return unreservePorts(d.reserved) })
+		err := d.home.do(func() error { return unreservePorts(d.withoutPeers(d.reserved)) })
 		if err == nil {
 			os.Remove(d.portRecord)
 		}

@@ -137,7 +137,7 @@ func openRemote(ctx context.Context, opts Options) (*Stack, error) {
 	var d net.Dialer
 	conn, err := d.DialContext(ctx, "tcp", ro.Control)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %v", control.ErrBridgeGone, err)
+		return nil, control.Unreachable(ro.Control, err)
 	}
 	if ro.TLS != nil {
 		tc := tls.Client(conn, ro.TLS)

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"path/filepath"
 	"reflect"
+	"strings"
 	"time"
 
 	"github.com/fabricbridge/fabricbridge/bridge"
@@ -183,7 +184,7 @@ type Control struct {
 	SocketMode FileMode `yaml:"socket_mode"`
 	// AdminSocket serves the operator's tools (fabricbridge capture,
 	// stats): HTTP over a Unix socket of mode 0600, so only root may look
-	// at traffic. Default admin.sock beside Socket.
+	// at traffic. Default: see DefaultAdminSocket.
 	AdminSocket string `yaml:"admin_socket"`
 	// RefuseUnlisted refuses applications that the applications list
 	// does not name.
@@ -281,6 +282,18 @@ func (g *Ingest) setDefaults() {
 	g.Sources, g.SourceIdle = DefaultIngestSources, Duration(DefaultIngestSourceIdle)
 }
 
+// DefaultAdminSocket is the admin socket of a daemon whose control socket
+// is socket: admin.sock beside control.sock, and NAME.admin.sock beside any
+// other NAME.sock, so that daemons whose control sockets share a directory
+// do not share an admin socket.
+func DefaultAdminSocket(socket string) string {
+	dir, base := filepath.Split(socket)
+	if base == filepath.Base(DefaultSocket) {
+		return filepath.Join(dir, "admin.sock")
+	}
+	return filepath.Join(dir, strings.TrimSuffix(base, ".sock")+".admin.sock")
+}
+
 // Parse decodes and checks a configuration; file names it in errors. The
 // error, if any, is an Errors listing every problem with its line and field.
 func Parse(file string, data []byte) (*Config, error) {
@@ -294,7 +307,7 @@ func Parse(file string, data []byte) (*Config, error) {
 	if len(d.errs) == 0 {
 		c.where = d.where
 		if c.Control.AdminSocket == "" && c.Control.Socket != "" {
-			c.Control.AdminSocket = filepath.Join(filepath.Dir(c.Control.Socket), "admin.sock")
+			c.Control.AdminSocket = DefaultAdminSocket(c.Control.Socket)
 		}
 		c.check(d)
 	}

@@ -294,10 +294,7 @@ func serveSink(ctx context.Context, st *userstack.Stack, listen string, udp bool
 			}
 		}
 	}()
-	return serveStream(ctx, st, listen, udp, log, "sink", func(c net.Conn) {
-		n, _ := io.Copy(io.Discard, c)
-		bytes.Add(n)
-	}, func(pc net.PacketConn) {
+	return serveStream(ctx, st, listen, udp, log, "sink", func(c net.Conn) { sinkConn(c, &bytes) }, func(pc net.PacketConn) {
 		buf := make([]byte, 65536)
 		for {
 			n, _, err := pc.ReadFrom(buf)
@@ -308,6 +305,20 @@ func serveSink(ctx context.Context, st *userstack.Stack, listen string, udp bool
 			packets.Add(1)
 		}
 	})
+}
+
+// sinkConn reads c to its end, adding each read to n as it arrives: the
+// rate printed every --every is then the rate of the transfer, not of the
+// connections that closed.
+func sinkConn(c net.Conn, n *atomic.Int64) {
+	buf := make([]byte, 64<<10)
+	for {
+		k, err := c.Read(buf)
+		n.Add(int64(k))
+		if err != nil {
+			return
+		}
+	}
 }
 
 // serveStream accepts TCP connections (and, with udp, datagrams on the same

@@ -232,11 +232,19 @@ func render(w io.Writer, source string, prev, cur snapshot) {
 		cur.at.Format("15:04:05"))
 
 	for _, x := range metrics.Find(cur.samples, "fabricbridge_attach_mode") {
+		ifname := x.Label("interface")
+		fell := metrics.Find(cur.samples, "fabricbridge_attach_fallback", metrics.Label{Name: "interface", Value: ifname})
 		note := ""
 		if m := x.Label("mode"); m == "generic" || m == "afpacket" {
-			note = "  (slow path: the driver could not do better)"
+			note = "  (slow path, as configured)"
+			if len(fell) > 0 {
+				note = "  FELL BACK to a slow path"
+			}
 		}
-		fmt.Fprintf(w, "interface %s  mode %s%s\n", x.Label("interface"), x.Label("mode"), note)
+		fmt.Fprintf(w, "interface %s  mode %s%s\n", ifname, x.Label("mode"), note)
+		for _, f := range fell {
+			fmt.Fprintf(w, "  not %s: %s\n", f.Label("from"), f.Label("reason"))
+		}
 	}
 
 	table(w, "VERDICT", []string{"PACKETS", "PKT/S", "BYTES", "RATE"}, rowsOf(prev, cur, "fabricbridge_xdp_verdict_packets_total", "fabricbridge_xdp_verdict_bytes_total",

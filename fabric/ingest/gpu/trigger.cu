@@ -78,6 +78,15 @@ static __device__ __forceinline__ uint64_t ld_cg64(const void *p)
 	asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(v) : "l"(p));
 	return v;
 }
+// ld_volatile_desc reads a descriptor as eight words: state|records, seq,
+// bytes|flags, first_ns, last_ns, window_ns, publish_ns, reserved.
+static __device__ __forceinline__ void ld_volatile_desc(const void *p, uint64_t w[8])
+{
+	asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(w[0]), "=l"(w[1]) : "l"(p));
+	asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2+16];" : "=l"(w[2]), "=l"(w[3]) : "l"(p));
+	asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2+32];" : "=l"(w[4]), "=l"(w[5]) : "l"(p));
+	asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2+48];" : "=l"(w[6]), "=l"(w[7]) : "l"(p));
+}
 static __device__ __forceinline__ uint32_t ld_volatile32(const void *p)
 {
 	return *(const volatile uint32_t *)p;
@@ -159,10 +168,17 @@ static __device__ __forceinline__ int wait_ready(const struct fb_trigger_args *a
 	const uint8_t *region = (const uint8_t *)a->region;
 	const struct fb_ingest_desc *d =
 		(const struct fb_ingest_desc *)(region + a->desc_off) + (uint32_t)(seq % a->buffer_count);
-	uint32_t ns = 32;
+	const struct fb_ingest_header *h = (const struct fb_ingest_header *)region;
+	uint64_t w[8];
+	uint32_t sources, ns = 32;
 	for (uint32_t n = 0;; n++) {
 		if (ld_acquire_sys32(&d->state) == FB_INGEST_READY) {
-			uint64_t got = *(const volatile uint64_t *)&d->seq;
+			// The whole descriptor and the source count at once: each
+			// read over the bus costs its latency, which they share.
+			// The acquire orders them after the producer's writes.
+			ld_volatile_desc(d, w);
+			sources = ld_volatile32(&h->source_count);
+			uint64_t got = w[1];
 			if (got == seq)
 				break;
 			if (got > seq) {
@@ -174,16 +190,13 @@ static __device__ __forceinline__ int wait_ready(const struct fb_trigger_args *a
 			return 0;
 		backoff(&ns, 1024);
 	}
-	const volatile struct fb_ingest_desc *v = d;
 	struct fb_trigger_job *j = &sh->job;
 	j->seq = seq;
-	j->records = v->records;
-	j->bytes = v->bytes;
-	j->flags = v->flags;
-	j->publish_ns = v->publish_ns;
-	uint64_t first = v->first_ns, last = v->last_ns;
-	const struct fb_ingest_header *h = (const struct fb_ingest_header *)region;
-	uint32_t sources = ld_acquire_sys32(&h->source_count);
+	j->records = (uint32_t)(w[0] >> 32);
+	j->bytes = (uint32_t)w[2];
+	j->flags = (uint32_t)(w[2] >> 32);
+	j->publish_ns = w[6];
+	uint64_t first = w[3], last = w[4];
 	j->sources = sources < a->max_sources ? sources : a->max_sources;
 	j->data = (uint64_t)(region + a->buffers_off + (uint64_t)(seq % a->buffer_count) * a->buffer_size);
 	if (j->bytes > a->buffer_size || j->records < 1 || j->records > j->bytes / FB_INGEST_RECORD_HEADER ||
@@ -193,6 +206,8 @@ static __device__ __forceinline__ int wait_ready(const struct fb_trigger_args *a
 	}
 	return 1;
 }
+
+#define STAGE_BATCH 16
 
 // stage copies the buffer into shared memory with all threads, 16 bytes at
 // a time: over the bus, wide reads in flight together are what is fast.
@@ -207,8 +222,19 @@ static __device__ __forceinline__ void stage(const struct fb_trigger_args *a, st
 	}
 	uint32_t wide = bytes / 16;
 	u32x4 *d16 = (u32x4 *)smem;
-	for (uint32_t i = tid(); i < wide; i += FB_TRIGGER_THREADS)
-		d16[i] = ld_cg128(src + 16 * i);
+	// A thread's reads of a batch are all in flight before it stores
+	// any: 64 KiB cost one read's latency over the bus, not sixteen.
+	for (uint32_t i = tid(); i < wide; i += STAGE_BATCH * FB_TRIGGER_THREADS) {
+		u32x4 v[STAGE_BATCH];
+#pragma unroll
+		for (uint32_t k = 0; k < STAGE_BATCH; k++)
+			if (i + k * FB_TRIGGER_THREADS < wide)
+				v[k] = ld_cg128(src + 16 * (i + k * FB_TRIGGER_THREADS));
+#pragma unroll
+		for (uint32_t k = 0; k < STAGE_BATCH; k++)
+			if (i + k * FB_TRIGGER_THREADS < wide)
+				d16[i + k * FB_TRIGGER_THREADS] = v[k];
+	}
 	if (tid() == 0) {
 		if (bytes % 16)
 			*(uint64_t *)(smem + wide * 16) = ld_cg64(src + wide * 16);

@@ -207,11 +207,30 @@ static __device__ __forceinline__ int wait_ready(const struct fb_trigger_args *a
 	return 1;
 }
 
-#define STAGE_BATCH 16
+// copy_batched copies wide 16-byte words with all threads, each thread's
+// reads of a batch of B in flight before it stores any.
+template <uint32_t B> static __device__ __forceinline__ void copy_batched(u32x4 *dst, const uint8_t *src, uint32_t wide)
+{
+	for (uint32_t i = tid(); i < wide; i += B * FB_TRIGGER_THREADS) {
+		u32x4 v[B];
+#pragma unroll
+		for (uint32_t k = 0; k < B; k++)
+			if (i + k * FB_TRIGGER_THREADS < wide)
+				v[k] = ld_cg128(src + 16 * (i + k * FB_TRIGGER_THREADS));
+#pragma unroll
+		for (uint32_t k = 0; k < B; k++)
+			if (i + k * FB_TRIGGER_THREADS < wide)
+				dst[i + k * FB_TRIGGER_THREADS] = v[k];
+	}
+}
 
 // stage copies the buffer into shared memory with all threads, 16 bytes at
-// a time: over the bus, wide reads in flight together are what is fast.
-static __device__ __forceinline__ void stage(const struct fb_trigger_args *a, struct block_shared *sh, uint8_t *smem)
+// a time. burst: sixteen reads per thread in flight, 64 KiB for the cost of
+// one read's latency over the bus, which a lone block wants; many blocks
+// at once that deep swamp the bus (on an H200, 64 blocks drained the ring
+// at half the rate of one read each in flight), so they read one at a time.
+static __device__ __forceinline__ void stage(const struct fb_trigger_args *a, struct block_shared *sh, uint8_t *smem,
+					     int burst)
 {
 	uint32_t bytes = sh->job.bytes;
 	const uint8_t *src = (const uint8_t *)sh->job.data;
@@ -221,20 +240,10 @@ static __device__ __forceinline__ void stage(const struct fb_trigger_args *a, st
 		return;
 	}
 	uint32_t wide = bytes / 16;
-	u32x4 *d16 = (u32x4 *)smem;
-	// A thread's reads of a batch are all in flight before it stores
-	// any: 64 KiB cost one read's latency over the bus, not sixteen.
-	for (uint32_t i = tid(); i < wide; i += STAGE_BATCH * FB_TRIGGER_THREADS) {
-		u32x4 v[STAGE_BATCH];
-#pragma unroll
-		for (uint32_t k = 0; k < STAGE_BATCH; k++)
-			if (i + k * FB_TRIGGER_THREADS < wide)
-				v[k] = ld_cg128(src + 16 * (i + k * FB_TRIGGER_THREADS));
-#pragma unroll
-		for (uint32_t k = 0; k < STAGE_BATCH; k++)
-			if (i + k * FB_TRIGGER_THREADS < wide)
-				d16[i + k * FB_TRIGGER_THREADS] = v[k];
-	}
+	if (burst)
+		copy_batched<16>((u32x4 *)smem, src, wide);
+	else
+		copy_batched<1>((u32x4 *)smem, src, wide);
 	if (tid() == 0) {
 		if (bytes % 16)
 			*(uint64_t *)(smem + wide * 16) = ld_cg64(src + wide * 16);
@@ -515,10 +524,14 @@ static __device__ __forceinline__ void finish(const struct fb_trigger_args *a, s
 	st_release_sys64((void *)&r->seq1, seq + 1);
 }
 
+// Persistent kernels of up to this many blocks stage in bursts (see stage).
+#define BURST_BLOCKS 16
+
 // process runs one buffer through both stages; 0 when the block must stop.
-// release, in persistent mode, is the descriptor to hand back.
+// release, in persistent mode, is the descriptor to hand back; burst is
+// stage's.
 static __device__ __forceinline__ int process(const struct fb_trigger_args *a, struct block_shared *sh, uint8_t *smem,
-					      struct fb_ingest_desc *release)
+					      struct fb_ingest_desc *release, int burst)
 {
 	if (tid() == 0) {
 		sh->energy = 0;
@@ -528,7 +541,7 @@ static __device__ __forceinline__ int process(const struct fb_trigger_args *a, s
 		sh->overflow = 0;
 	}
 	sh->replay[tid()] = 0;
-	stage(a, sh, smem);
+	stage(a, sh, smem, burst);
 	__syncthreads();
 	// A staged buffer is ours in shared memory: the producer may have it
 	// back at once. The barrier ordered every thread's reads before this.
@@ -593,7 +606,7 @@ extern "C" __global__ void __launch_bounds__(FB_TRIGGER_THREADS) fb_trigger_pers
 		if (!sh.go)
 			return;
 		struct fb_ingest_desc *d = (struct fb_ingest_desc *)(region + a->desc_off) + (uint32_t)(seq % a->buffer_count);
-		if (!process(a, &sh, (uint8_t *)stage_mem, d))
+		if (!process(a, &sh, (uint8_t *)stage_mem, d, nblocks() <= BURST_BLOCKS))
 			return;
 		struct fb_trigger_state *st = (struct fb_trigger_state *)a->state;
 		if (ld_volatile32(&st->failed))
@@ -624,5 +637,5 @@ extern "C" __global__ void __launch_bounds__(FB_TRIGGER_THREADS) fb_trigger_batc
 	}
 	__syncthreads();
 	if (sh.go)
-		process(a, &sh, (uint8_t *)stage_mem, 0);
+		process(a, &sh, (uint8_t *)stage_mem, 0, 1); // device memory: bursts are cheap
 }

@@ -78,7 +78,12 @@ type Results struct {
 	Windows, Triggers uint64
 	Energies          []uint64
 	Sources           []ingest.SourceCounts
-	Gaps              []ingest.Gap
+	// Reassigned counts per source the times its entry went to another
+	// source (the records' source_gen changed): both sequences started
+	// afresh then, without a gap. ingest.SourceCounts.Reassigned where
+	// the reference counts it.
+	Reassigned []uint64
+	Gaps       []ingest.Gap
 }
 
 // Stats are a GPU consumer's counters.
@@ -487,6 +492,7 @@ func (g *Consumer) Results() (*Results, error) {
 			return nil, err
 		}
 		r.Sources = make([]ingest.SourceCounts, n)
+		r.Reassigned = make([]uint64, n)
 		for i := range r.Sources {
 			s := src[i*sourceSize:]
 			r.Sources[i] = ingest.SourceCounts{
@@ -496,6 +502,7 @@ func (g *Consumer) Results() (*Results, error) {
 				FirstSeq: le.Uint32(s[sFirstSeq:]), LastSeq: le.Uint32(s[sLastSeq:]),
 				FirstRxNs: le.Uint64(s[sFirstRxNs:]), LastRxNs: le.Uint64(s[sLastRxNs:]),
 			}
+			r.Reassigned[i] = le.Uint64(s[sReassigned:])
 		}
 	}
 	if n := min(int(le.Uint32(st[stGapCount:])), g.gapCap); n > 0 {

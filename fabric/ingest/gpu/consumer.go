@@ -78,12 +78,7 @@ type Results struct {
 	Windows, Triggers uint64
 	Energies          []uint64
 	Sources           []ingest.SourceCounts
-	// Reassigned counts per source the times its entry went to another
-	// source (the records' source_gen changed): both sequences started
-	// afresh then, without a gap. ingest.SourceCounts.Reassigned where
-	// the reference counts it.
-	Reassigned []uint64
-	Gaps       []ingest.Gap
+	Gaps              []ingest.Gap
 }
 
 // Stats are a GPU consumer's counters.
@@ -492,7 +487,6 @@ func (g *Consumer) Results() (*Results, error) {
 			return nil, err
 		}
 		r.Sources = make([]ingest.SourceCounts, n)
-		r.Reassigned = make([]uint64, n)
 		for i := range r.Sources {
 			s := src[i*sourceSize:]
 			r.Sources[i] = ingest.SourceCounts{
@@ -501,8 +495,8 @@ func (g *Consumer) Results() (*Results, error) {
 				SenderBackwards: le.Uint64(s[sSenderBackwards:]), Short: le.Uint64(s[sShort:]),
 				FirstSeq: le.Uint32(s[sFirstSeq:]), LastSeq: le.Uint32(s[sLastSeq:]),
 				FirstRxNs: le.Uint64(s[sFirstRxNs:]), LastRxNs: le.Uint64(s[sLastRxNs:]),
+				Reassigned: le.Uint64(s[sReassigned:]),
 			}
-			r.Reassigned[i] = le.Uint64(s[sReassigned:])
 		}
 	}
 	if n := min(int(le.Uint32(st[stGapCount:])), g.gapCap); n > 0 {

@@ -27,7 +27,7 @@
 // turn instead: the same results, slower. A record whose source_gen
 // differs from its source's last starts that source afresh (the entry went
 // to another source): no gap across, both sequences begin again, and
-// Results.Reassigned counts it.
+// ingest.SourceCounts.Reassigned counts it, as in the reference.
 //
 // # Two modes
 //

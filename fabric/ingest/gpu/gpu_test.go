@@ -203,7 +203,8 @@ func TestLayout(t *testing.T) {
 		"fb_ingest_desc.last_ns": ingDLastNs, "fb_ingest_desc.publish_ns": ingDPublishNs,
 		"fb_ingest_record.size": ingRSize, "fb_ingest_record.payload_len": ingRPayloadLen,
 		"fb_ingest_record.source": ingRSource, "fb_ingest_record.rx_ns": ingRRxNs, "fb_ingest_record.seq": ingRSeq,
-		"FB_INGEST_READY": ingStateReady, "FB_INGEST_FREE": ingStateFree, "FB_INGEST_BUF_CONTINUED": ingBufContinued,
+		"fb_ingest_record.source_gen": ingRSourceGen,
+		"FB_INGEST_READY":             ingStateReady, "FB_INGEST_FREE": ingStateFree, "FB_INGEST_BUF_CONTINUED": ingBufContinued,
 	}
 	var prog strings.Builder
 	prog.WriteString("#include <stdio.h>\n#include <stddef.h>\n#include \"fb_trigger.h\"\nint main(void) {\n")

@@ -231,6 +231,6 @@ func sameAsReference(t testing.TB, ref *ingest.Reference, refBuffers uint64, got
 
 // publicCounts formats the counts a consumer reports.
 func publicCounts(s ingest.SourceCounts) string {
-	return fmt.Sprintf("records %d bytes %d dropped %d sender gaps %d backwards %d short %d seq %d..%d rx %d..%d",
-		s.Records, s.Bytes, s.DroppedHere, s.SenderGaps, s.SenderBackwards, s.Short, s.FirstSeq, s.LastSeq, s.FirstRxNs, s.LastRxNs)
+	return fmt.Sprintf("records %d bytes %d dropped %d sender gaps %d backwards %d short %d seq %d..%d rx %d..%d reassigned %d",
+		s.Records, s.Bytes, s.DroppedHere, s.SenderGaps, s.SenderBackwards, s.Short, s.FirstSeq, s.LastSeq, s.FirstRxNs, s.LastRxNs, s.Reassigned)
 }

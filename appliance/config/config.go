@@ -322,10 +322,12 @@ func Parse(file string, data []byte) (*Config, error) {
 
 // Errorf returns an error located at a field of the file, for problems found
 // after Parse, such as a secret file that cannot be read when the daemon
-// starts.
+// starts. Its arguments are quoted whole: they are the caller's text (and
+// values Parse already bounded), not raw input, and a remedy it suggests
+// must not be cut short.
 func (c *Config) Errorf(field, format string, args ...any) error {
 	d := &decoder{file: c.File, where: c.where}
-	d.errorAt(field, format, args...)
+	d.add(d.lookup(field), field, "", fmt.Sprintf(format, args...))
 	return d.errs[0]
 }
 

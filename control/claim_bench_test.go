@@ -24,9 +24,12 @@ func (noopPlane) AddStream(uint32, *fabric.Stream, classifier.Ownership) error {
 func (noopPlane) AddRemoteStream(uint32, *fabric.RemoteStream, classifier.Ownership) error {
 	return nil
 }
-func (noopPlane) SetOwnership(uint32, classifier.Ownership) error { return nil }
-func (noopPlane) RemoveStream(uint32) error                       { return nil }
-func (noopPlane) SetTables(*classifier.Tables) error              { return nil }
+func (noopPlane) SetOwnership(uint32, classifier.Ownership) error  { return nil }
+func (noopPlane) RemoveStream(uint32) error                        { return nil }
+func (noopPlane) SetTables(*classifier.Tables) error               { return nil }
+func (noopPlane) AddFlows([]classifier.Flow) error                 { return nil }
+func (noopPlane) RemoveFlows([]classifier.Flow) error              { return nil }
+func (noopPlane) OwnPort(uint32, classifier.PortClaim, bool) error { return nil }
 
 // realPlane adapts a real bridge to Dataplane, as the daemon does.
 type realPlane struct{ b *bridge.Bridge }

@@ -577,6 +577,24 @@ func (b *Bridge) SetTables(t *classifier.Tables) error {
 	return nil
 }
 
+// Tables is the Go tables in force (with the flow deltas since they were
+// set); nil before the first SetTables.
+func (b *Bridge) Tables() *classifier.Tables { return b.tables.Load() }
+
+// KernelFlows reads the exact flows back from the kernel: the XDP
+// program's flow table (xdp true), or on the AF_PACKET path the nftables
+// table's set elements by set name, as nft prints them. It is for checks
+// and diagnostics: it walks every flow.
+func (b *Bridge) KernelFlows() (xdp map[classifier.FlowKey]classifier.Target, nftSets map[string][]string, err error) {
+	if b.prog != nil {
+		xdp, err = b.prog.InstalledFlows()
+	}
+	if b.afp != nil && err == nil {
+		nftSets, err = b.afp.hide.Installed()
+	}
+	return xdp, nftSets, err
+}
+
 // AddFlows makes flows steer, one entry each in every realisation of the
 // tables (the XDP flow map or the AF_PACKET path's nftables set, and the Go
 // tables), without compiling anything: the delta of a flow claim. A flow

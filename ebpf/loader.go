@@ -230,7 +230,7 @@ func (p *Program) AddFlows(flows []classifier.Flow) error {
 // removeChunk bounds how many flows RemoveFlows deletes per hold of the
 // program's lock, so that other applications' claims interleave with a
 // large release.
-const removeChunk = 256
+const removeChunk = 1024
 
 // RemoveFlows deletes flows one map delete each; a flow not installed is
 // no error.
@@ -246,14 +246,39 @@ func (p *Program) RemoveFlows(flows []classifier.Flow) error {
 }
 
 func (p *Program) removeFlows(flows []classifier.Flow) error {
+	keys := make([]bpfFbFlowKey, len(flows))
+	for i, f := range flows {
+		keys[i] = flowKey(f.Key())
+	}
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	for _, f := range flows {
-		k := flowKey(f.Key())
-		if err := p.objs.Flows.Delete(&k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-			return fmt.Errorf("ebpf: remove flow %v -> %v: %w", f.Remote, f.Local, err)
-		}
+	for _, k := range keys {
 		delete(p.flows, k)
+	}
+	// One syscall for the chunk; the kernel stops at a key it lacks, which
+	// is then skipped.
+	for len(keys) > 0 {
+		n, err := p.objs.Flows.BatchDelete(keys, nil)
+		switch {
+		case err == nil:
+			return nil
+		case errors.Is(err, ebpf.ErrKeyNotExist):
+			keys = keys[n+1:]
+		case errors.Is(err, ebpf.ErrNotSupported):
+			return p.deleteEach(keys)
+		default:
+			return fmt.Errorf("ebpf: remove flows: %w", err)
+		}
+	}
+	return nil
+}
+
+// deleteEach is removeFlows for kernels without batch operations.
+func (p *Program) deleteEach(keys []bpfFbFlowKey) error {
+	for _, k := range keys {
+		if err := p.objs.Flows.Delete(&k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return fmt.Errorf("ebpf: remove flow: %w", err)
+		}
 	}
 	return nil
 }

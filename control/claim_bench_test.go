@@ -12,6 +12,7 @@ import (
 
 	"github.com/fabricbridge/fabricbridge/bridge"
 	"github.com/fabricbridge/fabricbridge/classifier"
+	fbebpf "github.com/fabricbridge/fabricbridge/ebpf"
 	"github.com/fabricbridge/fabricbridge/fabric"
 	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
 	"github.com/fabricbridge/fabricbridge/internal/topology"
@@ -60,8 +61,14 @@ func openRealPlane(tb testing.TB, path bridge.Path) realPlane {
 	tb.Helper()
 	testenv.RequirePrivileged(tb)
 	br, _, v := topology.Pair(tb, topology.VethOptions{})
-	cfg := bridge.Config{Interface: v.A.Name, Path: path, FrameCount: 256,
-		Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelWarn}))}
+	capacity := fbebpf.DefaultFlowCapacity
+	for _, n := range benchSizes(tb) {
+		for capacity < n+n/4 {
+			capacity *= 2
+		}
+	}
+	cfg := bridge.Config{Interface: v.A.Name, Path: path, FrameCount: 256, FlowCapacity: capacity,
+		Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))}
 	if path != bridge.PathAuto {
 		cfg.Mode = bridge.ModeStrict
 	}
@@ -114,7 +121,8 @@ func benchRegistry(tb testing.TB, dp Dataplane, apps int) (*registry, []*app) {
 }
 
 // benchSizes are the numbers of flows held while a claim is measured;
-// FB_CLAIM_SIZES (comma-separated) replaces them.
+// FB_CLAIM_SIZES (comma-separated) replaces them. The XDP flow table is
+// sized to hold the largest.
 func benchSizes(tb testing.TB) []int {
 	sizes := []int{100, 10_000, 100_000}
 	if s := os.Getenv("FB_CLAIM_SIZES"); s != "" {

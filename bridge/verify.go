@@ -5,21 +5,55 @@ import (
 	"errors"
 	"fmt"
 	"net/netip"
+	"sync/atomic"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
 )
 
-// ownership is classifier.Ownership compiled for the TX check: immutable, looked up
+// ownership is classifier.Ownership compiled for the TX check, looked up
 // without allocating. Port sets are bitmaps (8 KiB each), so a check is one
-// load whatever the number of ports.
+// load whatever the number of ports. The addresses are immutable; a port is
+// added or removed in place (one atomic word), so that a claim costs the
+// same whatever the stream already owns.
 type ownership struct {
 	addrs    []netip.Addr
 	tcp, udp *portSet
 }
 
 type portSet struct {
-	any   bool // at least one port is set
-	ports classifier.PortSet
+	n    atomic.Int32 // ports set
+	bits [65536 / 64]atomic.Uint64
+}
+
+func (s *portSet) has(p uint16) bool { return s.bits[p/64].Load()&(1<<(p%64)) != 0 }
+
+// add sets p; it reports false if p was set already.
+func (s *portSet) add(p uint16) bool {
+	if s.bits[p/64].Or(1<<(p%64))&(1<<(p%64)) != 0 {
+		return false
+	}
+	s.n.Add(1)
+	return true
+}
+
+// remove clears p; it reports false if p was not set.
+func (s *portSet) remove(p uint16) bool {
+	if s.bits[p/64].And(^uint64(1<<(p%64)))&(1<<(p%64)) == 0 {
+		return false
+	}
+	s.n.Add(-1)
+	return true
+}
+
+// ports is the set of proto (TCP or UDP).
+func (o *ownership) ports(proto classifier.Protocol) (*portSet, error) {
+	switch proto {
+	case classifier.ProtoTCP:
+		return o.tcp, nil
+	case classifier.ProtoUDP:
+		return o.udp, nil
+	}
+	return nil, fmt.Errorf("protocol %v, want tcp or udp", proto)
 }
 
 func compileOwnership(o classifier.Ownership) (*ownership, error) {
@@ -33,22 +67,16 @@ func compileOwnership(o classifier.Ownership) (*ownership, error) {
 		c.addrs = append(c.addrs, a.Unmap().WithZone(""))
 	}
 	for _, p := range o.Ports {
-		var s *portSet
-		switch p.Proto {
-		case classifier.ProtoTCP:
-			s = c.tcp
-		case classifier.ProtoUDP:
-			s = c.udp
-		default:
-			errs = append(errs, fmt.Errorf("port %d: protocol %v, want tcp or udp", p.Port, p.Proto))
+		s, err := c.ports(p.Proto)
+		if err != nil {
+			errs = append(errs, fmt.Errorf("port %d: %w", p.Port, err))
 			continue
 		}
 		if p.Port == 0 {
 			errs = append(errs, fmt.Errorf("%v port 0", p.Proto))
 			continue
 		}
-		s.ports.Add(p.Port, p.Port)
-		s.any = true
+		s.add(p.Port)
 	}
 	if err := errors.Join(errs...); err != nil {
 		return nil, fmt.Errorf("bridge: ownership: %w", err)
@@ -195,7 +223,7 @@ func (o *ownership) checkL4(proto uint8, l4 []byte, laterFrag, firstFrag bool) r
 	default:
 		return rejProtocol
 	}
-	if !ports.any {
+	if ports.n.Load() == 0 {
 		return rejProtocol
 	}
 	if laterFrag {
@@ -217,7 +245,7 @@ func (o *ownership) checkL4(proto uint8, l4 []byte, laterFrag, firstFrag bool) r
 			return rejLength
 		}
 	}
-	if !ports.ports.Has(be.Uint16(l4[0:])) {
+	if !ports.has(be.Uint16(l4[0:])) {
 		return rejSourcePort
 	}
 	return accepted

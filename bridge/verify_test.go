@@ -76,3 +76,37 @@ func TestVerify(t *testing.T) {
 		t.Error("bad ownership accepted")
 	}
 }
+
+// TestPortsChangeInPlace: a port added to or removed from an ownership
+// takes effect for the next packet, and a stream with no port of a
+// protocol left is refused that protocol.
+func TestPortsChangeInPlace(t *testing.T) {
+	me := netip.MustParseAddr("198.18.0.1")
+	peer := netip.MustParseAddrPort("198.18.0.2:9999")
+	own, err := compileOwnership(classifier.Ownership{Addrs: []netip.Addr{me}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pkt := ippkt.UDP(netip.AddrPortFrom(me, 40000), peer, []byte("x"))
+	if got := verify(pkt, own, 1500); got != rejProtocol {
+		t.Fatalf("no UDP port owned: reason %d, want %d", got, rejProtocol)
+	}
+	udp, _ := own.ports(classifier.ProtoUDP)
+	if !udp.add(40000) || udp.add(40000) {
+		t.Fatal("add reports wrongly whether the port was new")
+	}
+	udp.add(40001)
+	if got := verify(pkt, own, 1500); got != accepted {
+		t.Fatalf("port added: reason %d", got)
+	}
+	if !udp.remove(40000) || udp.remove(40000) {
+		t.Fatal("remove reports wrongly whether the port was owned")
+	}
+	if got := verify(pkt, own, 1500); got != rejSourcePort {
+		t.Fatalf("port removed, another left: reason %d, want %d", got, rejSourcePort)
+	}
+	udp.remove(40001)
+	if got := verify(pkt, own, 1500); got != rejProtocol {
+		t.Fatalf("last port removed: reason %d, want %d", got, rejProtocol)
+	}
+}

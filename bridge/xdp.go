@@ -20,7 +20,7 @@ const xdpHeadroom = unix.XDP_PACKET_HEADROOM
 // registered in the program's XSKMAP.
 func (b *Bridge) openXDP(p Path) (err error) {
 	if b.prog == nil {
-		if b.prog, err = fbebpf.Load(); err != nil {
+		if b.prog, err = fbebpf.LoadWith(fbebpf.Options{FlowCapacity: b.cfg.FlowCapacity}); err != nil {
 			return err
 		}
 	}

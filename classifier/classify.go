@@ -90,9 +90,11 @@ func UnmarshalMeta(b []byte) Meta {
 	}
 }
 
-// Tables is a compiled RuleSet, immutable once built.
+// Tables is a compiled RuleSet. Its listeners and rules are immutable once
+// built; its exact flows change in place, one at a time (AddFlow,
+// RemoveFlow), under the feet of the Classifiers that use it.
 type Tables struct {
-	flows     map[FlowKey]Target
+	flows     *flowTable
 	listeners map[ListenKey]Target
 	rules     []CompiledRule
 }
@@ -421,7 +423,7 @@ type packet struct {
 // steer looks p up in the exact flows, then the listeners on its destination
 // address, then the wildcard listeners, and on a hit steers m to the stream.
 func (t *Tables) steer(p *packet, m *Meta) bool {
-	hit, ok := t.flows[FlowKey{Family: p.family, Proto: p.proto, SrcPort: p.sport, DstPort: p.dport, Src: p.src, Dst: p.dst}]
+	hit, ok := t.flows.lookup(&FlowKey{Family: p.family, Proto: p.proto, SrcPort: p.sport, DstPort: p.dport, Src: p.src, Dst: p.dst})
 	if !ok {
 		lk := ListenKey{Family: p.family, Proto: p.proto, Port: p.dport, Addr: p.dst}
 		if hit, ok = t.listeners[lk]; !ok {
@@ -478,7 +480,7 @@ func masked(a, mask, net *Addr16) bool {
 }
 
 // Flows lists the exact-flow table.
-func (t *Tables) Flows() iter.Seq2[FlowKey, Target] { return maps.All(t.flows) }
+func (t *Tables) Flows() iter.Seq2[FlowKey, Target] { return t.flows.all() }
 
 // Listeners lists the listener table; wildcard listeners have a zero Addr.
 func (t *Tables) Listeners() iter.Seq2[ListenKey, Target] { return maps.All(t.listeners) }

@@ -156,23 +156,14 @@ func (s *RuleSet) Validate() error {
 	flowKeys := make(map[FlowKey]uint32)
 	for i, f := range s.Flows {
 		what := fmt.Sprintf("flow %d (id %d)", i, f.ID)
-		if f.ID == 0 || f.ID > MaxRuleID {
-			errs = append(errs, fmt.Errorf("%s: id %d outside 1..%d", what, f.ID, MaxRuleID))
+		errs = append(errs, f.check(what)...)
+		if !f.Remote.IsValid() || !f.Local.IsValid() || f.Remote.Addr().Is4() != f.Local.Addr().Is4() {
+			continue
 		}
-		if f.Protocol != ProtoTCP && f.Protocol != ProtoUDP {
-			errs = append(errs, fmt.Errorf("%s: protocol must be tcp or udp, not %v", what, f.Protocol))
-		}
-		if !f.Remote.IsValid() || !f.Local.IsValid() {
-			errs = append(errs, fmt.Errorf("%s: remote and local must both be address:port", what))
-		} else if f.Remote.Addr().Is4() != f.Local.Addr().Is4() {
-			errs = append(errs, fmt.Errorf("%s: remote %v and local %v are of different families", what, f.Remote, f.Local))
-		} else if k := keyOfFlow(f); flowKeys[k] != 0 {
+		if k := f.Key(); flowKeys[k] != 0 {
 			errs = append(errs, fmt.Errorf("%s: same tuple as flow id %d", what, flowKeys[k]))
 		} else {
 			flowKeys[k] = f.ID
-		}
-		if f.Stream == 0 {
-			errs = append(errs, fmt.Errorf("%s: stream must not be 0", what))
 		}
 	}
 	listenKeys := make(map[ListenKey]uint32)
@@ -270,12 +261,12 @@ func Compile(s *RuleSet) (*Tables, error) {
 		return nil, err
 	}
 	t := &Tables{
-		flows:     make(map[FlowKey]Target, len(s.Flows)),
+		flows:     newFlowTable(len(s.Flows)),
 		listeners: make(map[ListenKey]Target, len(s.Listeners)),
 		rules:     make([]CompiledRule, 0, len(s.Rules)),
 	}
 	for _, f := range s.Flows {
-		t.flows[keyOfFlow(f)] = Target{Stream: f.Stream, Rule: f.ID}
+		t.flows.put(f.Key(), Target{Stream: f.Stream, Rule: f.ID})
 	}
 	for _, l := range s.Listeners {
 		for _, k := range keysOfListener(l) {
@@ -388,7 +379,8 @@ func closed(r PortRange) PortRange {
 	return r
 }
 
-func keyOfFlow(f Flow) FlowKey {
+// Key is f's tuple as the exact-flow tables hold it.
+func (f Flow) Key() FlowKey {
 	return FlowKey{
 		Family: Family(f.Local.Addr()), Proto: uint8(f.Protocol),
 		SrcPort: f.Remote.Port(), DstPort: f.Local.Port(),

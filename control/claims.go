@@ -2,6 +2,7 @@ package control
 
 import (
 	"fmt"
+	"math/bits"
 	"net/netip"
 	"slices"
 
@@ -15,9 +16,14 @@ import (
 func (r *registry) index(c *claim) {
 	k := portKey{c.proto, c.port}
 	r.byPort[k] = append(r.byPort[k], c)
+	if r.ephemeral.Contains(c.port) && !r.ephemeral.IsAny() {
+		r.pools[c.proto].set(c.port, false)
+	}
 	if c.listener {
 		r.usedIDs[c.ruleID] = true
+		c.app.listeners++
 	}
+	c.app.portRefs[classifier.PortClaim{Proto: c.proto, Port: c.port}]++
 }
 
 func (r *registry) unindex(c *claim) {
@@ -25,11 +31,19 @@ func (r *registry) unindex(c *claim) {
 	list := slices.DeleteFunc(r.byPort[k], func(x *claim) bool { return x == c })
 	if len(list) == 0 {
 		delete(r.byPort, k)
+		if r.ephemeral.Contains(c.port) && !r.ephemeral.IsAny() && r.staticHolder(c.proto, c.port, netip.Addr{}, nil) == "" {
+			r.pools[c.proto].set(c.port, true)
+		}
 	} else {
 		r.byPort[k] = list
 	}
 	if c.listener {
 		r.usedIDs[c.ruleID] = false
+		c.app.listeners--
+	}
+	pc := classifier.PortClaim{Proto: c.proto, Port: c.port}
+	if c.app.portRefs[pc]--; c.app.portRefs[pc] == 0 {
+		delete(c.app.portRefs, pc)
 	}
 }
 
@@ -89,6 +103,8 @@ func (r *registry) listen(a *app, proto classifier.Protocol, addr netip.Addr, po
 	if addr.IsValid() && !addr.IsUnspecified() && !slices.Contains(a.policy.Addrs, addr) {
 		return nil, fmt.Errorf("%w: address %v is not one this application may use", ErrNotPermitted, addr)
 	}
+	r.tables.Lock()
+	defer r.tables.Unlock()
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if port == 0 {
@@ -118,7 +134,7 @@ func (r *registry) listen(a *app, proto classifier.Protocol, addr netip.Addr, po
 			}
 		}
 	}
-	c := &claim{proto: proto, listener: true, addr: addr, port: port}
+	c := &claim{proto: proto, listener: true, addr: addr, port: port, app: a}
 	if err := r.grant(a, c); err != nil {
 		return nil, err
 	}
@@ -156,15 +172,66 @@ func (r *registry) connect(a *app, proto classifier.Protocol, local netip.Addr, 
 	if local.Is4() != ra.Is4() {
 		return nil, fmt.Errorf("%w: local %v and remote %v are of different families", ErrBadRequest, local, ra)
 	}
+	if r.flowDP == nil {
+		r.tables.Lock()
+		defer r.tables.Unlock()
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		port, err := r.flowPort(a, proto, local, remote)
+		if err != nil {
+			return nil, err
+		}
+		c := &claim{proto: proto, addr: local, port: port, remote: remote}
+		if err := r.grant(a, c); err != nil {
+			return nil, err
+		}
+		return c, nil
+	}
+	return r.connectDelta(a, proto, local, remote)
+}
+
+// connectDelta is connect on a FlowDataplane: the claim is decided under
+// mu, then applied as deltas outside it, ownership first.
+func (r *registry) connectDelta(a *app, proto classifier.Protocol, local netip.Addr, remote netip.AddrPort) (*claim, error) {
+	r.tables.RLock()
+	defer r.tables.RUnlock()
 	r.mu.Lock()
-	defer r.mu.Unlock()
-	port, err := r.freePort(proto)
+	if len(a.claims) >= a.policy.MaxClaims {
+		r.mu.Unlock()
+		return nil, fmt.Errorf("%w: %d listeners and connections held, the limit", ErrQuota, len(a.claims))
+	}
+	port, err := r.flowPort(a, proto, local, remote)
 	if err != nil {
+		r.mu.Unlock()
 		return nil, err
 	}
-	c := &claim{proto: proto, addr: local, port: port, remote: remote}
-	if err := r.grant(a, c); err != nil {
-		return nil, err
+	c := &claim{proto: proto, addr: local, port: port, remote: remote, app: a}
+	a.nextClaim++
+	c.id = a.nextClaim
+	a.claims[c.id] = c
+	pc := classifier.PortClaim{Proto: proto, Port: port}
+	widen := a.portRefs[pc] == 0 && !a.staticPorts[pc]
+	r.index(c)
+	f := a.flow(c)
+	r.mu.Unlock()
+	undo := func() {
+		r.mu.Lock()
+		delete(a.claims, c.id)
+		r.unindex(c)
+		r.mu.Unlock()
+	}
+	if widen {
+		if err := r.flowDP.OwnPort(a.stream, pc, true); err != nil {
+			undo()
+			return nil, dataplaneErr(err)
+		}
+	}
+	if err := r.flowDP.AddFlows([]classifier.Flow{f}); err != nil {
+		undo()
+		if widen {
+			r.flowDP.OwnPort(a.stream, pc, false)
+		}
+		return nil, dataplaneErr(err)
 	}
 	return c, nil
 }
@@ -176,39 +243,193 @@ func family(a netip.Addr) int {
 	return 6
 }
 
-// freePort finds a port of the reserved range that no claim of proto uses,
+// freePort takes a port of the reserved range that no claim of proto uses,
 // continuing after the last one given so that a port just released is
 // reused as late as possible (its old connection may linger in TIME-WAIT).
+// It costs at most a walk over the pool's 1,024 words, whatever is held.
 func (r *registry) freePort(proto classifier.Protocol) (uint16, error) {
 	lo, hi := r.ephemeral.Lo, r.ephemeral.Hi
 	if lo == 0 && hi == 0 {
 		return 0, fmt.Errorf("%w: the bridge has no reserved port range", ErrNoPorts)
 	}
-	size := int(hi) - int(lo) + 1
-	cur := r.portCur[proto]
-	for range size {
-		if cur < lo || cur >= hi {
-			cur = lo
-		} else {
-			cur++
+	if p, ok := r.pools[proto].next(lo, hi); ok {
+		return p, nil
+	}
+	return 0, fmt.Errorf("%w: all %d %v ports of %d-%d are held", ErrNoPorts, int(hi)-int(lo)+1, proto, lo, hi)
+}
+
+// flowPort picks the local port of a's new flow from local to remote: a
+// free port of the reserved range while there is one; when the range is
+// all held, a port a's own flows hold already, towards another remote (a
+// flow is told apart by its whole tuple, and the port stays a's alone, so
+// the transmit check still isolates applications).
+func (r *registry) flowPort(a *app, proto classifier.Protocol, local netip.Addr, remote netip.AddrPort) (uint16, error) {
+	ring := a.reusable(proto)
+	if p, ok := r.pools[proto].next(r.ephemeral.Lo, r.ephemeral.Hi); ok {
+		ring.add(p)
+		return p, nil
+	}
+	for tries := 0; tries < maxReuseTries && len(ring.ports) > 0; tries++ {
+		ring.cur = (ring.cur + 1) % len(ring.ports)
+		q := ring.ports[ring.cur]
+		users := r.byPort[portKey{proto, q}]
+		mine, clash := len(users) > 0, false
+		for _, c := range users {
+			if c.app != a || c.listener {
+				mine = false
+				break
+			}
+			clash = clash || c.addr == local && c.remote == remote
 		}
-		if len(r.byPort[portKey{proto, cur}]) == 0 && r.staticHolder(proto, cur, netip.Addr{}, nil) == "" {
-			r.portCur[proto] = cur
-			return cur, nil
+		if !mine {
+			ring.drop(ring.cur)
+			continue
+		}
+		if !clash {
+			return q, nil
 		}
 	}
-	return 0, fmt.Errorf("%w: all %d %v ports of %d-%d are held", ErrNoPorts, size, proto, lo, hi)
+	return r.freePort(proto) // for its error
+}
+
+// maxReuseTries bounds the ports flowPort looks at to share one.
+const maxReuseTries = 64
+
+// portPool is the reserved range's ports of one protocol that no claim
+// and no configured listener holds, a bit each, with a bit per word of
+// them that has any, so that finding the next free port looks at a few
+// words whatever is held.
+type portPool struct {
+	free    classifier.PortSet
+	summary [len(classifier.PortSet{}) / 64]uint64
+	n       int // free ports
+	cur     uint16
+}
+
+func (pp *portPool) set(p uint16, free bool) {
+	w, bit := p/64, uint64(1)<<(p%64)
+	was := pp.free[w]&bit != 0
+	if free == was {
+		return
+	}
+	if free {
+		pp.free[w] |= bit
+		pp.n++
+	} else {
+		pp.free[w] &^= bit
+		pp.n--
+	}
+	if pp.free[w] != 0 {
+		pp.summary[w/64] |= 1 << (w % 64)
+	} else {
+		pp.summary[w/64] &^= 1 << (w % 64)
+	}
+}
+
+// next takes the first free port after the last one taken, wrapping
+// around lo..hi (no bit outside them is ever set).
+func (pp *portPool) next(lo, hi uint16) (uint16, bool) {
+	if pp.n == 0 {
+		return 0, false
+	}
+	p := int(pp.cur) + 1
+	if p > int(hi) || p < int(lo) {
+		p = int(lo)
+	}
+	q, ok := pp.from(p)
+	if !ok {
+		q, ok = pp.from(int(lo))
+	}
+	if ok {
+		pp.cur = uint16(q)
+	}
+	return uint16(q), ok
+}
+
+// from finds the first free port at or after p.
+func (pp *portPool) from(p int) (int, bool) {
+	w := p / 64
+	if b := pp.free[w] >> (p % 64); b != 0 {
+		return p + bits.TrailingZeros64(b), true
+	}
+	for sw := (w + 1) / 64; sw < len(pp.summary); sw++ {
+		m := pp.summary[sw]
+		if sw == (w+1)/64 {
+			m &= ^uint64(0) << ((w + 1) % 64)
+		}
+		if m != 0 {
+			w2 := sw*64 + bits.TrailingZeros64(m)
+			return w2*64 + bits.TrailingZeros64(pp.free[w2]), true
+		}
+	}
+	return 0, false
+}
+
+// portRing lists the reserved ports an application's flows took, for
+// flowPort to share; a port that has gone to another owner is dropped
+// when it is next looked at.
+type portRing struct {
+	ports  []uint16
+	member map[uint16]bool
+	cur    int
+}
+
+func (a *app) reusable(proto classifier.Protocol) *portRing {
+	ring := a.reuse[proto]
+	if ring == nil {
+		ring = &portRing{member: map[uint16]bool{}}
+		a.reuse[proto] = ring
+	}
+	return ring
+}
+
+func (ring *portRing) add(p uint16) {
+	if !ring.member[p] {
+		ring.member[p] = true
+		ring.ports = append(ring.ports, p)
+	}
+}
+
+func (ring *portRing) drop(i int) {
+	delete(ring.member, ring.ports[i])
+	last := len(ring.ports) - 1
+	ring.ports[i] = ring.ports[last]
+	ring.ports = ring.ports[:last]
+}
+
+// resetPools marks free every port of the reserved range that no claim and
+// no configured listener holds.
+func (r *registry) resetPools() {
+	lo, hi := r.ephemeral.Lo, r.ephemeral.Hi
+	for proto, pp := range r.pools {
+		*pp = portPool{cur: pp.cur}
+		if lo == 0 && hi == 0 {
+			continue
+		}
+		for p := int(lo); p <= int(hi); p++ {
+			if len(r.byPort[portKey{proto, uint16(p)}]) == 0 && r.staticHolder(proto, uint16(p), netip.Addr{}, nil) == "" {
+				pp.set(uint16(p), true)
+			}
+		}
+	}
 }
 
 // release gives up one claim: tables first, then ownership. If the tables
 // cannot be updated the claim stays.
 func (r *registry) release(a *app, id uint64) error {
 	r.mu.Lock()
-	defer r.mu.Unlock()
 	c := a.claims[id]
+	r.mu.Unlock()
 	if c == nil {
 		return fmt.Errorf("%w: %d", ErrUnknownClaim, id)
 	}
+	if r.flowDP != nil && !c.listener {
+		return r.releaseDelta(a, c)
+	}
+	r.tables.Lock()
+	defer r.tables.Unlock()
+	r.mu.Lock()
+	defer r.mu.Unlock()
 	delete(a.claims, id)
 	r.unindex(c)
 	t, err := r.compile()
@@ -224,6 +445,28 @@ func (r *registry) release(a *app, id uint64) error {
 	}
 	if err := r.dp.SetOwnership(a.stream, a.ownership()); err != nil {
 		return dataplaneErr(err)
+	}
+	return nil
+}
+
+// releaseDelta is release of a flow on a FlowDataplane. The claim's port
+// returns to the pool only once the data plane no longer steers the flow.
+func (r *registry) releaseDelta(a *app, c *claim) error {
+	r.tables.RLock()
+	defer r.tables.RUnlock()
+	if err := r.flowDP.RemoveFlows([]classifier.Flow{a.flow(c)}); err != nil {
+		return dataplaneErr(err)
+	}
+	r.mu.Lock()
+	delete(a.claims, c.id)
+	r.unindex(c)
+	pc := classifier.PortClaim{Proto: c.proto, Port: c.port}
+	narrow := a.portRefs[pc] == 0 && !a.staticPorts[pc]
+	r.mu.Unlock()
+	if narrow {
+		if err := r.flowDP.OwnPort(a.stream, pc, false); err != nil {
+			return dataplaneErr(err)
+		}
 	}
 	return nil
 }

@@ -36,13 +36,42 @@ type Dataplane interface {
 	SetTables(t *classifier.Tables) error
 }
 
+// FlowDataplane is a Dataplane that also takes flows and ports one at a
+// time, so that a flow claim or release costs the same whatever the number
+// of flows held: one entry in each realisation of the tables, one port of
+// one stream's ownership. The server uses it when the data plane has it;
+// otherwise every change goes through SetTables and SetOwnership. The
+// server never calls these concurrently with SetTables, and calls them for
+// one stream in the order it decided them; calls for different streams
+// may run concurrently.
+type FlowDataplane interface {
+	Dataplane
+	// AddFlows makes flows steer to their streams.
+	AddFlows(flows []classifier.Flow) error
+	// RemoveFlows stops flows steering; a flow not steered is no error.
+	RemoveFlows(flows []classifier.Flow) error
+	// OwnPort adds port p to what the stream may send (own) or takes it
+	// away, leaving the rest of its ownership as it is.
+	OwnPort(stream uint32, p classifier.PortClaim, own bool) error
+}
+
 // registry turns the claims of all applications into classifier tables and
 // stream ownership, and keeps them applied to the data plane. All its
-// methods are safe for concurrent use; data plane calls happen under its
-// lock, so updates reach the bridge in the order they were decided.
+// methods are safe for concurrent use.
+//
+// Two locks order the work. mu guards the registry's own state and is held
+// only for bookkeeping (constant time per claim). tables orders data plane
+// calls: changes of the whole state (configuration, listeners, an
+// application that comes or goes with configured entries) hold it
+// exclusively and call the data plane under mu, so they reach the bridge in
+// the order they were decided; flow claims and releases on a FlowDataplane
+// hold it shared and call the data plane outside mu, so that applications
+// claim concurrently, each one's claims in its own session's order.
 type registry struct {
+	tables    sync.RWMutex
 	mu        sync.Mutex
 	dp        Dataplane
+	flowDP    FlowDataplane // dp, when it takes flows one at a time
 	ephemeral classifier.PortRange
 	firstID   uint32 // dynamic counter ids start here
 	static    Static
@@ -52,7 +81,7 @@ type registry struct {
 	usedIDs   [classifier.MaxRuleID + 1]bool // listener and flow counter ids in use (static rules included)
 	idCursor  uint32
 	streamCur uint32
-	portCur   map[classifier.Protocol]uint16
+	pools     map[classifier.Protocol]*portPool
 }
 
 type portKey struct {
@@ -69,6 +98,12 @@ type app struct {
 	claims    map[uint64]*claim
 	nextClaim uint64
 	static    *AppStatic // the configuration's entries bound to this name, while it holds them
+	// portRefs counts the claims on each port; with the static entries'
+	// ports (staticPorts) they are the stream's ownership.
+	portRefs    map[classifier.PortClaim]int
+	staticPorts map[classifier.PortClaim]bool
+	listeners   int                               // listener claims held
+	reuse       map[classifier.Protocol]*portRing // reserved ports its flows hold, to share when the range runs out
 }
 
 // claim is one listener or flow an application holds.
@@ -94,8 +129,9 @@ func newRegistry(dp Dataplane, ephemeral classifier.PortRange, firstID uint32, s
 		named:     make(map[string]*app),
 		apps:      make(map[uint32]*app),
 		byPort:    make(map[portKey][]*claim),
-		portCur:   make(map[classifier.Protocol]uint16),
+		pools:     map[classifier.Protocol]*portPool{classifier.ProtoTCP: {}, classifier.ProtoUDP: {}},
 	}
+	r.flowDP, _ = dp.(FlowDataplane)
 	if r.firstID > classifier.MaxRuleID {
 		return nil, fmt.Errorf("first dynamic id %d beyond %d", r.firstID, classifier.MaxRuleID)
 	}
@@ -119,6 +155,8 @@ func dataplaneErr(err error) error {
 // plane; then the static entries bound to the application's name, if any,
 // start steering to it. On any error nothing is left behind.
 func (r *registry) register(name string, pol Policy, attach func(id uint32, own classifier.Ownership) error) (*app, error) {
+	r.tables.Lock()
+	defer r.tables.Unlock()
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	_, bound := r.static.Apps[name]
@@ -133,10 +171,9 @@ func (r *registry) register(name string, pol Policy, attach func(id uint32, own 
 	if !ok {
 		return nil, fmt.Errorf("%w: no free counter id", ErrQuota)
 	}
-	a := &app{name: name, stream: id, policy: pol, flowID: flowID, claims: make(map[uint64]*claim)}
+	a := newApp(name, id, pol, flowID)
 	if bound {
-		as := r.static.Apps[name]
-		a.static = &as
+		a.bind(r.static.Apps[name])
 	}
 	if err := attach(id, a.ownership()); err != nil {
 		r.usedIDs[flowID] = false
@@ -194,31 +231,80 @@ func (r *registry) allocID() (uint32, bool) {
 // unregister removes everything a holds and detaches its stream. The
 // application is gone, so this cannot fail in a way it could act on; data
 // plane errors are returned for the log.
+//
+// On a FlowDataplane its flows go as deltas, in chunks, while other
+// applications go on claiming; their ports return to the pool only once
+// the data plane no longer steers them, so that a new owner's flow cannot
+// be removed with the old one's.
 func (r *registry) unregister(a *app) error {
+	r.tables.RLock()
 	r.mu.Lock()
-	defer r.mu.Unlock()
 	if r.apps[a.stream] != a {
+		r.mu.Unlock()
+		r.tables.RUnlock()
 		return nil
 	}
-	for _, c := range a.claims {
-		r.unindex(c)
-	}
-	a.claims = map[uint64]*claim{}
 	delete(r.apps, a.stream)
 	if r.named[a.name] == a {
 		delete(r.named, a.name)
 	}
-	r.usedIDs[a.flowID] = false
+	whole := r.flowDP == nil || a.listeners > 0 || a.static != nil
+	r.mu.Unlock()
+	// a is out of r.apps: nothing but this reads or writes its claims now.
 	var errs []error
-	if t, err := r.compile(); err != nil {
-		errs = append(errs, err)
-	} else if err := r.dp.SetTables(t); err != nil {
-		errs = append(errs, err)
+	if r.flowDP != nil {
+		flows := make([]classifier.Flow, 0, len(a.claims)-a.listeners)
+		for _, c := range a.claims {
+			if !c.listener {
+				flows = append(flows, a.flow(c))
+			}
+		}
+		if err := r.flowDP.RemoveFlows(flows); err != nil {
+			errs = append(errs, err)
+		}
 	}
+	r.releaseAll(a)
+	r.tables.RUnlock()
+	if whole {
+		r.tables.Lock()
+		r.mu.Lock()
+		if t, err := r.compile(); err != nil {
+			errs = append(errs, err)
+		} else if err := r.dp.SetTables(t); err != nil {
+			errs = append(errs, err)
+		}
+		r.mu.Unlock()
+		r.tables.Unlock()
+	}
+	r.mu.Lock()
+	r.usedIDs[a.flowID] = false
+	r.mu.Unlock()
 	if err := r.dp.RemoveStream(a.stream); err != nil {
 		errs = append(errs, err)
 	}
 	return errors.Join(errs...)
+}
+
+// releaseChunk bounds the claims unindexed per hold of mu when an
+// application goes, so that others' claims interleave.
+const releaseChunk = 1024
+
+// releaseAll forgets a's claims, a chunk at a time.
+func (r *registry) releaseAll(a *app) {
+	claims := make([]*claim, 0, len(a.claims))
+	for _, c := range a.claims {
+		claims = append(claims, c)
+	}
+	a.claims = map[uint64]*claim{}
+	for len(claims) > 0 {
+		n := min(len(claims), releaseChunk)
+		r.mu.Lock()
+		for _, c := range claims[:n] {
+			r.unindex(c)
+		}
+		r.mu.Unlock()
+		claims = claims[n:]
+	}
 }
 
 // AppInfo describes one registered application, for metrics and the CLI.
@@ -235,14 +321,8 @@ func (r *registry) snapshot() []AppInfo {
 	defer r.mu.Unlock()
 	out := make([]AppInfo, 0, len(r.apps))
 	for _, a := range r.apps {
-		info := AppInfo{Name: a.name, Stream: a.stream, Ports: a.ownership().Ports}
-		for _, c := range a.claims {
-			if c.listener {
-				info.Listeners++
-			} else {
-				info.Flows++
-			}
-		}
+		info := AppInfo{Name: a.name, Stream: a.stream, Ports: a.ownership().Ports,
+			Listeners: a.listeners, Flows: len(a.claims) - a.listeners}
 		out = append(out, info)
 	}
 	slices.SortFunc(out, func(x, y AppInfo) int { return int(x.Stream) - int(y.Stream) })

@@ -39,6 +39,8 @@ const placeholderStream = maxStreamID
 // Nothing changes when the new entries are invalid, clash with what
 // applications hold, or the data plane refuses them.
 func (r *registry) setStatic(st Static) error {
+	r.tables.Lock()
+	defer r.tables.Unlock()
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	// Validate every entry, bound or not, as if all applications were
@@ -93,7 +95,7 @@ func (r *registry) setStatic(st Static) error {
 	r.static = st
 	r.named = make(map[string]*app)
 	for _, a := range r.apps {
-		a.static = nil
+		a.unbind()
 	}
 	for _, a := range oldNamed { // holders keep their name
 		if _, ok := st.Apps[a.name]; ok {
@@ -108,7 +110,7 @@ func (r *registry) setStatic(st Static) error {
 	restore := func() {
 		r.static, r.named = old, oldNamed
 		for _, a := range r.apps {
-			a.static = nil
+			a.unbind()
 		}
 		for _, a := range oldNamed {
 			r.bind(a)
@@ -146,13 +148,13 @@ func (r *registry) setStatic(st Static) error {
 	for id := range ids {
 		r.usedIDs[id] = true
 	}
+	r.resetPools()
 	return nil
 }
 
 // bind gives a its name's static entries.
 func (r *registry) bind(a *app) {
-	as := r.static.Apps[a.name]
-	a.static = &as
+	a.bind(r.static.Apps[a.name])
 	r.named[a.name] = a
 }
 

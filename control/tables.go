@@ -51,10 +51,7 @@ func (r *registry) compile() (*classifier.Tables, error) {
 					ID: c.ruleID, Protocol: c.proto, Addr: addr, Port: c.port, Stream: a.stream,
 				})
 			} else {
-				set.Flows = append(set.Flows, classifier.Flow{
-					ID: a.flowID, Protocol: c.proto, Remote: c.remote,
-					Local: netip.AddrPortFrom(c.addr, c.port), Stream: a.stream,
-				})
+				set.Flows = append(set.Flows, a.flow(c))
 			}
 		}
 	}
@@ -110,33 +107,51 @@ func covers(l, addr netip.Addr) bool {
 	return l == addr
 }
 
+func newApp(name string, stream uint32, pol Policy, flowID uint32) *app {
+	return &app{name: name, stream: stream, policy: pol, flowID: flowID, claims: make(map[uint64]*claim),
+		portRefs: map[classifier.PortClaim]int{}, reuse: map[classifier.Protocol]*portRing{}}
+}
+
+// bind gives a the configuration's entries for its name, and their ports.
+func (a *app) bind(as AppStatic) {
+	a.static = &as
+	a.staticPorts = map[classifier.PortClaim]bool{}
+	for _, l := range as.Listeners {
+		a.staticPorts[classifier.PortClaim{Proto: l.Protocol, Port: l.Port}] = true
+	}
+	for _, rule := range as.Rules {
+		if rule.DstPorts.Lo != rule.DstPorts.Hi || rule.DstPorts.IsAny() {
+			continue
+		}
+		if rule.Protocol != classifier.ProtoUDP {
+			a.staticPorts[classifier.PortClaim{Proto: classifier.ProtoTCP, Port: rule.DstPorts.Lo}] = true
+		}
+		if rule.Protocol != classifier.ProtoTCP {
+			a.staticPorts[classifier.PortClaim{Proto: classifier.ProtoUDP, Port: rule.DstPorts.Lo}] = true
+		}
+	}
+}
+
+// unbind takes the configuration's entries away from a.
+func (a *app) unbind() { a.static, a.staticPorts = nil, nil }
+
+// flow is flow claim c as the tables hold it.
+func (a *app) flow(c *claim) classifier.Flow {
+	return classifier.Flow{ID: a.flowID, Protocol: c.proto, Remote: c.remote,
+		Local: netip.AddrPortFrom(c.addr, c.port), Stream: a.stream}
+}
+
 // ownership is what a's stream may send: its claims' ports and those of
-// its static entries.
+// its static entries. It costs O(ports owned); claims change ownership a
+// port at a time instead (FlowDataplane.OwnPort).
 func (a *app) ownership() classifier.Ownership {
-	own := classifier.Ownership{Addrs: slices.Clone(a.policy.Addrs)}
-	add := func(proto classifier.Protocol, port uint16) {
-		pc := classifier.PortClaim{Proto: proto, Port: port}
-		if !slices.Contains(own.Ports, pc) {
+	own := classifier.Ownership{Addrs: slices.Clone(a.policy.Addrs), Ports: make([]classifier.PortClaim, 0, len(a.portRefs)+len(a.staticPorts))}
+	for pc := range a.portRefs {
+		own.Ports = append(own.Ports, pc)
+	}
+	for pc := range a.staticPorts {
+		if a.portRefs[pc] == 0 {
 			own.Ports = append(own.Ports, pc)
-		}
-	}
-	for _, c := range a.claims {
-		add(c.proto, c.port)
-	}
-	if as := a.static; as != nil {
-		for _, l := range as.Listeners {
-			add(l.Protocol, l.Port)
-		}
-		for _, rule := range as.Rules {
-			if rule.DstPorts.Lo != rule.DstPorts.Hi || rule.DstPorts.IsAny() {
-				continue
-			}
-			if rule.Protocol != classifier.ProtoUDP {
-				add(classifier.ProtoTCP, rule.DstPorts.Lo)
-			}
-			if rule.Protocol != classifier.ProtoTCP {
-				add(classifier.ProtoUDP, rule.DstPorts.Lo)
-			}
 		}
 	}
 	slices.SortFunc(own.Ports, func(x, y classifier.PortClaim) int {

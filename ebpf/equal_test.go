@@ -34,7 +34,7 @@ type pair struct {
 
 func newPair(tb testing.TB) *pair {
 	testenv.RequirePrivileged(tb)
-	p, err := load(true)
+	p, err := load(Options{}, true)
 	if err != nil {
 		tb.Fatal(err)
 	}

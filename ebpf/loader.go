@@ -60,17 +60,44 @@ type Program struct {
 	listeners map[bpfFbListenKey]bpfFbTarget
 }
 
+// DefaultFlowCapacity is the size of the exact-flow table unless Options
+// say otherwise.
+const DefaultFlowCapacity = 262144
+
+// FlowEntryBytes is about what one slot of the exact-flow table costs in
+// kernel memory (a BPF hash map preallocates every slot: key, value, and
+// the element's header and bucket), measured on Linux 6.18 with
+// TestFlowCapacityMemory.
+const FlowEntryBytes = 112
+
+// Options change how the program is loaded. The zero value is the default.
+type Options struct {
+	// FlowCapacity is how many exact flows the program's table holds (a
+	// claim beyond it is refused); 0 means DefaultFlowCapacity. The table
+	// is preallocated: about FlowEntryBytes of kernel memory a flow.
+	FlowCapacity int
+}
+
 // Load loads the program and its maps into the kernel. The tables start empty:
 // everything passes to the kernel until Update.
-func Load() (*Program, error) { return load(false) }
+func Load() (*Program, error) { return LoadWith(Options{}) }
 
-// load is Load with the test hooks: testHooks has every classification
+// LoadWith is Load with options.
+func LoadWith(opts Options) (*Program, error) { return load(opts, false) }
+
+// load is LoadWith with the test hooks: testHooks has every classification
 // copied to the last_meta map, and ingest frames stripped even when no
 // socket is bound, so that a test run shows the stripped frame.
-func load(testHooks bool) (*Program, error) {
+func load(opts Options, testHooks bool) (*Program, error) {
 	spec, err := loadBpf()
 	if err != nil {
 		return nil, err
+	}
+	if opts.FlowCapacity < 0 || opts.FlowCapacity > 1<<27 {
+		return nil, fmt.Errorf("ebpf: flow capacity %d outside 0..%d", opts.FlowCapacity, 1<<27)
+	}
+	if opts.FlowCapacity > 0 {
+		spec.Maps[bpfMapFlows].MaxEntries = uint32(opts.FlowCapacity)
 	}
 	if testHooks {
 		for _, name := range []string{bpfVarRecordLast, bpfVarStripUnbound} {
@@ -176,6 +203,111 @@ func (p *Program) XSKMap() *ebpf.Map { return p.objs.Xsks }
 // the queue a frame goes to the kernel whole.
 func (p *Program) IngestXSKMap() *ebpf.Map { return p.objs.IngestXsks }
 
+// FlowCapacity is how many exact flows the program's table holds.
+func (p *Program) FlowCapacity() int { return int(p.objs.Flows.MaxEntries()) }
+
+// flowKey is f's key in the program's flow table.
+func flowKey(k classifier.FlowKey) bpfFbFlowKey {
+	return bpfFbFlowKey{Family: k.Family, Proto: k.Proto, Sport: k.SrcPort, Dport: k.DstPort, Src: words64(k.Src), Dst: words64(k.Dst)}
+}
+
+// AddFlows installs flows one map update each, without touching anything
+// else: the delta of a flow claim. A flow of the same tuple is replaced.
+// On an error (the table is full) the flows before the failing one stay.
+func (p *Program) AddFlows(flows []classifier.Flow) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, f := range flows {
+		k, v := flowKey(f.Key()), bpfFbTarget{StreamId: f.Stream, RuleId: f.ID}
+		if err := p.objs.Flows.Put(&k, &v); err != nil {
+			return fmt.Errorf("ebpf: add flow %v -> %v: %w", f.Remote, f.Local, err)
+		}
+		p.flows[k] = v
+	}
+	return nil
+}
+
+// removeChunk bounds how many flows RemoveFlows deletes per hold of the
+// program's lock, so that other applications' claims interleave with a
+// large release.
+const removeChunk = 1024
+
+// RemoveFlows deletes flows one map delete each; a flow not installed is
+// no error.
+func (p *Program) RemoveFlows(flows []classifier.Flow) error {
+	for len(flows) > 0 {
+		n := min(len(flows), removeChunk)
+		if err := p.removeFlows(flows[:n]); err != nil {
+			return err
+		}
+		flows = flows[n:]
+	}
+	return nil
+}
+
+func (p *Program) removeFlows(flows []classifier.Flow) error {
+	keys := make([]bpfFbFlowKey, len(flows))
+	for i, f := range flows {
+		keys[i] = flowKey(f.Key())
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, k := range keys {
+		delete(p.flows, k)
+	}
+	// One syscall for the chunk; the kernel stops at a key it lacks, which
+	// is then skipped.
+	for len(keys) > 0 {
+		n, err := p.objs.Flows.BatchDelete(keys, nil)
+		switch {
+		case err == nil:
+			return nil
+		case errors.Is(err, ebpf.ErrKeyNotExist):
+			keys = keys[n+1:]
+		case errors.Is(err, ebpf.ErrNotSupported):
+			return p.deleteEach(keys)
+		default:
+			return fmt.Errorf("ebpf: remove flows: %w", err)
+		}
+	}
+	return nil
+}
+
+// deleteEach is removeFlows for kernels without batch operations.
+func (p *Program) deleteEach(keys []bpfFbFlowKey) error {
+	for _, k := range keys {
+		if err := p.objs.Flows.Delete(&k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return fmt.Errorf("ebpf: remove flow: %w", err)
+		}
+	}
+	return nil
+}
+
+// InstalledFlows reads the exact-flow table back from the kernel.
+func (p *Program) InstalledFlows() (map[classifier.FlowKey]classifier.Target, error) {
+	out := map[classifier.FlowKey]classifier.Target{}
+	var (
+		k bpfFbFlowKey
+		v bpfFbTarget
+	)
+	it := p.objs.Flows.Iterate()
+	for it.Next(&k, &v) {
+		fk := classifier.FlowKey{Family: k.Family, Proto: k.Proto, SrcPort: k.Sport, DstPort: k.Dport}
+		ne := binary.NativeEndian
+		for i, w := range k.Src {
+			ne.PutUint64(fk.Src[8*i:], w)
+		}
+		for i, w := range k.Dst {
+			ne.PutUint64(fk.Dst[8*i:], w)
+		}
+		out[fk] = classifier.Target{Stream: v.StreamId, Rule: v.RuleId}
+	}
+	if err := it.Err(); err != nil {
+		return nil, fmt.Errorf("ebpf: read flows: %w", err)
+	}
+	return out, nil
+}
+
 // Update makes t the program's tables without a window in which a frame is
 // classified by neither the old nor the new tables. New and changed flows and
 // listeners go in first (each map update is atomic), then the rule set is
@@ -187,7 +319,7 @@ func (p *Program) IngestXSKMap() *ebpf.Map { return p.objs.IngestXsks }
 func (p *Program) Update(t *classifier.Tables) error {
 	flows := map[bpfFbFlowKey]bpfFbTarget{}
 	for k, v := range t.Flows() {
-		flows[bpfFbFlowKey{Family: k.Family, Proto: k.Proto, Sport: k.SrcPort, Dport: k.DstPort, Src: words64(k.Src), Dst: words64(k.Dst)}] = target(v)
+		flows[flowKey(k)] = target(v)
 	}
 	listeners := map[bpfFbListenKey]bpfFbTarget{}
 	for k, v := range t.Listeners() {

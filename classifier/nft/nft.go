@@ -47,6 +47,7 @@ import (
 	"runtime"
 	"slices"
 	"strings"
+	"sync"
 
 	"github.com/vishvananda/netns"
 
@@ -97,6 +98,15 @@ func addrOf(family uint8, a classifier.Addr16) netip.Addr {
 	return netip.AddrFrom16(a)
 }
 
+// flowElement is the set and element that hide flow k from the kernel.
+func flowElement(k classifier.FlowKey) (set, elem string) {
+	set = "flows4"
+	if k.Family == 6 {
+		set = "flows6"
+	}
+	return set, fmt.Sprintf("%s . %s . %d . %s . %d", protoName(k.Proto), addrOf(k.Family, k.Src), k.SrcPort, addrOf(k.Family, k.Dst), k.DstPort)
+}
+
 // elements lists the set elements that tables t needs.
 func elements(t *classifier.Tables) elementSets {
 	s := elementSets{}
@@ -104,12 +114,8 @@ func elements(t *classifier.Tables) elementSets {
 		s[st.name] = map[string]struct{}{}
 	}
 	for k := range t.Flows() {
-		f := "4"
-		if k.Family == 6 {
-			f = "6"
-		}
-		e := fmt.Sprintf("%s . %s . %d . %s . %d", protoName(k.Proto), addrOf(k.Family, k.Src), k.SrcPort, addrOf(k.Family, k.Dst), k.DstPort)
-		s["flows"+f][e] = struct{}{}
+		set, e := flowElement(k)
+		s[set][e] = struct{}{}
 	}
 	for k := range t.Listeners() {
 		f := "4"
@@ -253,7 +259,10 @@ func findNft() (string, error) {
 // runner runs nft in one network namespace: on its own OS thread, moved
 // into the namespace once and never given back to the runtime (the thread
 // ends with the runner), so nft sees the table's interface whichever thread
-// calls.
+// calls. Starting nft costs milliseconds whatever the script, so requests
+// that queue up while one runs go together as one transaction (a group
+// commit); if that fails, each is run again alone, so that one request's
+// error is its own.
 type runner struct {
 	path string
 	reqs chan request
@@ -262,6 +271,7 @@ type runner struct {
 type request struct {
 	script string
 	done   chan error
+	out    *bytes.Buffer // set: the output is wanted, and the request runs alone
 }
 
 func newRunner(ns netns.NsHandle) (*runner, error) {
@@ -269,7 +279,7 @@ func newRunner(ns netns.NsHandle) (*runner, error) {
 	if err != nil {
 		return nil, err
 	}
-	r := &runner{path: path, reqs: make(chan request)}
+	r := &runner{path: path, reqs: make(chan request, maxGroup)}
 	started := make(chan error)
 	go func() {
 		runtime.LockOSThread() // never unlocked: the thread dies with us
@@ -279,7 +289,7 @@ func newRunner(ns netns.NsHandle) (*runner, error) {
 		}
 		started <- nil
 		for req := range r.reqs {
-			req.done <- r.exec(req.script)
+			r.group(req)
 		}
 	}()
 	if err := <-started; err != nil {
@@ -288,33 +298,101 @@ func newRunner(ns netns.NsHandle) (*runner, error) {
 	return r, nil
 }
 
+// maxGroup bounds the requests run as one transaction.
+const maxGroup = 256
+
+// group runs first and whatever requests are queued behind it. A request
+// that wants nft's output runs alone, after the ones before it.
+func (r *runner) group(first request) {
+	batch := []request{first}
+	var after []request
+more:
+	for len(batch) < maxGroup && first.out == nil {
+		select {
+		case req, ok := <-r.reqs:
+			if !ok {
+				break more
+			}
+			if req.out != nil {
+				after = append(after, req)
+				break more
+			}
+			batch = append(batch, req)
+		default:
+			break more
+		}
+	}
+	r.runBatch(batch)
+	r.runBatch(after)
+}
+
+func (r *runner) runBatch(batch []request) {
+	if len(batch) > 1 {
+		var all strings.Builder
+		for _, req := range batch {
+			all.WriteString(req.script)
+		}
+		if r.exec(all.String()) == nil {
+			for _, req := range batch {
+				req.done <- nil
+			}
+			return
+		}
+	}
+	for _, req := range batch {
+		out := req.out
+		if out == nil {
+			out = new(bytes.Buffer)
+		}
+		req.done <- r.execTo(req.script, out)
+	}
+}
+
 func (r *runner) exec(script string) error {
+	var out bytes.Buffer
+	return r.execTo(script, &out)
+}
+
+func (r *runner) execTo(script string, out *bytes.Buffer) error {
 	cmd := exec.Command(r.path, "-f", "-")
 	cmd.Stdin = strings.NewReader(script)
-	var out bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &out
+	cmd.Stdout, cmd.Stderr = out, out
 	if err := cmd.Run(); err != nil {
 		return fmt.Errorf("nft: %v: %s", err, strings.TrimSpace(out.String()))
 	}
 	return nil
 }
 
+// capture runs script on the runner's thread, alone, and hands back what
+// nft printed.
+func (r *runner) capture(script string, out *bytes.Buffer) error {
+	done := make(chan error, 1)
+	r.reqs <- request{script: script, done: done, out: out}
+	return <-done
+}
+
 // run runs one transaction.
-func (r *runner) run(script string) error {
+func (r *runner) run(script string) error { return <-r.submit(script) }
+
+// submit queues one transaction; its result arrives on the channel.
+// Transactions run in the order they were submitted.
+func (r *runner) submit(script string) <-chan error {
 	done := make(chan error, 1)
 	r.reqs <- request{script: script, done: done}
-	return <-done
+	return done
 }
 
 func (r *runner) close() { close(r.reqs) }
 
 // Table is the nftables table that realises classification tables on one
-// interface. Its methods are not safe for concurrent use.
+// interface. Its methods are safe for concurrent use; flow changes must not
+// race an Update that concerns the same flows (the caller orders those).
 type Table struct {
 	run    *runner
 	table  string
 	ifname string
-	sets   elementSets // what the kernel's sets hold; nil before the first update
+	mu     sync.Mutex  // sets and ingestFed; held from deciding a change to queueing it
+	sets   elementSets // what the kernel's sets hold (or will, once queued changes ran)
 	// ingestFed: ingest rules drop (see the package description).
 	ingestFed bool
 }
@@ -344,12 +422,119 @@ func (h *Table) Update(t *classifier.Tables) error {
 // UpdateIngestFed is Update that also decides the ingest rules' fate: with
 // ingestFed they drop, as an offload engine takes their frames.
 func (h *Table) UpdateIngestFed(t *classifier.Tables, ingestFed bool) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
 	script, next := transaction(h.table, h.ifname, h.sets, t, ingestFed)
 	if err := h.run.run(script); err != nil {
 		return fmt.Errorf("hiding steered frames from the kernel: %w", err)
 	}
 	h.sets, h.ingestFed = next, ingestFed
 	return nil
+}
+
+// AddFlows hides flows from the kernel, one set element each, in one
+// transaction: the delta of a flow claim. Flows already hidden are left.
+func (h *Table) AddFlows(flows []classifier.Flow) error {
+	return h.changeFlows(flows, true)
+}
+
+// flowChunk bounds the elements one transaction of RemoveFlows deletes, so
+// that other applications' claims interleave with a large release.
+const flowChunk = 4096
+
+// RemoveFlows shows flows to the kernel again; flows not hidden are left.
+func (h *Table) RemoveFlows(flows []classifier.Flow) error {
+	for len(flows) > 0 {
+		n := min(len(flows), flowChunk)
+		if err := h.changeFlows(flows[:n], false); err != nil {
+			return err
+		}
+		flows = flows[n:]
+	}
+	return nil
+}
+
+func (h *Table) changeFlows(flows []classifier.Flow, add bool) error {
+	type element struct{ set, elem string }
+	var changed []element
+	h.mu.Lock()
+	for _, f := range flows {
+		set, e := flowElement(f.Key())
+		if _, ok := h.sets[set][e]; ok != add {
+			changed = append(changed, element{set, e})
+			if add {
+				h.sets[set][e] = struct{}{}
+			} else {
+				delete(h.sets[set], e)
+			}
+		}
+	}
+	if len(changed) == 0 {
+		h.mu.Unlock()
+		return nil
+	}
+	verb := "delete"
+	if add {
+		verb = "add"
+	}
+	var b strings.Builder
+	for _, c := range changed {
+		fmt.Fprintf(&b, "%s element netdev %s %s { %s }\n", verb, h.table, c.set, c.elem)
+	}
+	done := h.run.submit(b.String()) // queued under mu: in order with Update
+	h.mu.Unlock()
+	if err := <-done; err != nil {
+		h.mu.Lock()
+		for _, c := range changed {
+			if add {
+				delete(h.sets[c.set], c.elem)
+			} else {
+				h.sets[c.set][c.elem] = struct{}{}
+			}
+		}
+		h.mu.Unlock()
+		return fmt.Errorf("hiding steered frames from the kernel: %w", err)
+	}
+	return nil
+}
+
+// Elements lists, by set name, the elements the table needs for t, in the
+// form Installed reads them back.
+func Elements(t *classifier.Tables) map[string][]string {
+	out := map[string][]string{}
+	for set, els := range elements(t) {
+		for e := range els {
+			out[set] = append(out[set], e)
+		}
+		slices.Sort(out[set])
+	}
+	return out
+}
+
+// Installed reads the table's set elements back from the kernel, by set
+// name, sorted.
+func (h *Table) Installed() (map[string][]string, error) {
+	out := map[string][]string{}
+	for _, st := range setTypes {
+		var listing bytes.Buffer
+		if err := h.run.capture(fmt.Sprintf("list set netdev %s %s\n", h.table, st.name), &listing); err != nil {
+			return nil, err
+		}
+		text := listing.String()
+		i := strings.Index(text, "elements = {")
+		if i < 0 {
+			continue
+		}
+		text = text[i+len("elements = {"):]
+		text = text[:strings.Index(text, "}")]
+		for _, e := range strings.Split(text, ",") {
+			if e = strings.Join(strings.Fields(e), " "); e != "" {
+				out[st.name] = append(out[st.name], e)
+			}
+		}
+		slices.Sort(out[st.name])
+	}
+	return out, nil
 }
 
 // Close removes the table.

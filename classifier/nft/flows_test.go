@@ -1,0 +1,103 @@
+package nft
+
+import (
+	"math/rand/v2"
+	"net/netip"
+	"reflect"
+	"sync"
+	"testing"
+
+	vnetns "github.com/vishvananda/netns"
+
+	"github.com/fabricbridge/fabricbridge/classifier"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
+)
+
+func deltaFlow(i int) classifier.Flow {
+	local, remote := netip.MustParseAddr("198.18.0.1"), netip.AddrFrom4([4]byte{198, 19, byte(i >> 8), byte(i)})
+	if i%4 == 0 {
+		local, remote = netip.MustParseAddr("2001:db8::1"), netip.AddrFrom16([16]byte{0x20, 0x01, 0x0d, 0xb8, 1, 14: byte(i >> 8), 15: byte(i)})
+	}
+	return classifier.Flow{ID: 9, Protocol: classifier.ProtoTCP, Stream: 1,
+		Remote: netip.AddrPortFrom(remote, 443), Local: netip.AddrPortFrom(local, uint16(10000+i))}
+}
+
+// openTable opens a table on a fresh veth in a test namespace.
+func openTable(t *testing.T, tab *classifier.Tables) *Table {
+	testenv.RequirePrivileged(t)
+	br, _, v := topology.Pair(t, topology.VethOptions{})
+	var h vnetns.NsHandle
+	if err := br.Do(func() (err error) { h, err = vnetns.Get(); return err }); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { h.Close() })
+	hide, err := Open(h, v.A.Name, tab)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { hide.Close() })
+	return hide
+}
+
+// TestFlowDeltas: flows added and removed one at a time, from several
+// goroutines at once (their transactions grouped), leave the kernel's sets
+// equal to those of the compiled tables of the flows left; a whole Update
+// afterwards finds nothing to change.
+func TestFlowDeltas(t *testing.T) {
+	base, _ := classifier.Compile(&classifier.RuleSet{Listeners: []classifier.Listener{{ID: 1, Protocol: classifier.ProtoUDP, Port: 53, Stream: 2}}})
+	hide := openTable(t, base)
+	held := make([]map[int]bool, 8)
+	var wg sync.WaitGroup
+	for g := range held {
+		held[g] = map[int]bool{}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(uint64(g), 5))
+			for range 60 {
+				i := g*1000 + rng.IntN(20)
+				var err error
+				if held[g][i] {
+					err = hide.RemoveFlows([]classifier.Flow{deltaFlow(i)})
+					delete(held[g], i)
+				} else {
+					err = hide.AddFlows([]classifier.Flow{deltaFlow(i)})
+					held[g][i] = true
+				}
+				if err != nil {
+					t.Error(err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	set := classifier.RuleSet{Listeners: []classifier.Listener{{ID: 1, Protocol: classifier.ProtoUDP, Port: 53, Stream: 2}}}
+	for _, h := range held {
+		for i := range h {
+			set.Flows = append(set.Flows, deltaFlow(i))
+		}
+	}
+	want, err := classifier.Compile(&set)
+	if err != nil {
+		t.Fatal(err)
+	}
+	check := func(when string) {
+		got, err := hide.Installed()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if w := Elements(want); !reflect.DeepEqual(got, w) {
+			t.Fatalf("%s: the kernel's sets\n%v\nwant\n%v", when, got, w)
+		}
+	}
+	check("after deltas")
+	if err := hide.Update(want); err != nil {
+		t.Fatal(err)
+	}
+	check("after a whole update")
+	if err := hide.RemoveFlows([]classifier.Flow{deltaFlow(99999)}); err != nil {
+		t.Fatalf("removing a flow never added: %v", err)
+	}
+}

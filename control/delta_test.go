@@ -1,0 +1,225 @@
+package control
+
+import (
+	"fmt"
+	"maps"
+	"math/rand/v2"
+	"net/netip"
+	"os"
+	"reflect"
+	"runtime"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/fabricbridge/fabricbridge/bridge"
+	"github.com/fabricbridge/fabricbridge/classifier"
+	"github.com/fabricbridge/fabricbridge/classifier/nft"
+)
+
+var realPaths = []struct {
+	name string
+	path bridge.Path
+}{{"xdp", bridge.PathAuto}, {"afpacket", bridge.PathAFPacket}}
+
+// checkRealised compares every realisation of the tables on dp's bridge
+// (the Go tables, the XDP flow map or the nftables sets) with a compile of
+// the registry's state from scratch.
+func checkRealised(t *testing.T, r *registry, dp realPlane, when string) {
+	t.Helper()
+	r.tables.Lock()
+	r.mu.Lock()
+	want, err := r.compile()
+	r.mu.Unlock()
+	defer r.tables.Unlock()
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantFlows := maps.Collect(want.Flows())
+	if got := maps.Collect(dp.b.Tables().Flows()); !reflect.DeepEqual(got, wantFlows) {
+		t.Fatalf("%s: the Go tables hold %d flows, a compile %d (or they differ)", when, len(got), len(wantFlows))
+	}
+	xdp, sets, err := dp.b.KernelFlows()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if xdp != nil && !reflect.DeepEqual(xdp, wantFlows) {
+		t.Fatalf("%s: the XDP flow map holds %d flows, a compile %d (or they differ)", when, len(xdp), len(wantFlows))
+	}
+	if dp.b.Path() == bridge.PathAFPacket {
+		if w := nft.Elements(want); !reflect.DeepEqual(sets, w) {
+			t.Fatalf("%s: the nftables sets\n%v\nwant\n%v", when, sets, w)
+		}
+	}
+	t.Logf("%s: %d flows equal in every realisation", when, len(wantFlows))
+}
+
+// TestFlowDeltasEqualCompile: claims and releases of many applications at
+// once, flows and listeners mixed, leave the XDP maps, the nftables sets
+// and the Go tables equal to a compile of the same state from scratch; an
+// application's exit removes exactly its entries.
+func TestFlowDeltasEqualCompile(t *testing.T) {
+	for _, p := range realPaths {
+		t.Run(p.name, func(t *testing.T) {
+			dp := openRealPlane(t, p.path)
+			r, apps := benchRegistry(t, dp, 6)
+			ops := 40
+			if p.path == bridge.PathAFPacket {
+				ops = 15 // each change runs nft
+			}
+			var wg sync.WaitGroup
+			for i, a := range apps {
+				wg.Add(1)
+				go func() { // one session per application: its requests in order
+					defer wg.Done()
+					rng := rand.New(rand.NewPCG(uint64(i), 17))
+					var held []uint64
+					for n := range ops {
+						var err error
+						switch k := rng.IntN(10); {
+						case k < 6 || len(held) == 0:
+							var c *claim
+							c, err = r.connect(a, classifier.ProtoTCP, benchLocal, benchRemote(i*1000+n))
+							if err == nil {
+								held = append(held, c.id)
+							}
+						case k < 7:
+							var c *claim
+							c, err = r.listen(a, classifier.ProtoUDP, netip.Addr{}, 0)
+							if err == nil {
+								held = append(held, c.id)
+							}
+						default:
+							j := rng.IntN(len(held))
+							err = r.release(a, held[j])
+							held = append(held[:j], held[j+1:]...)
+						}
+						if err != nil {
+							t.Error(err)
+							return
+						}
+					}
+				}()
+			}
+			wg.Wait()
+			if t.Failed() {
+				return
+			}
+			checkRealised(t, r, dp, "after interleaved claims")
+			gone := apps[2]
+			if len(gone.claims) == 0 {
+				t.Fatal("the application to exit holds nothing")
+			}
+			if err := r.unregister(gone); err != nil {
+				t.Fatal(err)
+			}
+			checkRealised(t, r, dp, "after one application's exit")
+			for _, tg := range dp.b.Tables().Flows() {
+				if tg.Stream == gone.stream {
+					t.Fatalf("a flow of the exited application's stream %d is left", gone.stream)
+				}
+			}
+		})
+	}
+}
+
+// TestExitReleasesQuickly: an application holding 100,000 flows exits in
+// under a second (on the XDP path), and another application's claims go on
+// meanwhile, interleaved with the release's chunks.
+func TestExitReleasesQuickly(t *testing.T) {
+	if testing.Short() {
+		t.Skip("fills 100,000 flows")
+	}
+	for _, p := range realPaths {
+		t.Run(p.name, func(t *testing.T) {
+			const n = 100_000
+			dp := openRealPlane(t, p.path)
+			r, apps := benchRegistry(t, dp, 2)
+			big, other := apps[0], apps[1]
+			fillFlows(t, r, []*app{big}, n)
+			stop := make(chan struct{})
+			var (
+				worst  time.Duration
+				claims int
+				cerr   error
+				wg     sync.WaitGroup
+			)
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for i := 0; ; i++ {
+					select {
+					case <-stop:
+						return
+					default:
+					}
+					start := time.Now()
+					// UDP: the big application holds every TCP port of the range.
+					c, err := r.connect(other, classifier.ProtoUDP, benchLocal, benchRemote(n+i))
+					if err == nil {
+						err = r.release(other, c.id)
+					}
+					if err != nil {
+						cerr = err
+						return
+					}
+					worst = max(worst, time.Since(start))
+					claims++
+				}
+			}()
+			time.Sleep(20 * time.Millisecond)
+			start := time.Now()
+			err := r.unregister(big)
+			took := time.Since(start)
+			close(stop)
+			wg.Wait()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if cerr != nil {
+				t.Fatal(cerr)
+			}
+			t.Logf("%d flows released in %v; meanwhile the other application made %d claims and releases, the slowest pair taking %v",
+				n, took, claims, worst)
+			// The nftables path deletes its elements through nft's text
+			// parser (about 50 µs an element): it cannot meet the second the
+			// XDP path does; its bound catches it getting worse. Wall-clock
+			// bounds mean nothing on a machine running more than it has
+			// CPUs for: there the times are only reported.
+			limit := time.Second
+			if p.path == bridge.PathAFPacket {
+				limit = 15 * time.Second
+			}
+			if took > limit {
+				if load := loadAverage(t); load > float64(runtime.NumCPU()) {
+					t.Logf("releasing %d flows took %v, over %v, but the load average is %.1f on %d CPUs: not judged", n, took, limit, load, runtime.NumCPU())
+				} else {
+					t.Errorf("releasing %d flows took %v, want under %v", n, took, limit)
+				}
+			}
+			if claims == 0 {
+				t.Errorf("the other application made no claim while %d flows were released", n)
+			}
+			if got := dp.b.Tables().NumFlows(); got != 0 {
+				t.Errorf("%d flows left", got)
+			}
+			xdp, sets, _ := dp.b.KernelFlows()
+			if len(xdp) != 0 || len(sets["flows4"]) != 0 {
+				t.Errorf("the kernel still holds flows: %d in XDP, %d in nftables", len(xdp), len(sets["flows4"]))
+			}
+		})
+	}
+}
+
+// loadAverage is the system's one-minute load average.
+func loadAverage(t *testing.T) float64 {
+	b, err := os.ReadFile("/proc/loadavg")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var load float64
+	if _, err := fmt.Sscan(string(b), &load); err != nil {
+		t.Fatal(err)
+	}
+	return load
+}

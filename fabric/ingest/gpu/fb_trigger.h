@@ -90,9 +90,10 @@ struct fb_trigger_result {
 	uint64_t reserved[2];
 };
 
-/* Running totals: device memory. */
+/* Running totals: device memory. The turn has a cache line of its own:
+ * blocks waiting for it poll that line while the block in turn writes the
+ * others. */
 struct fb_trigger_state {
-	uint64_t turn;          /* the next sequence number to fold in */
 	uint64_t window_energy; /* the open window's running sum */
 	uint64_t windows;
 	uint64_t triggers;
@@ -102,6 +103,9 @@ struct fb_trigger_state {
 	uint32_t failed;        /* a block found an error: all stop */
 	uint64_t buffers;
 	uint64_t records;
+	uint64_t reserved[9];
+	uint64_t turn;          /* the next sequence number to fold in */
+	uint64_t reserved_turn[15];
 };
 
 /* Per-source counts, ingest.SourceCounts with its private fields: device memory. */

@@ -188,7 +188,7 @@ static __device__ __forceinline__ int wait_ready(const struct fb_trigger_args *a
 		}
 		if ((n & 15) == 15 && stopped(a, seq))
 			return 0;
-		backoff(&ns, 1024);
+		backoff(&ns, 512);
 	}
 	struct fb_trigger_job *j = &sh->job;
 	j->seq = seq;
@@ -364,22 +364,36 @@ static __device__ __forceinline__ void fold(const struct fb_trigger_args *a, str
 	}
 }
 
-// take_turn (all threads) waits until every earlier buffer is folded.
+// take_turn (all threads) waits until every earlier buffer is folded, and
+// takes the running totals as they are then, all in one batch of reads:
+// the time from one turn to the next is the fold's limit, and each read
+// in it that waits for another costs a round trip to L2. A block with
+// others ahead of it polls once per turn or so (a turn takes a few µs),
+// not a block per SM hammering the turn's line while the block in turn
+// works.
 static __device__ __forceinline__ int take_turn(const struct fb_trigger_args *a, struct block_shared *sh)
 {
 	struct fb_trigger_state *st = (struct fb_trigger_state *)a->state;
 	if (tid() == 0) {
 		uint64_t seq = sh->job.seq;
-		uint32_t ns = 16;
 		sh->go = 1;
-		for (uint32_t n = 0; ld_acquire_gpu64(&st->turn) != seq; n++) {
+		for (uint32_t n = 0;; n++) {
+			uint64_t ahead = seq - ld_acquire_gpu64(&st->turn);
+			if (ahead == 0)
+				break;
 			if ((n & 255) == 255 && stopped(a, seq)) {
 				sh->go = 0;
 				break;
 			}
-			backoff(&ns, 64);
+			pause(ahead == 1 ? 32 : (uint32_t)(ahead < 16 ? ahead - 1 : 15) * 512);
 		}
 		sh->gaps_before = st->gaps_before;
+		sh->source_slots = st->source_slots;
+		sh->window_energy = st->window_energy;
+		sh->windows = st->windows;
+		sh->triggers = st->triggers;
+		sh->buffers = st->buffers;
+		sh->records = st->records;
 	}
 	__syncthreads();
 	return sh->go;
@@ -477,14 +491,14 @@ static __device__ __forceinline__ void finish(const struct fb_trigger_args *a, s
 	struct fb_trigger_state *st = (struct fb_trigger_state *)a->state;
 	struct fb_trigger_ctrl *c = (struct fb_trigger_ctrl *)a->ctrl;
 	uint64_t seq = sh->job.seq;
-	uint64_t window = st->window_energy + sh->energy;
+	uint64_t window = sh->window_energy + sh->energy;
 	uint32_t flags = 0;
-	st->buffers++;
-	st->records += records;
+	st->buffers = sh->buffers + 1;
+	st->records = sh->records + records;
 	uint32_t slots = sh->max_source + 1;
-	if (records && slots > st->source_slots)
+	if (records && slots > sh->source_slots)
 		st->source_slots = slots;
-	uint32_t gb = st->gaps_before + sh->gaps;
+	uint32_t gb = sh->gaps_before + sh->gaps;
 	st->gaps_before = gb < FB_TRIGGER_MAX_GAPS ? gb : FB_TRIGGER_MAX_GAPS;
 	if (sh->bad) {
 		// As the reference: the records before the bad one count, the
@@ -494,10 +508,10 @@ static __device__ __forceinline__ void finish(const struct fb_trigger_args *a, s
 		return;
 	}
 	if (!(sh->job.flags & FB_INGEST_BUF_CONTINUED)) {
-		st->windows++;
+		st->windows = sh->windows + 1;
 		flags |= FB_TRIGGER_CLOSED;
 		if (window >= a->threshold) {
-			st->triggers++;
+			st->triggers = sh->triggers + 1;
 			flags |= FB_TRIGGER_TRIGGERED;
 		}
 		st->window_energy = 0;

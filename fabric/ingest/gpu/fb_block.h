@@ -91,6 +91,8 @@ struct block_shared {
 	uint32_t overflow;   // local overflowed: every source replays
 	uint32_t ncand;      // parse's candidates
 	uint64_t results_read; // the host's, as last read
+	uint64_t prof_mark;    // thread 0's clock at the end of the last phase
+	uint64_t prof[FB_TRIGGER_PHASES];
 	uint8_t replay[FB_TRIGGER_THREADS]; // the source replays its records in turn
 	uint16_t seg_start[FB_TRIGGER_THREADS]; // per source: its first in sorted ...
 	uint16_t seg_count[FB_TRIGGER_THREADS]; // ... and how many

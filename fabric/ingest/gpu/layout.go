@@ -6,14 +6,14 @@ package gpu
 const (
 	threads      = 256   // FB_TRIGGER_THREADS
 	chunk        = 1024  // FB_TRIGGER_CHUNK
-	staticShared = 62168 // the kernels' block_shared, as the PTX declares it
+	staticShared = 62216 // the kernels' block_shared, as the PTX declares it
 	maxGaps      = 64    // FB_TRIGGER_MAX_GAPS, ingest.MaxGaps
 
 	argsSize   = 128
 	ctrlSize   = 64
 	jobSize    = 64
 	resultSize = 64
-	stateSize  = 256
+	stateSize  = 384
 	sourceSize = 104
 	gapSize    = 24
 )
@@ -97,6 +97,11 @@ const (
 	stBuffers      = 40
 	stRecords      = 48
 	stTurn         = 128
+	stProfCycles   = 256 // [phases]uint64
+	stProfRunCyc   = 296
+	stProfRunNs    = 304
+
+	phases = 5 // FB_TRIGGER_PHASES
 )
 
 // struct fb_trigger_source

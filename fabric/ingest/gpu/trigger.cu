@@ -101,6 +101,12 @@ static __device__ __forceinline__ uint64_t globaltimer()
 	asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
 	return t;
 }
+static __device__ __forceinline__ uint64_t clock64()
+{
+	uint64_t t;
+	asm volatile("mov.u64 %0, %%clock64;" : "=l"(t));
+	return t;
+}
 static __device__ __forceinline__ uint32_t atomic_add32(uint32_t *p, uint32_t v)
 {
 	return (uint32_t)__nvvm_atom_add_gen_i((int *)p, (int)v);
@@ -138,6 +144,20 @@ static __device__ __forceinline__ uint32_t match_any32(uint32_t key)
 #define FB_DEV static __device__ __forceinline__
 #define FB_DEV_MEMBER __device__
 #include "fb_block.h"
+
+static __device__ __forceinline__ void prof_start(struct block_shared *sh, uint64_t now)
+{
+	sh->prof_mark = now;
+	for (uint32_t k = 0; k < FB_TRIGGER_PHASES; k++)
+		sh->prof[k] = 0;
+}
+// phase_done (thread 0) ends a phase of the profile (fb_trigger_phases).
+static __device__ __forceinline__ void phase_done(struct block_shared *sh, uint32_t phase)
+{
+	uint64_t t = clock64();
+	sh->prof[phase] += t - sh->prof_mark;
+	sh->prof_mark = t;
+}
 
 static __device__ __forceinline__ void fail(const struct fb_trigger_args *a, uint32_t code, uint64_t seq, uint32_t record)
 {
@@ -190,6 +210,7 @@ static __device__ __forceinline__ int wait_ready(const struct fb_trigger_args *a
 			return 0;
 		backoff(&ns, 512);
 	}
+	phase_done(sh, FB_TRIGGER_PH_READY);
 	struct fb_trigger_job *j = &sh->job;
 	j->seq = seq;
 	j->records = (uint32_t)(w[0] >> 32);
@@ -368,15 +389,16 @@ static __device__ __forceinline__ void fold(const struct fb_trigger_args *a, str
 // takes the running totals as they are then, all in one batch of reads:
 // the time from one turn to the next is the fold's limit, and each read
 // in it that waits for another costs a round trip to L2. A block with
-// others ahead of it polls once per turn or so (a turn takes a few µs),
-// not a block per SM hammering the turn's line while the block in turn
-// works.
+// others ahead of it polls about once per turn that must pass first (a
+// turn takes a µs or more), not as fast as it can: with a block per SM
+// waiting, that hammered the turn's line while the block in turn worked.
 static __device__ __forceinline__ int take_turn(const struct fb_trigger_args *a, struct block_shared *sh)
 {
 	struct fb_trigger_state *st = (struct fb_trigger_state *)a->state;
 	if (tid() == 0) {
 		uint64_t seq = sh->job.seq;
 		sh->go = 1;
+		phase_done(sh, FB_TRIGGER_PH_WORK);
 		for (uint32_t n = 0;; n++) {
 			uint64_t ahead = seq - ld_acquire_gpu64(&st->turn);
 			if (ahead == 0)
@@ -385,8 +407,9 @@ static __device__ __forceinline__ int take_turn(const struct fb_trigger_args *a,
 				sh->go = 0;
 				break;
 			}
-			pause(ahead == 1 ? 32 : (uint32_t)(ahead < 16 ? ahead - 1 : 15) * 512);
+			pause(ahead == 1 ? 32 : (uint32_t)(ahead < 16 ? ahead - 1 : 15) * 256);
 		}
+		phase_done(sh, FB_TRIGGER_PH_WAIT);
 		sh->gaps_before = st->gaps_before;
 		sh->source_slots = st->source_slots;
 		sh->window_energy = st->window_energy;
@@ -519,6 +542,7 @@ static __device__ __forceinline__ void finish(const struct fb_trigger_args *a, s
 		st->window_energy = window;
 	}
 	st_release_gpu64(&st->turn, seq + 1);
+	phase_done(sh, FB_TRIGGER_PH_TURN);
 	uint32_t ns = 32;
 	while (seq - sh->results_read >= a->result_slots) {
 		sh->results_read = ld_acquire_sys64(&c->results_read);
@@ -611,20 +635,31 @@ extern "C" __global__ void __launch_bounds__(FB_TRIGGER_THREADS) fb_trigger_pers
 	extern __shared__ u32x4 stage_mem[];
 	__shared__ struct block_shared sh;
 	uint8_t *region = (uint8_t *)a->region;
-	if (tid() == 0)
+	struct fb_trigger_state *st = (struct fb_trigger_state *)a->state;
+	uint64_t run_ns = globaltimer(), run_cycles = clock64();
+	if (tid() == 0) {
 		sh.results_read = 0;
+		prof_start(&sh, run_cycles);
+	}
 	for (uint64_t seq = a->first_seq + bid();; seq += nblocks()) {
-		if (tid() == 0)
+		if (tid() == 0) {
+			phase_done(&sh, FB_TRIGGER_PH_PUBLISH);
 			sh.go = wait_ready(a, seq, &sh);
+		}
 		__syncthreads();
 		if (!sh.go)
-			return;
+			break;
 		struct fb_ingest_desc *d = (struct fb_ingest_desc *)(region + a->desc_off) + (uint32_t)(seq % a->buffer_count);
 		if (!process(a, &sh, (uint8_t *)stage_mem, d, nblocks() <= BURST_BLOCKS))
-			return;
-		struct fb_trigger_state *st = (struct fb_trigger_state *)a->state;
+			break;
 		if (ld_volatile32(&st->failed))
-			return;
+			break;
+	}
+	if (tid() == 0) {
+		for (uint32_t k = 0; k < FB_TRIGGER_PHASES; k++)
+			atomic_add64(&st->prof_cycles[k], sh.prof[k]);
+		atomic_add64(&st->prof_run_cycles, clock64() - run_cycles);
+		atomic_add64(&st->prof_run_ns, globaltimer() - run_ns);
 	}
 }
 
@@ -636,6 +671,7 @@ extern "C" __global__ void __launch_bounds__(FB_TRIGGER_THREADS) fb_trigger_batc
 	__shared__ struct block_shared sh;
 	if (tid() == 0) {
 		sh.results_read = 0;
+		prof_start(&sh, clock64()); // kept by persistent blocks only
 		const volatile struct fb_trigger_job *j = (const volatile struct fb_trigger_job *)a->jobs + bid();
 		sh.job.data = j->data;
 		sh.job.seq = j->seq;

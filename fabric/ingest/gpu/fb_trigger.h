@@ -109,16 +109,18 @@ struct fb_trigger_state {
 	/* Persistent mode's profile: SM cycles of its blocks' thread 0 in each
 	 * phase (enum fb_trigger_phases), summed over buffers, and how many
 	 * SM cycles and nanoseconds the blocks ran, for the clock rate. */
-	uint64_t prof_cycles[5];
+	uint64_t prof_cycles[7];
 	uint64_t prof_run_cycles;
 	uint64_t prof_run_ns;
-	uint64_t reserved_prof[9];
+	uint64_t reserved_prof[7];
 };
 
 /* Where a persistent block's thread 0 spends a buffer's time. */
 enum fb_trigger_phases {
 	FB_TRIGGER_PH_READY,   /* waiting for the buffer, reading its descriptor */
-	FB_TRIGGER_PH_WORK,    /* staging, stage A */
+	FB_TRIGGER_PH_STAGE,   /* staging it, handing it back (the release's fence) */
+	FB_TRIGGER_PH_PARSE,   /* finding and decoding its records */
+	FB_TRIGGER_PH_SUMMARY, /* sorting them by source, summarising each */
 	FB_TRIGGER_PH_WAIT,    /* waiting for the turn */
 	FB_TRIGGER_PH_TURN,    /* in turn: from the turn's arrival to passing it on */
 	FB_TRIGGER_PH_PUBLISH, /* publishing the result, releasing */

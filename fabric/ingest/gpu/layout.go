@@ -6,7 +6,7 @@ package gpu
 const (
 	threads      = 256   // FB_TRIGGER_THREADS
 	chunk        = 1024  // FB_TRIGGER_CHUNK
-	staticShared = 62216 // the kernels' block_shared, as the PTX declares it
+	staticShared = 62232 // the kernels' block_shared, as the PTX declares it
 	maxGaps      = 64    // FB_TRIGGER_MAX_GAPS, ingest.MaxGaps
 
 	argsSize   = 128
@@ -98,10 +98,10 @@ const (
 	stRecords      = 48
 	stTurn         = 128
 	stProfCycles   = 256 // [phases]uint64
-	stProfRunCyc   = 296
-	stProfRunNs    = 304
+	stProfRunCyc   = 312
+	stProfRunNs    = 320
 
-	phases = 5 // FB_TRIGGER_PHASES
+	phases = 7 // FB_TRIGGER_PHASES
 )
 
 // struct fb_trigger_source

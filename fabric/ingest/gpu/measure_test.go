@@ -170,7 +170,7 @@ func profile(t *testing.T, g *Consumer) string {
 	perNs := float64(cycles) / float64(ns)
 	var b strings.Builder
 	fmt.Fprintf(&b, "per buffer, SM clock %.0f MHz:", perNs*1e3)
-	for k, name := range []string{"ready", "stage A", "turn wait", "in turn", "publish"} {
+	for k, name := range []string{"ready", "staging", "parse", "summary", "turn wait", "in turn", "publish"} {
 		fmt.Fprintf(&b, " %s %.2f µs", name, float64(le.Uint64(st[stProfCycles+8*k:]))/perNs/1e3/float64(buffers))
 	}
 	return b.String()

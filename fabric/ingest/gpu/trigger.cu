@@ -398,7 +398,7 @@ static __device__ __forceinline__ int take_turn(const struct fb_trigger_args *a,
 	if (tid() == 0) {
 		uint64_t seq = sh->job.seq;
 		sh->go = 1;
-		phase_done(sh, FB_TRIGGER_PH_WORK);
+		phase_done(sh, FB_TRIGGER_PH_SUMMARY);
 		for (uint32_t n = 0;; n++) {
 			uint64_t ahead = seq - ld_acquire_gpu64(&st->turn);
 			if (ahead == 0)
@@ -589,6 +589,7 @@ static __device__ __forceinline__ int process(const struct fb_trigger_args *a, s
 		if (release && staged)
 			st_release_sys32(&release->state, FB_INGEST_FREE);
 		sh->fast = fast_path;
+		phase_done(sh, FB_TRIGGER_PH_STAGE);
 	}
 	if (!(fast_path && sh->job.bytes <= 8 * PAR_SLOTS && parse(sh))) {
 		if (tid() == 0)
@@ -597,6 +598,8 @@ static __device__ __forceinline__ int process(const struct fb_trigger_args *a, s
 	}
 	decode(sh);
 	__syncthreads();
+	if (tid() == 0)
+		phase_done(sh, FB_TRIGGER_PH_PARSE);
 	uint32_t first = 0;
 	if (sh->fast) {
 		if (!fast(a, sh))

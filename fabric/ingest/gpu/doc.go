@@ -56,5 +56,7 @@
 // the GPU's results with the CPU reference's on the same buffers in both
 // modes, and measures records/s over a full ring and publish-to-result
 // latency over paced buffers for both modes and the CPU reference on one
-// core, in a few seconds. docs/gpu-ingest.md has the results.
+// core, with the persistent kernel's profile (its blocks' cycles per phase
+// of a buffer: fb_trigger_phases), in a few seconds. docs/gpu-ingest.md
+// has the results.
 package gpu

@@ -81,6 +81,9 @@ struct block_shared {
 	uint32_t next_off;   // where the next chunk starts
 	uint32_t gaps;       // gaps found in this buffer
 	uint32_t gaps_before;
+	uint32_t source_slots; // the running totals as the turn found them
+	uint64_t window_energy;
+	uint64_t windows, triggers, buffers, records;
 	uint32_t max_source;
 	uint64_t energy;
 	uint32_t fast;       // the buffer takes the fast path (see process)
@@ -88,6 +91,8 @@ struct block_shared {
 	uint32_t overflow;   // local overflowed: every source replays
 	uint32_t ncand;      // parse's candidates
 	uint64_t results_read; // the host's, as last read
+	uint64_t prof_mark;    // thread 0's clock at the end of the last phase
+	uint64_t prof[FB_TRIGGER_PHASES];
 	uint8_t replay[FB_TRIGGER_THREADS]; // the source replays its records in turn
 	uint16_t seg_start[FB_TRIGGER_THREADS]; // per source: its first in sorted ...
 	uint16_t seg_count[FB_TRIGGER_THREADS]; // ... and how many
@@ -172,18 +177,24 @@ FB_DEV int parse(struct block_shared *sh)
 {
 	uint32_t t = tid(), bytes = sh->job.bytes, slots = bytes / 8, records = sh->job.records, next;
 	uint16_t *cid = sh->u.parse.cid, *slot = sh->u.parse.slot, *rank = sh->u.parse.rank;
-	for (uint32_t j = t; j < slots; j += FB_TRIGGER_THREADS)
+	// Each slot's header is checked once; the jump tables are free until
+	// the candidates are numbered.
+	uint8_t *valid = (uint8_t *)sh->u.parse.jump;
+	static_assert(sizeof sh->u.parse.jump >= PAR_SLOTS, "a byte per slot");
+	for (uint32_t j = t; j < slots; j += FB_TRIGGER_THREADS) {
 		cid[j] = 0;
+		valid[j] = slot_valid(sh, j, &next);
+	}
 	if (t == 0)
 		sh->ncand = 0;
 	block_sync();
 	for (uint32_t j = t; j < slots; j += FB_TRIGGER_THREADS) {
-		uint32_t after;
-		if (!slot_valid(sh, j, &next))
+		if (!valid[j])
 			continue;
+		next = j + *(const uint32_t *)(sh->data + 8 * j) / 8;
 		if (j == 0)
 			cid[0] = 1;
-		if (next < slots && slot_valid(sh, next, &after))
+		if (next < slots && valid[next])
 			cid[next] = 1;
 	}
 	block_sync();

@@ -90,9 +90,10 @@ struct fb_trigger_result {
 	uint64_t reserved[2];
 };
 
-/* Running totals: device memory. */
+/* Running totals: device memory. The turn has a cache line of its own:
+ * blocks waiting for it poll that line while the block in turn writes the
+ * others. */
 struct fb_trigger_state {
-	uint64_t turn;          /* the next sequence number to fold in */
 	uint64_t window_energy; /* the open window's running sum */
 	uint64_t windows;
 	uint64_t triggers;
@@ -102,6 +103,28 @@ struct fb_trigger_state {
 	uint32_t failed;        /* a block found an error: all stop */
 	uint64_t buffers;
 	uint64_t records;
+	uint64_t reserved[9];
+	uint64_t turn;          /* the next sequence number to fold in */
+	uint64_t reserved_turn[15];
+	/* Persistent mode's profile: SM cycles of its blocks' thread 0 in each
+	 * phase (enum fb_trigger_phases), summed over buffers, and how many
+	 * SM cycles and nanoseconds the blocks ran, for the clock rate. */
+	uint64_t prof_cycles[7];
+	uint64_t prof_run_cycles;
+	uint64_t prof_run_ns;
+	uint64_t reserved_prof[7];
+};
+
+/* Where a persistent block's thread 0 spends a buffer's time. */
+enum fb_trigger_phases {
+	FB_TRIGGER_PH_READY,   /* waiting for the buffer, reading its descriptor */
+	FB_TRIGGER_PH_STAGE,   /* staging it, handing it back (the release's fence) */
+	FB_TRIGGER_PH_PARSE,   /* finding and decoding its records */
+	FB_TRIGGER_PH_SUMMARY, /* sorting them by source, summarising each */
+	FB_TRIGGER_PH_WAIT,    /* waiting for the turn */
+	FB_TRIGGER_PH_TURN,    /* in turn: from the turn's arrival to passing it on */
+	FB_TRIGGER_PH_PUBLISH, /* publishing the result, releasing */
+	FB_TRIGGER_PHASES
 };
 
 /* Per-source counts, ingest.SourceCounts with its private fields: device memory. */

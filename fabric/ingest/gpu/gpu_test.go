@@ -182,6 +182,8 @@ func TestLayout(t *testing.T) {
 		"fb_trigger_state.triggers": stTriggers, "fb_trigger_state.source_slots": stSourceSlots,
 		"fb_trigger_state.gaps_before": stGapsBefore, "fb_trigger_state.gap_count": stGapCount,
 		"fb_trigger_state.failed": stFailed, "fb_trigger_state.buffers": stBuffers, "fb_trigger_state.records": stRecords,
+		"fb_trigger_state.prof_cycles": stProfCycles, "fb_trigger_state.prof_run_cycles": stProfRunCyc,
+		"fb_trigger_state.prof_run_ns": stProfRunNs, "FB_TRIGGER_PHASES": phases,
 		"fb_trigger_source.records": sRecords, "fb_trigger_source.bytes": sBytes,
 		"fb_trigger_source.dropped_here": sDroppedHere, "fb_trigger_source.sender_gaps": sSenderGaps,
 		"fb_trigger_source.sender_backwards": sSenderBackwards, "fb_trigger_source.short_payloads": sShort,

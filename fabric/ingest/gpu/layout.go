@@ -6,14 +6,14 @@ package gpu
 const (
 	threads      = 256   // FB_TRIGGER_THREADS
 	chunk        = 1024  // FB_TRIGGER_CHUNK
-	staticShared = 62120 // the kernels' block_shared, as the PTX declares it
+	staticShared = 62232 // the kernels' block_shared, as the PTX declares it
 	maxGaps      = 64    // FB_TRIGGER_MAX_GAPS, ingest.MaxGaps
 
 	argsSize   = 128
 	ctrlSize   = 64
 	jobSize    = 64
 	resultSize = 64
-	stateSize  = 64
+	stateSize  = 384
 	sourceSize = 104
 	gapSize    = 24
 )
@@ -87,16 +87,21 @@ const (
 
 // struct fb_trigger_state
 const (
-	stTurn         = 0
-	stWindowEnergy = 8
-	stWindows      = 16
-	stTriggers     = 24
-	stSourceSlots  = 32
-	stGapsBefore   = 36
-	stGapCount     = 40
-	stFailed       = 44
-	stBuffers      = 48
-	stRecords      = 56
+	stWindowEnergy = 0
+	stWindows      = 8
+	stTriggers     = 16
+	stSourceSlots  = 24
+	stGapsBefore   = 28
+	stGapCount     = 32
+	stFailed       = 36
+	stBuffers      = 40
+	stRecords      = 48
+	stTurn         = 128
+	stProfCycles   = 256 // [phases]uint64
+	stProfRunCyc   = 312
+	stProfRunNs    = 320
+
+	phases = 7 // FB_TRIGGER_PHASES
 )
 
 // struct fb_trigger_source

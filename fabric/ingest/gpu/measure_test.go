@@ -1,6 +1,7 @@
 package gpu
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"slices"
@@ -43,11 +44,14 @@ func fill(r *ingest.Ring) (records uint64) {
 	return records
 }
 
-// throughput is one consumer's rate over a full ring.
+// throughput is one consumer's rate over a full ring. setup, the GPU
+// consumer's open (registering the ring, allocating; the module is loaded
+// once per device), is not in elapsed; up to commit 32c2d1d it was.
 type throughput struct {
 	name             string
 	records, buffers uint64
-	elapsed          time.Duration
+	elapsed, setup   time.Duration
+	profile          string // persistent mode's (see profile)
 }
 
 func (p throughput) faster(q throughput) bool {
@@ -56,8 +60,18 @@ func (p throughput) faster(q throughput) bool {
 
 func (p throughput) String() string {
 	s := p.elapsed.Seconds()
-	return fmt.Sprintf("%-28s %8.1f M records/s  %9.0f buffers/s  (%d records in %v)",
+	line := fmt.Sprintf("%-28s %8.1f M records/s  %9.0f buffers/s  (%d records in %v",
 		p.name, float64(p.records)/s/1e6, float64(p.buffers)/s, p.records, p.elapsed.Round(time.Microsecond))
+	if p.setup > 0 {
+		with := p.elapsed + p.setup
+		line += fmt.Sprintf("; Open %v before: %.1f M records/s with it", p.setup.Round(time.Microsecond),
+			float64(p.records)/with.Seconds()/1e6)
+	}
+	line += ")"
+	if p.profile != "" {
+		line += "\n    " + p.profile
+	}
+	return line
 }
 
 func ringConfig(buffers int) ingest.Config {
@@ -65,15 +79,16 @@ func ringConfig(buffers int) ingest.Config {
 }
 
 // gpuThroughput drains a full ring with a GPU consumer: from Run's start
-// to the last result seen.
+// (the launch included) to the last result seen.
 func gpuThroughput(t *testing.T, dev device, sc scale, opts Options) throughput {
 	r, c := newRing(t, ringConfig(sc.buffers), ingest.ConsumerOptions{})
 	records := fill(r)
 	var last uint64
 	opts.OnResult = func(res Result) { last = res.SeenNs }
+	opening := ingest.Now()
+	g, ctx := openGPU(t, dev, c, opts)
 	start := ingest.Now()
-	g, done := startGPU(t, dev, c, opts)
-	if err := <-done; err != nil {
+	if err := <-runGPU(ctx, g); err != nil {
 		t.Fatal(err)
 	}
 	st := g.Stats()
@@ -81,7 +96,7 @@ func gpuThroughput(t *testing.T, dev device, sc scale, opts Options) throughput 
 		t.Fatalf("GPU saw %d records of %d", st.Records, records)
 	}
 	name := fmt.Sprintf("GPU %s, %d blocks", opts.Mode, g.blocks)
-	return throughput{name, st.Records, st.Buffers, time.Duration(last - start)}
+	return throughput{name, st.Records, st.Buffers, time.Duration(last - start), time.Duration(start - opening), profile(t, g)}
 }
 
 // cpuThroughput is the reference consumer on one goroutine over the same
@@ -115,13 +130,14 @@ func cpuThroughput(t *testing.T, sc scale) throughput {
 	if seen != records {
 		t.Fatalf("reference saw %d records of %d", seen, records)
 	}
-	return throughput{"CPU reference, one core", seen, buffers, busy}
+	return throughput{"CPU reference, one core", seen, buffers, busy, 0, ""}
 }
 
 // latencies is publish-to-result latency over paced buffers.
 type latencies struct {
 	name    string
 	samples []uint64
+	profile string
 }
 
 func (l latencies) quantile(q float64) time.Duration {
@@ -129,8 +145,35 @@ func (l latencies) quantile(q float64) time.Duration {
 }
 
 func (l latencies) String() string {
-	return fmt.Sprintf("%-40s p50 %7.1f µs  p99 %7.1f µs  p99.9 %7.1f µs  max %7.1f µs  (%d buffers)", l.name,
+	line := fmt.Sprintf("%-40s p50 %7.1f µs  p99 %7.1f µs  p99.9 %7.1f µs  max %7.1f µs  (%d buffers)", l.name,
 		us(l.quantile(0.5)), us(l.quantile(0.99)), us(l.quantile(0.999)), us(time.Duration(l.samples[len(l.samples)-1])), len(l.samples))
+	if l.profile != "" {
+		line += "\n    " + l.profile
+	}
+	return line
+}
+
+// profile is where the persistent kernel's blocks spent their time
+// (fb_trigger_phases), per buffer, read from the state after Run; "" in
+// host-driven mode and on the fake device, which keep none. The turn's
+// time bounds the rate: one buffer per turn.
+func profile(t *testing.T, g *Consumer) string {
+	var st [stateSize]byte
+	if err := g.dev.copyOut(st[:], g.stateDev); err != nil {
+		t.Fatal(err)
+	}
+	le := binary.LittleEndian
+	buffers, cycles, ns := le.Uint64(st[stBuffers:]), le.Uint64(st[stProfRunCyc:]), le.Uint64(st[stProfRunNs:])
+	if g.opts.Mode != Persistent || buffers == 0 || cycles == 0 || ns == 0 {
+		return ""
+	}
+	perNs := float64(cycles) / float64(ns)
+	var b strings.Builder
+	fmt.Fprintf(&b, "per buffer, SM clock %.0f MHz:", perNs*1e3)
+	for k, name := range []string{"ready", "staging", "parse", "summary", "turn wait", "in turn", "publish"} {
+		fmt.Fprintf(&b, " %s %.2f µs", name, float64(le.Uint64(st[stProfCycles+8*k:]))/perNs/1e3/float64(buffers))
+	}
+	return b.String()
 }
 
 func us(d time.Duration) float64 { return float64(d) / 1e3 }
@@ -142,7 +185,7 @@ func gpuLatency(t *testing.T, dev device, sc scale, opts Options, n int) latenci
 	r, c := newRing(t, ringConfig(64), ingest.ConsumerOptions{})
 	samples := make([]uint64, 0, sc.latency)
 	opts.OnResult = func(res Result) { samples = append(samples, res.SeenNs-res.PublishNs) }
-	_, done := startGPU(t, dev, c, opts)
+	g, done := startGPU(t, dev, c, opts)
 	payload := make([]byte, ingest.TriggerSeqLen+2*measureHits)
 	energies := make([]uint16, measureHits)
 	next := ingest.Now()
@@ -166,7 +209,7 @@ func gpuLatency(t *testing.T, dev device, sc scale, opts Options, n int) latenci
 		t.Fatalf("%d results for %d buffers", len(samples), sc.latency)
 	}
 	slices.Sort(samples)
-	return latencies{fmt.Sprintf("GPU %s, %d records/buffer", opts.Mode, n), samples}
+	return latencies{fmt.Sprintf("GPU %s, %d records/buffer", opts.Mode, n), samples, profile(t, g)}
 }
 
 // TestGPUMeasure measures both modes and the CPU reference: records/s over

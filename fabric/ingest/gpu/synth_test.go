@@ -176,6 +176,14 @@ func gpuRun(t testing.TB, dev device, rc ringCase, opts Options) (*Results, Stat
 // minute to finish; the test's cleanup releases it.
 func startGPU(t testing.TB, dev device, c *ingest.Consumer, opts Options) (*Consumer, chan error) {
 	t.Helper()
+	g, ctx := openGPU(t, dev, c, opts)
+	return g, runGPU(ctx, g)
+}
+
+// openGPU opens a GPU consumer over c, released when t ends, and the
+// context its Run gets: a minute.
+func openGPU(t testing.TB, dev device, c *ingest.Consumer, opts Options) (*Consumer, context.Context) {
+	t.Helper()
 	g, err := open(dev, c, opts)
 	if err != nil {
 		t.Fatal(err)
@@ -187,9 +195,14 @@ func startGPU(t testing.TB, dev device, c *ingest.Consumer, opts Options) (*Cons
 			t.Error(err)
 		}
 	})
+	return g, ctx
+}
+
+// runGPU runs g in a goroutine; the channel gives Run's error.
+func runGPU(ctx context.Context, g *Consumer) chan error {
 	done := make(chan error, 1)
 	go func() { done <- g.Run(ctx) }()
-	return g, done
+	return done
 }
 
 // sameAsReference fails t where the GPU's results differ from the

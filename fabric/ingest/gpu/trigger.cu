@@ -101,6 +101,12 @@ static __device__ __forceinline__ uint64_t globaltimer()
 	asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
 	return t;
 }
+static __device__ __forceinline__ uint64_t clock64()
+{
+	uint64_t t;
+	asm volatile("mov.u64 %0, %%clock64;" : "=l"(t));
+	return t;
+}
 static __device__ __forceinline__ uint32_t atomic_add32(uint32_t *p, uint32_t v)
 {
 	return (uint32_t)__nvvm_atom_add_gen_i((int *)p, (int)v);
@@ -138,6 +144,20 @@ static __device__ __forceinline__ uint32_t match_any32(uint32_t key)
 #define FB_DEV static __device__ __forceinline__
 #define FB_DEV_MEMBER __device__
 #include "fb_block.h"
+
+static __device__ __forceinline__ void prof_start(struct block_shared *sh, uint64_t now)
+{
+	sh->prof_mark = now;
+	for (uint32_t k = 0; k < FB_TRIGGER_PHASES; k++)
+		sh->prof[k] = 0;
+}
+// phase_done (thread 0) ends a phase of the profile (fb_trigger_phases).
+static __device__ __forceinline__ void phase_done(struct block_shared *sh, uint32_t phase)
+{
+	uint64_t t = clock64();
+	sh->prof[phase] += t - sh->prof_mark;
+	sh->prof_mark = t;
+}
 
 static __device__ __forceinline__ void fail(const struct fb_trigger_args *a, uint32_t code, uint64_t seq, uint32_t record)
 {
@@ -188,8 +208,9 @@ static __device__ __forceinline__ int wait_ready(const struct fb_trigger_args *a
 		}
 		if ((n & 15) == 15 && stopped(a, seq))
 			return 0;
-		backoff(&ns, 1024);
+		backoff(&ns, 512);
 	}
+	phase_done(sh, FB_TRIGGER_PH_READY);
 	struct fb_trigger_job *j = &sh->job;
 	j->seq = seq;
 	j->records = (uint32_t)(w[0] >> 32);
@@ -364,22 +385,38 @@ static __device__ __forceinline__ void fold(const struct fb_trigger_args *a, str
 	}
 }
 
-// take_turn (all threads) waits until every earlier buffer is folded.
+// take_turn (all threads) waits until every earlier buffer is folded, and
+// takes the running totals as they are then, all in one batch of reads:
+// the time from one turn to the next is the fold's limit, and each read
+// in it that waits for another costs a round trip to L2. A block with
+// others ahead of it polls about once per turn that must pass first (a
+// turn takes a µs or more), not as fast as it can: with a block per SM
+// waiting, that hammered the turn's line while the block in turn worked.
 static __device__ __forceinline__ int take_turn(const struct fb_trigger_args *a, struct block_shared *sh)
 {
 	struct fb_trigger_state *st = (struct fb_trigger_state *)a->state;
 	if (tid() == 0) {
 		uint64_t seq = sh->job.seq;
-		uint32_t ns = 16;
 		sh->go = 1;
-		for (uint32_t n = 0; ld_acquire_gpu64(&st->turn) != seq; n++) {
+		phase_done(sh, FB_TRIGGER_PH_SUMMARY);
+		for (uint32_t n = 0;; n++) {
+			uint64_t ahead = seq - ld_acquire_gpu64(&st->turn);
+			if (ahead == 0)
+				break;
 			if ((n & 255) == 255 && stopped(a, seq)) {
 				sh->go = 0;
 				break;
 			}
-			backoff(&ns, 64);
+			pause(ahead == 1 ? 32 : (uint32_t)(ahead < 16 ? ahead - 1 : 15) * 256);
 		}
+		phase_done(sh, FB_TRIGGER_PH_WAIT);
 		sh->gaps_before = st->gaps_before;
+		sh->source_slots = st->source_slots;
+		sh->window_energy = st->window_energy;
+		sh->windows = st->windows;
+		sh->triggers = st->triggers;
+		sh->buffers = st->buffers;
+		sh->records = st->records;
 	}
 	__syncthreads();
 	return sh->go;
@@ -477,14 +514,14 @@ static __device__ __forceinline__ void finish(const struct fb_trigger_args *a, s
 	struct fb_trigger_state *st = (struct fb_trigger_state *)a->state;
 	struct fb_trigger_ctrl *c = (struct fb_trigger_ctrl *)a->ctrl;
 	uint64_t seq = sh->job.seq;
-	uint64_t window = st->window_energy + sh->energy;
+	uint64_t window = sh->window_energy + sh->energy;
 	uint32_t flags = 0;
-	st->buffers++;
-	st->records += records;
+	st->buffers = sh->buffers + 1;
+	st->records = sh->records + records;
 	uint32_t slots = sh->max_source + 1;
-	if (records && slots > st->source_slots)
+	if (records && slots > sh->source_slots)
 		st->source_slots = slots;
-	uint32_t gb = st->gaps_before + sh->gaps;
+	uint32_t gb = sh->gaps_before + sh->gaps;
 	st->gaps_before = gb < FB_TRIGGER_MAX_GAPS ? gb : FB_TRIGGER_MAX_GAPS;
 	if (sh->bad) {
 		// As the reference: the records before the bad one count, the
@@ -494,10 +531,10 @@ static __device__ __forceinline__ void finish(const struct fb_trigger_args *a, s
 		return;
 	}
 	if (!(sh->job.flags & FB_INGEST_BUF_CONTINUED)) {
-		st->windows++;
+		st->windows = sh->windows + 1;
 		flags |= FB_TRIGGER_CLOSED;
 		if (window >= a->threshold) {
-			st->triggers++;
+			st->triggers = sh->triggers + 1;
 			flags |= FB_TRIGGER_TRIGGERED;
 		}
 		st->window_energy = 0;
@@ -505,6 +542,7 @@ static __device__ __forceinline__ void finish(const struct fb_trigger_args *a, s
 		st->window_energy = window;
 	}
 	st_release_gpu64(&st->turn, seq + 1);
+	phase_done(sh, FB_TRIGGER_PH_TURN);
 	uint32_t ns = 32;
 	while (seq - sh->results_read >= a->result_slots) {
 		sh->results_read = ld_acquire_sys64(&c->results_read);
@@ -551,6 +589,7 @@ static __device__ __forceinline__ int process(const struct fb_trigger_args *a, s
 		if (release && staged)
 			st_release_sys32(&release->state, FB_INGEST_FREE);
 		sh->fast = fast_path;
+		phase_done(sh, FB_TRIGGER_PH_STAGE);
 	}
 	if (!(fast_path && sh->job.bytes <= 8 * PAR_SLOTS && parse(sh))) {
 		if (tid() == 0)
@@ -559,6 +598,8 @@ static __device__ __forceinline__ int process(const struct fb_trigger_args *a, s
 	}
 	decode(sh);
 	__syncthreads();
+	if (tid() == 0)
+		phase_done(sh, FB_TRIGGER_PH_PARSE);
 	uint32_t first = 0;
 	if (sh->fast) {
 		if (!fast(a, sh))
@@ -597,20 +638,31 @@ extern "C" __global__ void __launch_bounds__(FB_TRIGGER_THREADS) fb_trigger_pers
 	extern __shared__ u32x4 stage_mem[];
 	__shared__ struct block_shared sh;
 	uint8_t *region = (uint8_t *)a->region;
-	if (tid() == 0)
+	struct fb_trigger_state *st = (struct fb_trigger_state *)a->state;
+	uint64_t run_ns = globaltimer(), run_cycles = clock64();
+	if (tid() == 0) {
 		sh.results_read = 0;
+		prof_start(&sh, run_cycles);
+	}
 	for (uint64_t seq = a->first_seq + bid();; seq += nblocks()) {
-		if (tid() == 0)
+		if (tid() == 0) {
+			phase_done(&sh, FB_TRIGGER_PH_PUBLISH);
 			sh.go = wait_ready(a, seq, &sh);
+		}
 		__syncthreads();
 		if (!sh.go)
-			return;
+			break;
 		struct fb_ingest_desc *d = (struct fb_ingest_desc *)(region + a->desc_off) + (uint32_t)(seq % a->buffer_count);
 		if (!process(a, &sh, (uint8_t *)stage_mem, d, nblocks() <= BURST_BLOCKS))
-			return;
-		struct fb_trigger_state *st = (struct fb_trigger_state *)a->state;
+			break;
 		if (ld_volatile32(&st->failed))
-			return;
+			break;
+	}
+	if (tid() == 0) {
+		for (uint32_t k = 0; k < FB_TRIGGER_PHASES; k++)
+			atomic_add64(&st->prof_cycles[k], sh.prof[k]);
+		atomic_add64(&st->prof_run_cycles, clock64() - run_cycles);
+		atomic_add64(&st->prof_run_ns, globaltimer() - run_ns);
 	}
 }
 
@@ -622,6 +674,7 @@ extern "C" __global__ void __launch_bounds__(FB_TRIGGER_THREADS) fb_trigger_batc
 	__shared__ struct block_shared sh;
 	if (tid() == 0) {
 		sh.results_read = 0;
+		prof_start(&sh, clock64()); // kept by persistent blocks only
 		const volatile struct fb_trigger_job *j = (const volatile struct fb_trigger_job *)a->jobs + bid();
 		sh.job.data = j->data;
 		sh.job.seq = j->seq;

@@ -408,8 +408,9 @@ func prefixNet(p netip.Prefix) *net.IPNet {
 
 // dieWithTest has a child killed when the test process dies, even of a
 // panic or a -timeout, when no Cleanup runs: `ip netns exec` execs its
-// command, which keeps the signal. (Go delivers it when the forking thread
-// exits, and the test's own goroutine does not exit its thread.)
+// command, which keeps the signal. Linux sends it when the thread that
+// forked exits; Go ends only threads locked by a goroutine that never
+// unlocked them, and nothing here locks one.
 func dieWithTest() *syscall.SysProcAttr {
 	return &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 }

@@ -39,6 +39,7 @@ type Config struct {
 	Control      Control `yaml:"control"`
 	Metrics      Metrics `yaml:"metrics"`
 	Log          Log     `yaml:"log"`
+	BGP          BGP     `yaml:"bgp"`
 
 	where map[string]pos
 }
@@ -265,6 +266,7 @@ func Default() *Config {
 		Control:       Control{Socket: DefaultSocket, SocketMode: 0o660},
 		Metrics:       Metrics{Address: DefaultMetrics},
 		Log:           Log{Level: LogLevel(0)},
+		BGP:           defaultBGP(),
 	}
 }
 

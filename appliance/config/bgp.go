@@ -19,7 +19,7 @@ type BGP struct {
 	// the box opens every session itself.
 	ListenPort uint16        `yaml:"listen_port"`
 	Neighbors  []BGPNeighbor `yaml:"neighbors"`
-	// HoldTime is BGP's hold time, 0 or from 3s; without BFD it is how long
+	// HoldTime is BGP's hold time, from 3s; without BFD it is how long
 	// routers keep sending to a box that died without closing its sessions.
 	HoldTime Duration `yaml:"hold_time"`
 	BFD      BFD      `yaml:"bfd"`
@@ -115,8 +115,10 @@ func (c *Config) checkBGP(d *decoder) {
 			}
 		}
 	}
-	if h := time.Duration(b.HoldTime); h != 0 && (h < 3*time.Second || h > 65535*time.Second || h%time.Second != 0) {
-		d.errorAt("bgp.hold_time", "must be 0 or whole seconds from 3s to 65535s, not %s", h)
+	// BGP also allows 0 (no keepalives at all); GoBGP does not, and a box
+	// that routers never time out is what this section exists to avoid.
+	if h := time.Duration(b.HoldTime); h < 3*time.Second || h > 65535*time.Second || h%time.Second != 0 {
+		d.errorAt("bgp.hold_time", "must be whole seconds from 3s to 65535s, not %s", h)
 	}
 	if w := time.Duration(b.WithdrawDelay); w > time.Minute {
 		d.errorAt("bgp.withdraw_delay", "must be at most 1m, not %s", w)

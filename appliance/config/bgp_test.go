@@ -35,7 +35,7 @@ func TestBGPErrorsArePrecise(t *testing.T) {
 			"t.yaml:2:25: addresses[1]: 2001:db8::1 would never be announced: bgp.neighbors has no neighbour of its IP version",
 		}},
 		{"hold time", bgpBase + "  neighbors: [{address: 198.18.0.1, asn: 65000}]\n  hold_time: 1s\n", []string{
-			"t.yaml:7:3: bgp.hold_time: must be 0 or whole seconds from 3s to 65535s, not 1s",
+			"t.yaml:7:3: bgp.hold_time: must be whole seconds from 3s to 65535s, not 1s",
 		}},
 		{"bfd", bgpBase + "  neighbors: [{address: 198.18.0.1, asn: 65000}]\n  bfd: {enabled: true, interval: 1ms, multiplier: 0}\n", []string{
 			"t.yaml:7:24: bgp.bfd.interval: must be from 10ms to 10s, not 1ms",

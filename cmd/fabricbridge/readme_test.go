@@ -67,7 +67,7 @@ func TestTestScriptInstallsWhatIsMissing(t *testing.T) {
 [ "$1" = install ] || exit 0
 for p in "$@"; do
 	case $p in
-	iproute2) c=ip;; nftables) c=nft;; tshark) c=tshark;; *) continue;;
+	iproute2) c=ip;; nftables) c=nft;; tshark) c=tshark;; bird2) c=bird;; *) continue;;
 	esac
 	printf '#!` + bash + `\n' >` + bin + `/$c; ` + chmod + ` +x ` + bin + `/$c
 done`,

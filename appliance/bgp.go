@@ -1,0 +1,115 @@
+package appliance
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/fabricbridge/fabricbridge/appliance/announce"
+	"github.com/fabricbridge/fabricbridge/appliance/config"
+	"github.com/fabricbridge/fabricbridge/appliance/metrics"
+)
+
+// startAnnounce starts announcing the addresses to the configured BGP
+// neighbours, if bgp is configured. The routers send traffic only while
+// canServe holds: the data plane attached, the control plane up, and an
+// application registered to take the traffic.
+func (d *Daemon) startAnnounce(cfg *config.Config) error {
+	b := cfg.BGP
+	if b.ASN == 0 {
+		return nil
+	}
+	if err := sameNamespaceAsProcess(); err != nil {
+		return cfg.Errorf("bgp", "%v", err)
+	}
+	ac := announce.Config{
+		ASN:           b.ASN,
+		RouterID:      b.RouterID.Addr,
+		ListenPort:    b.ListenPort,
+		HoldTime:      time.Duration(b.HoldTime),
+		WithdrawDelay: time.Duration(b.WithdrawDelay),
+		Ready:         d.canServe,
+		Logger:        d.log,
+	}
+	for _, n := range b.Neighbors {
+		ac.Neighbors = append(ac.Neighbors, announce.Neighbor{Address: n.Address.Addr, ASN: n.ASN})
+	}
+	for _, a := range cfg.Addresses {
+		ac.Addresses = append(ac.Addresses, a.Addr)
+	}
+	if b.BFD.Enabled {
+		iv := time.Duration(b.BFD.Interval)
+		ac.BFD = &announce.BFD{MinTx: iv, MinRx: iv, Multiplier: uint8(b.BFD.Multiplier)}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	a, err := announce.Start(ctx, ac)
+	if err != nil {
+		return cfg.Errorf("bgp", "%v", err)
+	}
+	d.announcer = a
+	d.log.Info("announcing over BGP while serving", "asn", b.ASN, "neighbors", len(b.Neighbors), "addresses", len(ac.Addresses), "bfd", b.BFD.Enabled)
+	return nil
+}
+
+// canServe is the announcer's readiness: a router may send this box traffic
+// only while the data plane and control plane are up and at least one
+// application is registered to take it.
+func (d *Daemon) canServe() bool {
+	return d.up.Load() && d.server != nil && len(d.server.Apps()) > 0
+}
+
+// stopAnnounce withdraws the addresses, waits withdraw_delay for the routers
+// to move the traffic to the other boxes, and closes the BGP sessions. It
+// runs first in shutdown, while the data plane still serves what is in
+// flight.
+func (d *Daemon) stopAnnounce() error {
+	d.up.Store(false)
+	if d.announcer == nil {
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute+10*time.Second)
+	defer cancel()
+	err := d.announcer.Stop(ctx)
+	d.announcer = nil
+	if err != nil {
+		return fmt.Errorf("bgp: %w", err)
+	}
+	d.log.Info("withdrawn from the routers")
+	return nil
+}
+
+// sameNamespaceAsProcess refuses a daemon started on a thread switched into
+// another network namespace than its process's (as tests and the demo do):
+// GoBGP opens its sockets from goroutines of its own, on any thread, so it
+// would peer from the process's namespace, not the daemon's.
+func sameNamespaceAsProcess() error {
+	var thread, process unix.Stat_t
+	if err := unix.Stat("/proc/thread-self/ns/net", &thread); err != nil {
+		return err
+	}
+	if err := unix.Stat("/proc/self/ns/net", &process); err != nil { // the main thread's
+		return err
+	}
+	if thread.Ino != process.Ino || thread.Dev != process.Dev {
+		return errors.New("the daemon runs in another network namespace than its process; the BGP speaker cannot follow it there (run the daemon in the namespace, e.g. with ip netns exec)")
+	}
+	return nil
+}
+
+var famAnnounced = metrics.Family{Name: "fabricbridge_bgp_announced", Type: metrics.Gauge,
+	Help: "1 while the addresses are announced to the BGP neighbours (bgp configured, the box can serve), 0 while withdrawn."}
+
+// collectAnnounce writes whether the addresses are announced, if bgp is on.
+func (d *Daemon) collectAnnounce(w *metrics.Writer) {
+	if a := d.announcer; a != nil {
+		v := 0.0
+		if a.Announced() {
+			v = 1
+		}
+		w.Add(famAnnounced, v)
+	}
+}

@@ -7,26 +7,20 @@ package announce
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
 	"io"
-	"maps"
-	"net"
 	"net/netip"
 	"os"
 	"os/exec"
-	"path/filepath"
-	"slices"
 	"strings"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
 
-	"github.com/vishvananda/netlink"
-
+	"github.com/fabricbridge/fabricbridge/internal/testing/birdtest"
 	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
 	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
@@ -131,7 +125,7 @@ func startBox(t *testing.T, name string, ns *topology.NS, v *topology.Veth) *box
 	}
 	cmd := exec.Command("ip", "netns", "exec", ns.Name, self)
 	cmd.Env = append(os.Environ(), childEnv+"="+string(js))
-	cmd.SysProcAttr = dieWithTest()
+	cmd.SysProcAttr = birdtest.DieWithTest()
 	cmd.Stderr = &testWriter{t: t, prefix: name + ": "}
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
@@ -178,192 +172,45 @@ func (w *testWriter) Write(p []byte) (int, error) {
 	return len(p), nil
 }
 
-// router is BIRD in its namespace.
-type router struct {
-	ns   *topology.NS
-	sock string
-}
-
-func requireBird(t *testing.T) string {
-	t.Helper()
-	bird, err := exec.LookPath("bird")
-	if err != nil {
-		if os.Getenv(testenv.RequireEnv) != "" || os.Getenv("CI") != "" {
-			t.Fatal("bird is not installed (Debian bird2; ./test installs it)")
-		}
-		t.Skip("bird is not installed (Debian bird2)")
-	}
-	return bird
-}
-
-func startRouter(t *testing.T, bird string, ns *topology.NS, links map[string]*topology.Veth) *router {
-	t.Helper()
-	ctx := context.Background()
-	// ECMP that hashes the whole 5-tuple, with a fixed seed, so the
-	// spreading over boxes is the same from run to run.
-	for _, s := range []string{
-		"net.ipv4.fib_multipath_hash_policy=1", "net.ipv6.fib_multipath_hash_policy=1",
-		"net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1",
-	} {
-		if _, err := ns.Exec(ctx, "sysctl", "-qw", s); err != nil {
-			t.Fatal(err)
-		}
-	}
-	// fib_multipath_hash_seed appeared in Linux 6.11.
-	_, _ = ns.Exec(ctx, "sysctl", "-qw", "net.ipv4.fib_multipath_hash_seed=42")
-
-	dir := t.TempDir()
-	var conf strings.Builder
-	fmt.Fprintf(&conf, `router id %v;
-log stderr all;
-protocol device { scan time 1; }
-protocol kernel kernel4 { ipv4 { export all; import none; }; merge paths on; }
-protocol kernel kernel6 { ipv6 { export all; import none; }; merge paths on; }
-protocol bfd { interface "*" { min rx interval 100 ms; min tx interval 100 ms; idle tx interval 300 ms; multiplier 5; }; }
-template bgp box { local as %d; hold time 9; connect retry time 1; bfd on; }
-`, links["a"].A.Addr4.Addr(), routerASN)
-	for _, name := range slices.Sorted(maps.Keys(links)) {
-		v := links[name]
-		fmt.Fprintf(&conf, "protocol bgp %s4 from box { neighbor %v as %d; ipv4 { import all; export none; }; }\n", name, v.B.Addr4.Addr(), boxASN)
-		fmt.Fprintf(&conf, "protocol bgp %s6 from box { neighbor %v as %d; ipv6 { import all; export none; }; }\n", name, v.B.Addr6.Addr(), boxASN)
-	}
-	confPath := filepath.Join(dir, "bird.conf")
-	if err := os.WriteFile(confPath, []byte(conf.String()), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	r := &router{ns: ns, sock: filepath.Join(dir, "bird.ctl")}
-	cmd := exec.Command("ip", "netns", "exec", ns.Name, bird, "-f", "-c", confPath, "-s", r.sock, "-P", filepath.Join(dir, "bird.pid"))
-	cmd.SysProcAttr = dieWithTest()
-	var logBuf lockedBuffer
-	cmd.Stdout, cmd.Stderr = &logBuf, &logBuf
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
-		if t.Failed() {
-			t.Logf("bird's log:\n%s", logBuf.String())
-		}
-	})
-	return r
-}
-
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
-
-// nextHops returns the gateways of the router's kernel route to addr,
-// sorted: the boxes its FIB spreads packets over.
-func (r *router) nextHops(t *testing.T, addr netip.Addr) []netip.Addr {
-	t.Helper()
-	family, bits := netlink.FAMILY_V4, 32
-	if addr.Is6() {
-		family, bits = netlink.FAMILY_V6, 128
-	}
-	dst := netip.PrefixFrom(addr, bits)
-	routes, err := r.ns.Handle().RouteListFiltered(family, &netlink.Route{Dst: prefixNet(dst)}, netlink.RT_FILTER_DST)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var hops []netip.Addr
-	for _, rt := range routes {
-		if rt.Gw != nil {
-			a, _ := netip.AddrFromSlice(rt.Gw)
-			hops = append(hops, a.Unmap())
-		}
-		for _, nh := range rt.MultiPath {
-			a, _ := netip.AddrFromSlice(nh.Gw)
-			hops = append(hops, a.Unmap())
-		}
-	}
-	slices.SortFunc(hops, netip.Addr.Compare)
-	return hops
-}
-
-// established reports whether BIRD's session proto is up.
-func (r *router) established(t *testing.T, proto string) bool {
-	t.Helper()
-	out, err := r.ns.Exec(context.Background(), "birdc", "-s", r.sock, "show", "protocols", proto)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return strings.Contains(string(out), "Established")
-}
-
-// waitHops waits until the routes to both service addresses go through
-// exactly want (by the boxes' IPv4 and IPv6 link addresses), and returns
-// how long that took.
-func waitHops(t *testing.T, r *router, within time.Duration, what string, want4, want6 []netip.Addr) time.Duration {
-	t.Helper()
-	slices.SortFunc(want4, netip.Addr.Compare)
-	slices.SortFunc(want6, netip.Addr.Compare)
-	start := time.Now()
-	for {
-		got4, got6 := r.nextHops(t, service4), r.nextHops(t, service6)
-		if slices.Equal(got4, want4) && slices.Equal(got6, want6) {
-			took := time.Since(start)
-			t.Logf("%s: next hops %v %v after %v", what, got4, got6, took.Round(time.Millisecond))
-			return took
-		}
-		if time.Since(start) > within {
-			for _, q := range []string{"show protocols", "show route all"} {
-				out, _ := r.ns.Exec(context.Background(), "birdc", "-s", r.sock, q)
-				t.Logf("birdc %s:\n%s", q, out)
-			}
-			t.Fatalf("%s: after %v the next hops are %v and %v, want %v and %v", what, within, got4, got6, want4, want6)
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-}
-
 func TestAnnounceToBird(t *testing.T) {
 	testenv.RequirePrivileged(t)
-	bird := requireBird(t)
+	bird := birdtest.Require(t)
 
 	rns, ans, bns := topology.New(t), topology.New(t), topology.New(t)
-	links := map[string]*topology.Veth{
-		"a": topology.Connect(t, rns, ans, topology.VethOptions{}),
-		"b": topology.Connect(t, rns, bns, topology.VethOptions{}),
+	la := topology.Connect(t, rns, ans, topology.VethOptions{})
+	lb := topology.Connect(t, rns, bns, topology.VethOptions{})
+	r := birdtest.Start(t, bird, rns, birdtest.Config{
+		RouterID: la.A.Addr4.Addr(), ASN: routerASN,
+		Peers: []birdtest.Peer{
+			{Name: "a", Addr4: la.B.Addr4.Addr(), Addr6: la.B.Addr6.Addr(), ASN: boxASN},
+			{Name: "b", Addr4: lb.B.Addr4.Addr(), Addr6: lb.B.Addr6.Addr(), ASN: boxASN},
+		},
+		BFDInterval: 100 * time.Millisecond, BFDMultiplier: 5,
+	})
+	a := startBox(t, "a", ans, la)
+	b := startBox(t, "b", bns, lb)
+	a6, b6 := la.B.Addr6.Addr(), lb.B.Addr6.Addr()
+	hops := func(v4, v6 []netip.Addr) map[netip.Addr][]netip.Addr {
+		return map[netip.Addr][]netip.Addr{service4: v4, service6: v6}
 	}
-	r := startRouter(t, bird, rns, links)
-	a := startBox(t, "a", ans, links["a"])
-	b := startBox(t, "b", bns, links["b"])
-	a6, b6 := links["a"].B.Addr6.Addr(), links["b"].B.Addr6.Addr()
-	both4, both6 := []netip.Addr{a.link, b.link}, []netip.Addr{a6, b6}
+	both := hops([]netip.Addr{a.link, b.link}, []netip.Addr{a6, b6})
 
-	waitHops(t, r, convergeWait, "both boxes announce: ECMP over both", both4, both6)
-	if !r.established(t, "a4") || !r.established(t, "b6") {
+	r.WaitHops(t, convergeWait, "both boxes announce: ECMP over both", both)
+	if !r.Established(t, "a4") || !r.Established(t, "b6") {
 		t.Fatal("BGP sessions are not established")
 	}
 
 	a.do(t, "unready")
-	waitHops(t, r, unreadyBound, "box a not ready: withdrawn", []netip.Addr{b.link}, []netip.Addr{b6})
+	r.WaitHops(t, unreadyBound, "box a not ready: withdrawn", hops([]netip.Addr{b.link}, []netip.Addr{b6}))
 	a.do(t, "ready")
-	waitHops(t, r, unreadyBound, "box a ready again", both4, both6)
+	r.WaitHops(t, unreadyBound, "box a ready again", both)
 
 	// A frozen box keeps its TCP sessions open (the kernel still ACKs) but
 	// sends nothing: only BFD can tell, long before the hold time.
 	if err := b.cmd.Process.Signal(syscall.SIGSTOP); err != nil {
 		t.Fatal(err)
 	}
-	took := waitHops(t, r, freezeBound, "box b frozen: BFD takes it out", []netip.Addr{a.link}, []netip.Addr{a6})
-	if took >= 9*time.Second {
-		t.Fatalf("withdrawn after %v, the hold time: BFD did not act", took)
-	}
+	r.WaitHops(t, freezeBound, "box b frozen: BFD takes it out", hops([]netip.Addr{a.link}, []netip.Addr{a6}))
 	_ = b.cmd.Process.Kill()
 
 	// Stop withdraws with an UPDATE while the session is still up, and
@@ -380,18 +227,15 @@ func TestAnnounceToBird(t *testing.T) {
 		}
 	}()
 	stopAt := time.Now()
-	for {
+	for len(r.NextHops(t, service4)) != 0 || len(r.NextHops(t, service6)) != 0 {
 		select {
 		case <-stopped:
-			t.Fatalf("Stop returned while the router still routes to box a: %v", r.nextHops(t, service4))
+			t.Fatalf("Stop returned while the router still routes to box a: %v", r.NextHops(t, service4))
 		default:
-		}
-		if len(r.nextHops(t, service4)) == 0 && len(r.nextHops(t, service6)) == 0 {
-			break
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
-	if !r.established(t, "a4") {
+	if !r.Established(t, "a4") {
 		t.Fatal("the route went with the session: Stop closed it without withdrawing first")
 	}
 	t.Logf("stop: withdrawn after %v, the session still up", time.Since(stopAt).Round(time.Millisecond))
@@ -399,18 +243,4 @@ func TestAnnounceToBird(t *testing.T) {
 	if err := a.cmd.Wait(); err != nil {
 		t.Fatalf("box a after stop: %v", err)
 	}
-}
-
-// prefixNet converts for netlink, which speaks net.IPNet.
-func prefixNet(p netip.Prefix) *net.IPNet {
-	return &net.IPNet{IP: p.Addr().AsSlice(), Mask: net.CIDRMask(p.Bits(), p.Addr().BitLen())}
-}
-
-// dieWithTest has a child killed when the test process dies, even of a
-// panic or a -timeout, when no Cleanup runs: `ip netns exec` execs its
-// command, which keeps the signal. Linux sends it when the thread that
-// forked exits; Go ends only threads locked by a goroutine that never
-// unlocked them, and nothing here locks one.
-func dieWithTest() *syscall.SysProcAttr {
-	return &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 }

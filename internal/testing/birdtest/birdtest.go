@@ -127,6 +127,16 @@ func Start(tb testing.TB, bird string, ns *topology.NS, cfg Config) *Router {
 			tb.Logf("bird's log:\n%s", r.log.String())
 		}
 	})
+	// birdc needs the control socket, which BIRD makes once it has read
+	// its configuration.
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if _, err := os.Stat(r.sock); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			tb.Fatalf("bird made no control socket in 10s:\n%s", r.log.String())
+		}
+	}
 	return r
 }
 

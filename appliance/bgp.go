@@ -37,7 +37,7 @@ func (d *Daemon) startAnnounce(cfg *config.Config) error {
 	for _, n := range b.Neighbors {
 		ac.Neighbors = append(ac.Neighbors, announce.Neighbor{Address: n.Address.Addr, ASN: n.ASN})
 	}
-	for _, a := range cfg.Addresses {
+	for _, a := range b.AnnouncedAddresses(cfg.Addresses) {
 		ac.Addresses = append(ac.Addresses, a.Addr)
 	}
 	if b.BFD.Enabled {

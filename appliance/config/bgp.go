@@ -19,6 +19,10 @@ type BGP struct {
 	// the box opens every session itself.
 	ListenPort uint16        `yaml:"listen_port"`
 	Neighbors  []BGPNeighbor `yaml:"neighbors"`
+	// Announce are the addresses announced, each one of Addresses; empty
+	// announces all of them. A box's own address on the peering link is
+	// no service address and is better left out.
+	Announce []Addr `yaml:"announce"`
 	// HoldTime is BGP's hold time, from 3s; without BFD it is how long
 	// routers keep sending to a box that died without closing its sessions.
 	HoldTime Duration `yaml:"hold_time"`
@@ -74,7 +78,7 @@ func checkASN(d *decoder, field string, asn uint32) {
 func (c *Config) checkBGP(d *decoder) {
 	b := c.BGP
 	if b.ASN == 0 {
-		for _, f := range []string{"router_id", "listen_port", "neighbors", "hold_time", "bfd", "withdraw_delay"} {
+		for _, f := range []string{"router_id", "listen_port", "neighbors", "announce", "hold_time", "bfd", "withdraw_delay"} {
 			if d.written("bgp." + f) {
 				d.errorAt("bgp."+f, "set, but bgp.asn is not: BGP is off")
 			}
@@ -108,10 +112,23 @@ func (c *Config) checkBGP(d *decoder) {
 		}
 		checkASN(d, p+".asn", n.ASN)
 	}
-	if len(b.Neighbors) > 0 {
+	announced := map[Addr]bool{}
+	for i, a := range b.Announce {
+		p := fmt.Sprintf("bgp.announce[%d]", i)
+		switch {
+		case !c.isAddress(a):
+			d.errorAt(p, "%s is not one of addresses", a)
+		case announced[a]:
+			d.errorAt(p, "%s is listed twice", a)
+		case len(b.Neighbors) > 0 && !families[a.Is4()]:
+			d.errorAt(p, "%s would never be announced: bgp.neighbors has no neighbour of its IP version", a)
+		}
+		announced[a] = true
+	}
+	if len(b.Announce) == 0 && len(b.Neighbors) > 0 {
 		for i, a := range c.Addresses {
 			if !families[a.Is4()] {
-				d.errorAt(fmt.Sprintf("addresses[%d]", i), "%s would never be announced: bgp.neighbors has no neighbour of its IP version", a)
+				d.errorAt(fmt.Sprintf("addresses[%d]", i), "%s would never be announced: bgp.neighbors has no neighbour of its IP version (or list the addresses to announce in bgp.announce)", a)
 			}
 		}
 	}
@@ -131,4 +148,12 @@ func (c *Config) checkBGP(d *decoder) {
 			d.errorAt("bgp.bfd.multiplier", "must be from 1 to 255, not %d", m)
 		}
 	}
+}
+
+// AnnouncedAddresses are the addresses the bgp section announces.
+func (b *BGP) AnnouncedAddresses(all []Addr) []Addr {
+	if len(b.Announce) > 0 {
+		return b.Announce
+	}
+	return all
 }

@@ -32,7 +32,13 @@ func TestBGPErrorsArePrecise(t *testing.T) {
 		}},
 		{"address of no neighbour's family", "interfaces: [{name: eth1}]\naddresses: [198.18.0.1, 2001:db8::1]\n" +
 			"bgp:\n  asn: 65001\n  router_id: 198.18.0.2\n  neighbors: [{address: 198.18.0.1, asn: 65000}]\n", []string{
-			"t.yaml:2:25: addresses[1]: 2001:db8::1 would never be announced: bgp.neighbors has no neighbour of its IP version",
+			"t.yaml:2:25: addresses[1]: 2001:db8::1 would never be announced: bgp.neighbors has no neighbour of its IP version (or list the addresses to announce in bgp.announce)",
+		}},
+		{"announce", "interfaces: [{name: eth1}]\naddresses: [198.18.0.1, 2001:db8::1]\n" +
+			"bgp:\n  asn: 65001\n  router_id: 198.18.0.2\n  neighbors: [{address: 198.18.0.1, asn: 65000}]\n  announce: [198.18.0.1, 198.18.9.9, 198.18.0.1, 2001:db8::1]\n", []string{
+			"t.yaml:7:26: bgp.announce[1]: 198.18.9.9 is not one of addresses",
+			"t.yaml:7:38: bgp.announce[2]: 198.18.0.1 is listed twice",
+			"t.yaml:7:50: bgp.announce[3]: 2001:db8::1 would never be announced: bgp.neighbors has no neighbour of its IP version",
 		}},
 		{"hold time", bgpBase + "  neighbors: [{address: 198.18.0.1, asn: 65000}]\n  hold_time: 1s\n", []string{
 			"t.yaml:7:3: bgp.hold_time: must be whole seconds from 3s to 65535s, not 1s",

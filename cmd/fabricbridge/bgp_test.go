@@ -55,9 +55,10 @@ bgp:
   asn: 65001
   router_id: %s
   neighbors: [{address: %s, asn: 65000}]
+  announce: [%s]
   bfd: {enabled: true, interval: 100ms, multiplier: 5}
   withdraw_delay: 1s
-`, v.B.Name, service, v.B.Addr4.Addr(), filepath.Join(dir, "control.sock"), metricsAddr, v.B.Addr4.Addr(), v.A.Addr4.Addr())
+`, v.B.Name, service, v.B.Addr4.Addr(), filepath.Join(dir, "control.sock"), metricsAddr, v.B.Addr4.Addr(), v.A.Addr4.Addr(), service)
 	if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
 		t.Fatal(err)
 	}

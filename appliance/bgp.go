@@ -57,9 +57,25 @@ func (d *Daemon) startAnnounce(cfg *config.Config) error {
 
 // canServe is the announcer's readiness: a router may send this box traffic
 // only while the data plane and control plane are up and at least one
-// application is registered to take it.
+// application is registered and listening: one that has claimed a listener,
+// or that a configured listener is for. An application that has only said
+// hello would have its first connections answered by the kernel's RST.
 func (d *Daemon) canServe() bool {
-	return d.up.Load() && d.server != nil && len(d.server.Apps()) > 0
+	if !d.up.Load() || d.server == nil {
+		return false
+	}
+	cfg := d.Config()
+	for _, a := range d.server.Apps() {
+		if a.Listeners > 0 {
+			return true
+		}
+		for _, l := range cfg.Listeners {
+			if l.App == a.Name {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // stopAnnounce withdraws the addresses, waits withdraw_delay for the routers

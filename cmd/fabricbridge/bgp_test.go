@@ -9,6 +9,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -44,24 +45,8 @@ func TestRunAnnouncesWhileServing(t *testing.T) {
 		BFDInterval: 100 * time.Millisecond, BFDMultiplier: 5,
 	})
 
-	dir := t.TempDir()
-	path := filepath.Join(dir, "fb.yaml")
-	const metricsAddr = "127.0.0.1:9469" // inside the box's namespace
-	cfg := fmt.Sprintf(`interfaces: [{name: %s}]
-addresses: [%s, %s]
-control: {socket: %s}
-metrics: {address: %q}
-bgp:
-  asn: 65001
-  router_id: %s
-  neighbors: [{address: %s, asn: 65000}]
-  announce: [%s]
-  bfd: {enabled: true, interval: 100ms, multiplier: 5}
-  withdraw_delay: 1s
-`, v.B.Name, service, v.B.Addr4.Addr(), filepath.Join(dir, "control.sock"), metricsAddr, v.B.Addr4.Addr(), v.A.Addr4.Addr(), service)
-	if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	path := writeBoxConfig(t, v, service)
+	const metricsAddr = boxMetrics
 	d := startDaemon(t, bns, "run", "--config", path)
 	announced := func(want float64) func([]metrics.Sample) bool {
 		return func(s []metrics.Sample) bool {
@@ -89,8 +74,9 @@ bgp:
 	app := startDaemon(t, bns, "app", "http", "--config", path, "--size", "5")
 	r.WaitHops(t, 5*time.Second, "an application registered: announced", box)
 	waitMetric(t, bns, metricsAddr, d, announced(1))
-	if body := get(t, rns, "http://"+service.String()+"/"); len(body) != 5 {
-		t.Fatalf("GET through the router: %d bytes, want 5", len(body))
+	client := newClient(rns)
+	if _, err := client.get("http://"+service.String()+"/", map[int]string{5: "box"}); err != nil {
+		t.Fatalf("GET through the router: %v", err)
 	}
 
 	// The lease ends with the application: nothing left to serve.
@@ -128,25 +114,189 @@ bgp:
 	}
 }
 
-// get fetches url from inside ns.
-func get(t *testing.T, ns *topology.NS, url string) []byte {
+// TestECMPOverTwoBoxes puts a client behind the router and two announcing
+// boxes in front of it, each with its own instance of the application (they
+// answer with bodies of different lengths, which tells the client who
+// served it). New connections spread over both boxes; a box stopped with
+// SIGTERM while the client keeps opening connections costs no request.
+func TestECMPOverTwoBoxes(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	bird := birdtest.Require(t)
+	service := netip.MustParseAddr("198.18.200.1")
+	rns, cns, ans, bns := topology.New(t), topology.New(t), topology.New(t), topology.New(t)
+	lc := topology.Connect(t, cns, rns, topology.VethOptions{})
+	la := topology.Connect(t, rns, ans, topology.VethOptions{})
+	lb := topology.Connect(t, rns, bns, topology.VethOptions{})
+	ctx := context.Background()
+	// The client's kernel leaves TCP checksums to a NIC the veth does not
+	// have; the applications' stacks want them whole.
+	if err := ethtool.DisableTxChecksum(cns, lc.A.Name); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cns.Exec(ctx, "ip", "route", "add", service.String()+"/32", "via", lc.B.Addr4.Addr().String()); err != nil {
+		t.Fatal(err)
+	}
+	r := birdtest.Start(t, bird, rns, birdtest.Config{
+		RouterID: la.A.Addr4.Addr(), ASN: 65000,
+		Peers: []birdtest.Peer{
+			{Name: "a", Addr4: la.B.Addr4.Addr(), ASN: 65001},
+			{Name: "b", Addr4: lb.B.Addr4.Addr(), ASN: 65001},
+		},
+		BFDInterval: 100 * time.Millisecond, BFDMultiplier: 5,
+	})
+	boxes := map[int]string{} // body length -> box
+	var daemons []*daemonProc
+	for i, box := range []struct {
+		name string
+		ns   *topology.NS
+		link *topology.Veth
+	}{{"a", ans, la}, {"b", bns, lb}} {
+		for _, c := range [][]string{
+			{"ip", "addr", "add", service.String() + "/32", "dev", "lo"},
+			{"ip", "route", "add", lc.A.Addr4.Masked().String(), "via", box.link.A.Addr4.Addr().String()},
+		} {
+			if _, err := box.ns.Exec(ctx, c[0], c[1:]...); err != nil {
+				t.Fatal(err)
+			}
+		}
+		path := writeBoxConfig(t, box.link, service)
+		d := startDaemon(t, box.ns, "run", "--config", path)
+		daemons = append(daemons, d)
+		waitMetric(t, box.ns, boxMetrics, d, func(s []metrics.Sample) bool { return len(s) > 0 }) // the control socket is there
+		size := 5 + i
+		boxes[size] = box.name
+		startDaemon(t, box.ns, "app", "http", "--config", path, "--size", fmt.Sprint(size))
+	}
+	r.WaitHops(t, 30*time.Second, "both boxes serve: ECMP over both",
+		map[netip.Addr][]netip.Addr{service: {la.B.Addr4.Addr(), lb.B.Addr4.Addr()}})
+
+	client := newClient(cns)
+	defer client.CloseIdleConnections()
+	url := "http://" + service.String() + "/"
+	const n = 200
+	served := map[string]int{}
+	for range n {
+		box, err := client.get(url, boxes)
+		if err != nil {
+			t.Fatal(err)
+		}
+		served[box]++
+	}
+	t.Logf("%d connections: box a %d, box b %d (ideal %d each)", n, served["a"], served["b"], n/2)
+	for _, box := range []string{"a", "b"} {
+		if served[box] < n*3/10 {
+			t.Errorf("box %s served %d of %d connections; ECMP does not spread them", box, served[box], n)
+		}
+	}
+
+	// Under load, box b leaves gracefully: SIGTERM withdraws, serves the
+	// connections in flight for withdraw_delay, then stops.
+	var (
+		mu       sync.Mutex
+		ok, fail = map[string]int{}, 0
+		lastErr  error
+		stop     = make(chan struct{})
+		workers  sync.WaitGroup
+	)
+	for range 4 {
+		workers.Add(1)
+		go func() {
+			defer workers.Done()
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				box, err := client.get(url, boxes)
+				mu.Lock()
+				if err != nil {
+					fail++
+					lastErr = err
+				} else {
+					ok[box]++
+				}
+				mu.Unlock()
+			}
+		}()
+	}
+	time.Sleep(500 * time.Millisecond)
+	daemons[1].signal(t, syscall.SIGTERM)
+	if err := daemons[1].wait(t); err != nil {
+		t.Errorf("box b after SIGTERM: %v\n%s", err, daemons[1].out.String())
+	}
+	mu.Lock()
+	afterStop := ok["a"]
+	mu.Unlock()
+	time.Sleep(time.Second)
+	close(stop)
+	workers.Wait()
+	t.Logf("under load, box b stopped: %d served by a (%d after b exited), %d by b, %d failed (last: %v)",
+		ok["a"], ok["a"]-afterStop, ok["b"], fail, lastErr)
+	if fail != 0 {
+		t.Errorf("%d requests failed while box b left gracefully; last: %v", fail, lastErr)
+	}
+	if ok["b"] == 0 || ok["a"]-afterStop == 0 {
+		t.Errorf("the load did not cover the change: b served %d before, a %d after", ok["b"], ok["a"]-afterStop)
+	}
+}
+
+// writeBoxConfig writes the configuration of a box on link (its end B),
+// peering with the router at link's end A and announcing service.
+func writeBoxConfig(t *testing.T, link *topology.Veth, service netip.Addr) string {
 	t.Helper()
-	tr := &http.Transport{DialContext: func(ctx context.Context, network, a string) (c net.Conn, err error) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "fb.yaml")
+	cfg := fmt.Sprintf(`interfaces: [{name: %s}]
+addresses: [%s, %s]
+control: {socket: %s}
+metrics: {address: %q}
+bgp:
+  asn: 65001
+  router_id: %s
+  neighbors: [{address: %s, asn: 65000}]
+  announce: [%s]
+  bfd: {enabled: true, interval: 100ms, multiplier: 5}
+  withdraw_delay: 1s
+`, link.B.Name, service, link.B.Addr4.Addr(), filepath.Join(dir, "control.sock"), boxMetrics,
+		link.B.Addr4.Addr(), link.A.Addr4.Addr(), service)
+	if err := os.WriteFile(path, []byte(cfg), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return path
+}
+
+// boxMetrics is where a box serves /metrics, inside its namespace.
+const boxMetrics = "127.0.0.1:9469"
+
+// nsClient is an HTTP client whose connections are opened in a namespace,
+// one per request, so that every request is a new flow for ECMP to place.
+type nsClient struct{ *http.Client }
+
+func newClient(ns *topology.NS) nsClient {
+	tr := &http.Transport{DisableKeepAlives: true, DialContext: func(ctx context.Context, network, a string) (c net.Conn, err error) {
 		err = ns.Do(func() (err error) {
 			c, err = (&net.Dialer{Timeout: 2 * time.Second}).DialContext(ctx, network, a)
 			return err
 		})
 		return c, err
 	}}
-	defer tr.CloseIdleConnections()
-	resp, err := (&http.Client{Transport: tr, Timeout: 5 * time.Second}).Get(url)
+	return nsClient{&http.Client{Transport: tr, Timeout: 5 * time.Second}}
+}
+
+// get fetches url and names the box that answered by the body's length.
+func (c nsClient) get(url string, boxes map[int]string) (string, error) {
+	resp, err := c.Get(url)
 	if err != nil {
-		t.Fatal(err)
+		return "", err
 	}
 	defer resp.Body.Close()
 	body, err := io.ReadAll(resp.Body)
-	if err != nil || resp.StatusCode != http.StatusOK {
-		t.Fatalf("GET %s: %s, %v", url, resp.Status, err)
+	if err != nil {
+		return "", err
 	}
-	return body
+	if resp.StatusCode != http.StatusOK || boxes[len(body)] == "" {
+		return "", fmt.Errorf("GET %s: %s, %d bytes", url, resp.Status, len(body))
+	}
+	return boxes[len(body)], nil
 }

@@ -21,6 +21,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"math/big"
+	"net/netip"
 	"slices"
 )
 
@@ -201,4 +202,24 @@ func Moved(a, b *Table) float64 {
 		}
 	}
 	return float64(moved) / float64(len(a.slots))
+}
+
+// FlowHash is the hash that picks a connection's slot: of the protocol, the
+// source and destination addresses (IPv4 as IPv4-mapped IPv6, so that one
+// function serves both) and ports of its packets towards the service.
+// Every box must compute the same value for the same connection, which
+// rules out the kernel's skb hash (seeded per boot); this one is fixed,
+// and simple enough for the XDP program to compute identically: each
+// 64-bit word of the tuple is folded in with a multiply and SplitMix64's
+// finaliser.
+func FlowHash(seed uint64, proto uint8, src, dst netip.Addr, srcPort, dstPort uint16) uint64 {
+	s, d := src.As16(), dst.As16()
+	h := mix64(seed ^ uint64(proto)<<32 ^ uint64(srcPort)<<16 ^ uint64(dstPort))
+	for _, w := range [4]uint64{
+		binary.BigEndian.Uint64(s[:8]), binary.BigEndian.Uint64(s[8:]),
+		binary.BigEndian.Uint64(d[:8]), binary.BigEndian.Uint64(d[8:]),
+	} {
+		h = mix64(h ^ w*0x9e3779b97f4a7c15)
+	}
+	return h
 }

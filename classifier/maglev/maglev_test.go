@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"net/netip"
 	"slices"
 	"testing"
 )
@@ -213,6 +214,39 @@ func BenchmarkNew(b *testing.B) {
 	for b.Loop() {
 		if _, err := New(in, 1, DefaultSize); err != nil {
 			b.Fatal(err)
+		}
+	}
+}
+
+// FlowHash is part of the wire contract between boxes (and, later, the XDP
+// program): fixed values, and every field of the tuple counts.
+func TestFlowHash(t *testing.T) {
+	src, dst := netip.MustParseAddr("198.18.0.1"), netip.MustParseAddr("198.18.200.1")
+	h := FlowHash(7, 6, src, dst, 40000, 80)
+	if want := uint64(0xf2065846e269f643); h != want {
+		t.Errorf("FlowHash = %#x, want %#x", h, want)
+	}
+	for name, other := range map[string]uint64{
+		"seed":     FlowHash(8, 6, src, dst, 40000, 80),
+		"protocol": FlowHash(7, 17, src, dst, 40000, 80),
+		"source":   FlowHash(7, 6, netip.MustParseAddr("198.18.0.2"), dst, 40000, 80),
+		"dest":     FlowHash(7, 6, src, netip.MustParseAddr("198.18.200.2"), 40000, 80),
+		"sport":    FlowHash(7, 6, src, dst, 40001, 80),
+		"dport":    FlowHash(7, 6, src, dst, 40000, 81),
+	} {
+		if other == h {
+			t.Errorf("changing the %s does not change the hash", name)
+		}
+	}
+	// Source ports of one client spread over a table's instances evenly.
+	tab := mustNew(t, names(4), 1)
+	counts := map[string]int{}
+	for p := range 40000 {
+		counts[tab.Owner(FlowHash(1, 6, src, dst, uint16(20000+p), 80))]++
+	}
+	for name, c := range counts {
+		if c < 9000 || c > 11000 {
+			t.Errorf("%s got %d of 40000 flows of one client", name, c)
 		}
 	}
 }

@@ -92,8 +92,8 @@ func (t *Table) populate() {
 	skip := make([]uint64, n)
 	next := make([]uint64, n) // how far along its permutation each instance is
 	for i, name := range t.instances {
-		offset[i] = nameHash(name, t.seed, 0) % size
-		skip[i] = nameHash(name, t.seed, 1)%(size-1) + 1
+		offset[i] = NameHash(t.seed, 0, name) % size
+		skip[i] = NameHash(t.seed, 1, name)%(size-1) + 1
 	}
 	for filled := uint64(0); ; {
 		for i := range n {
@@ -111,20 +111,21 @@ func (t *Table) populate() {
 	}
 }
 
-// nameHash derives an instance's offset (salt 0) or skip (salt 1) from its
-// name and the seed. It is FNV-1a followed by SplitMix64's finaliser:
-// fixed, so that every box and every version of fabricbridge agrees, and
-// well mixed, so that similar names ("web-1", "web-2") get unrelated
-// permutations.
-func nameHash(name string, seed uint64, salt byte) uint64 {
+// NameHash is the hash every consistent assignment of this module derives
+// from an instance's name, the seed and a salt (a Maglev table: 0 for an
+// instance's offset, 1 for its skip; portslice: the block number). It is
+// FNV-1a followed by SplitMix64's finaliser: fixed, so that every box and
+// every version of fabricbridge agrees, and well mixed, so that similar
+// names ("web-1", "web-2") get unrelated values.
+func NameHash(seed uint64, salt uint32, name string) uint64 {
 	const (
 		fnvOffset = 14695981039346656037
 		fnvPrime  = 1099511628211
 	)
 	h := uint64(fnvOffset)
-	var prefix [9]byte
+	var prefix [12]byte
 	binary.LittleEndian.PutUint64(prefix[:8], seed)
-	prefix[8] = salt
+	binary.LittleEndian.PutUint32(prefix[8:], salt)
 	for _, b := range prefix {
 		h = (h ^ uint64(b)) * fnvPrime
 	}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net/http"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -128,4 +129,26 @@ func (d *Daemon) collectAnnounce(w *metrics.Writer) {
 		}
 		w.Add(famAnnounced, v)
 	}
+}
+
+// serveDrain is POST /drain on the admin socket: the box withdraws its
+// addresses for good (until it restarts) and keeps serving; the answer
+// comes after withdraw_delay, once the routers have moved the new
+// connections away, so that the operator may then stop the daemon.
+func (d *Daemon) serveDrain(w http.ResponseWriter, r *http.Request) {
+	if r.Method != http.MethodPost {
+		http.Error(w, "drain: POST only", http.StatusMethodNotAllowed)
+		return
+	}
+	a := d.announcer
+	if a == nil {
+		http.Error(w, "drain: bgp is not configured; nothing is announced", http.StatusConflict)
+		return
+	}
+	if err := a.Withdraw(r.Context()); err != nil {
+		http.Error(w, "drain: "+err.Error(), http.StatusInternalServerError)
+		return
+	}
+	d.log.Info("drained: withdrawn from the routers until restart")
+	fmt.Fprintln(w, "withdrawn: the routers send no new connections here; established ones are still served")
 }

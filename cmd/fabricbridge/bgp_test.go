@@ -23,9 +23,9 @@ import (
 
 // TestRunAnnouncesWhileServing runs the daemon with a bgp section against
 // BIRD: the service address is announced only while an application is
-// registered, a client in the router's namespace reaches the application
-// through the route, and SIGTERM withdraws the route while the data plane
-// is still attached and the session still up, before the daemon exits.
+// registered and listening, a client in the router's namespace reaches the
+// application through the route, and `fabricbridge drain` withdraws the
+// route while the box stays up and peered.
 func TestRunAnnouncesWhileServing(t *testing.T) {
 	testenv.RequirePrivileged(t)
 	bird := birdtest.Require(t)
@@ -86,26 +86,24 @@ func TestRunAnnouncesWhileServing(t *testing.T) {
 	startDaemon(t, bns, "app", "http", "--config", path)
 	r.WaitHops(t, 5*time.Second, "an application registered again", box)
 
-	// SIGTERM: withdrawn by an UPDATE while the box still serves, then the
-	// daemon detaches and exits.
+	// fabricbridge drain: withdrawn by an UPDATE, the session up, the box
+	// still serving, until it is stopped.
+	drain := startDaemon(t, bns, "drain", "--config", path)
+	if err := drain.wait(t); err != nil {
+		t.Fatalf("drain: %v\n%s", err, drain.out.String())
+	}
+	if hops := r.NextHops(t, service); len(hops) != 0 {
+		t.Fatalf("drain returned with the route still there: %v", hops)
+	}
+	if !r.Established(t, "box4") || !xdpOn(bns, v.B.Name) {
+		t.Fatal("drain closed the session or detached the data plane")
+	}
+	waitMetric(t, bns, metricsAddr, d, announced(0))
+	time.Sleep(300 * time.Millisecond)
+	if hops := r.NextHops(t, service); len(hops) != 0 {
+		t.Fatalf("announced again after drain, the application still registered: %v", hops)
+	}
 	d.signal(t, syscall.SIGTERM)
-	term := time.Now()
-	for len(r.NextHops(t, service)) != 0 {
-		select {
-		case err := <-d.done:
-			d.done <- err
-			t.Fatalf("the daemon exited before the route was withdrawn:\n%s", d.out.String())
-		default:
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-	if !xdpOn(bns, v.B.Name) {
-		t.Error("the data plane was detached before the route was withdrawn")
-	}
-	if !r.Established(t, "box4") {
-		t.Error("the route went with the session: the daemon closed it without withdrawing")
-	}
-	t.Logf("SIGTERM: withdrawn after %v, still attached and peered", time.Since(term).Round(time.Millisecond))
 	if err := d.wait(t); err != nil {
 		t.Fatalf("exit after SIGTERM: %v\n%s", err, d.out.String())
 	}
@@ -117,8 +115,9 @@ func TestRunAnnouncesWhileServing(t *testing.T) {
 // TestECMPOverTwoBoxes puts a client behind the router and two announcing
 // boxes in front of it, each with its own instance of the application (they
 // answer with bodies of different lengths, which tells the client who
-// served it). New connections spread over both boxes; after a box stopped
-// with SIGTERM or hung has been withdrawn, every new connection succeeds.
+// served it). New connections spread over both boxes; SIGTERM withdraws a
+// box while it still serves; after a box stopped with SIGTERM or hung has
+// been withdrawn, every new connection succeeds.
 func TestECMPOverTwoBoxes(t *testing.T) {
 	testenv.RequirePrivileged(t)
 	bird := birdtest.Require(t)
@@ -202,6 +201,11 @@ func TestECMPOverTwoBoxes(t *testing.T) {
 	term := time.Now()
 	r.WaitHops(t, 2*time.Second, "box b stopping: withdrawn", map[netip.Addr][]netip.Addr{service: {la.B.Addr4.Addr()}})
 	withdrawn := time.Now()
+	// Withdrawn by an UPDATE while box b still serves: the session is up
+	// and the data plane attached for withdraw_delay yet.
+	if !r.Established(t, "b4") || !xdpOn(bns, lb.B.Name) {
+		t.Error("box b closed its session or detached before its route was withdrawn")
+	}
 	if err := daemons[1].wait(t); err != nil {
 		t.Errorf("box b after SIGTERM: %v\n%s", err, daemons[1].out.String())
 	}

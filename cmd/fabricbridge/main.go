@@ -7,6 +7,7 @@
 //	fabricbridge check --config FILE   validate a configuration file
 //	fabricbridge stats                 a live table of the daemon's counters
 //	fabricbridge capture --stream NAME -w FILE.pcap [filter]
+//	fabricbridge drain                 withdraw this box from the routers (bgp)
 //	fabricbridge app http|echo|sink    sample applications on a user-space stack
 package main
 
@@ -39,6 +40,9 @@ commands:
   capture  --stream NAME -w FILE.pcap [-c N] [filter]: both directions of
            one application's stream into a pcap file (tcpdump, Wireshark);
            filter: tcp|udp|icmp, [src|dst] host ADDR, [src|dst] port N, and
+  drain    [--config FILE | --admin PATH]: withdraw this box's addresses from
+           the BGP neighbours and keep serving what is established; returns
+           after bgp.withdraw_delay (then stop the daemon at leisure)
   app      http|echo|sink [--name NAME] [--listen HOST:PORT] [--config FILE]:
            a sample application on its own user-space TCP/IP stack over the
            bridge (fabricbridge app for the flags)
@@ -87,6 +91,8 @@ func dispatch(cmd string, args []string) error {
 		err = captureCommand(ctx, args, os.Stderr)
 	case "stats":
 		err = statsCommand(ctx, args, os.Stdout)
+	case "drain":
+		err = drainCommand(ctx, args, os.Stdout)
 	case "help", "-h", "--help":
 		fmt.Print(usage)
 	default:

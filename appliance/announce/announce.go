@@ -223,9 +223,6 @@ func peer(c *Config, n Neighbor) *api.Peer {
 			ConnectRetry:      uint64(c.ConnectRetry / time.Second),
 			HoldTime:          uint64(c.HoldTime / time.Second),
 			KeepaliveInterval: uint64(max(c.HoldTime/3/time.Second, 1)),
-			// Withdrawals and announcements go out at once: with the
-			// default of 30 s for eBGP, a withdrawal could wait that long.
-			MinimumAdvertisementInterval: 0,
 		}},
 	}
 	if b := c.BFD; b != nil {

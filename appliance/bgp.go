@@ -99,19 +99,28 @@ func (d *Daemon) stopAnnounce() error {
 	return nil
 }
 
+// startNetNS is the network namespace the process started in, where every
+// thread that no goroutine has locked is: that is where GoBGP's goroutines
+// open their sockets. (The main thread's /proc/self/ns/net will not do: a
+// test may lock the main thread into a namespace of its own.)
+var startNetNS, startNetNSErr = threadNetNS()
+
+func threadNetNS() (unix.Stat_t, error) {
+	var st unix.Stat_t
+	err := unix.Stat("/proc/thread-self/ns/net", &st)
+	return st, err
+}
+
 // sameNamespaceAsProcess refuses a daemon started on a thread switched into
 // another network namespace than its process's (as tests and the demo do):
 // GoBGP opens its sockets from goroutines of its own, on any thread, so it
 // would peer from the process's namespace, not the daemon's.
 func sameNamespaceAsProcess() error {
-	var thread, process unix.Stat_t
-	if err := unix.Stat("/proc/thread-self/ns/net", &thread); err != nil {
+	here, err := threadNetNS()
+	if err = errors.Join(err, startNetNSErr); err != nil {
 		return err
 	}
-	if err := unix.Stat("/proc/self/ns/net", &process); err != nil { // the main thread's
-		return err
-	}
-	if thread.Ino != process.Ino || thread.Dev != process.Dev {
+	if here.Ino != startNetNS.Ino || here.Dev != startNetNS.Dev {
 		return errors.New("the daemon runs in another network namespace than its process; the BGP speaker cannot follow it there (run the daemon in the namespace, e.g. with ip netns exec)")
 	}
 	return nil

@@ -199,7 +199,7 @@ func TestECMPOverTwoBoxes(t *testing.T) {
 	time.Sleep(500 * time.Millisecond)
 	daemons[1].signal(t, syscall.SIGTERM)
 	term := time.Now()
-	r.WaitHops(t, 2*time.Second, "box b stopping: withdrawn", map[netip.Addr][]netip.Addr{service: {la.B.Addr4.Addr()}})
+	r.WaitHops(t, 3*time.Second, "box b stopping: withdrawn", map[netip.Addr][]netip.Addr{service: {la.B.Addr4.Addr()}})
 	withdrawn := time.Now()
 	// Withdrawn by an UPDATE while box b still serves: the session is up
 	// and the data plane attached for withdraw_delay yet.

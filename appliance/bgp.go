@@ -129,15 +129,37 @@ func sameNamespaceAsProcess() error {
 var famAnnounced = metrics.Family{Name: "fabricbridge_bgp_announced", Type: metrics.Gauge,
 	Help: "1 while the addresses are announced to the BGP neighbours (bgp configured, the box can serve), 0 while withdrawn."}
 
-// collectAnnounce writes whether the addresses are announced, if bgp is on.
+var famSession = metrics.Family{Name: "fabricbridge_bgp_session_up", Type: metrics.Gauge,
+	Help: "1 while the BGP session with the neighbour is established (and, with bfd, BFD is up on it: kind bfd)."}
+
+// collectAnnounce writes whether the addresses are announced and the state
+// of every session, if bgp is on.
 func (d *Daemon) collectAnnounce(w *metrics.Writer) {
-	if a := d.announcer; a != nil {
-		v := 0.0
-		if a.Announced() {
-			v = 1
-		}
-		w.Add(famAnnounced, v)
+	a := d.announcer
+	if a == nil {
+		return
 	}
+	w.Add(famAnnounced, boolGauge(a.Announced()))
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	peers, err := a.Peers(ctx)
+	if err != nil {
+		return
+	}
+	bfd := d.Config().BGP.BFD.Enabled
+	for _, p := range peers {
+		w.Add(famSession, boolGauge(p.Established), metrics.L("neighbor", p.Address.String(), "kind", "bgp")...)
+		if bfd {
+			w.Add(famSession, boolGauge(p.BFDUp), metrics.L("neighbor", p.Address.String(), "kind", "bfd")...)
+		}
+	}
+}
+
+func boolGauge(b bool) float64 {
+	if b {
+		return 1
+	}
+	return 0
 }
 
 // serveDrain is POST /drain on the admin socket: the box withdraws its

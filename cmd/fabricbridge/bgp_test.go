@@ -63,7 +63,13 @@ func TestRunAnnouncesWhileServing(t *testing.T) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
-	waitMetric(t, bns, metricsAddr, d, announced(0))
+	waitMetric(t, bns, metricsAddr, d, func(s []metrics.Sample) bool {
+		up := func(kind string) bool {
+			x := metrics.Find(s, "fabricbridge_bgp_session_up", metrics.L("neighbor", v.A.Addr4.Addr().String(), "kind", kind)...)
+			return len(x) == 1 && x[0].Value == 1
+		}
+		return announced(0)(s) && up("bgp") && up("bfd")
+	})
 	time.Sleep(300 * time.Millisecond)
 	if hops := r.NextHops(t, service); len(hops) != 0 {
 		t.Fatalf("announced with no application registered: next hops %v", hops)

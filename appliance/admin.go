@@ -44,6 +44,7 @@ func (d *Daemon) startAdmin(cfg *config.Config) error {
 	mux := http.NewServeMux()
 	d.routeReadOnly(mux)
 	mux.HandleFunc("/capture", d.serveCapture)
+	mux.HandleFunc("/drain", d.serveDrain)
 	d.admin = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	go d.admin.Serve(ln)
 	d.log.Info("admin socket", "path", path)

@@ -103,6 +103,7 @@ func (d *Daemon) collect(w *metrics.Writer) {
 	w.Add(famStatic, float64(len(cfg.Rules)), metrics.L("kind", "rule")...)
 	apps := d.Apps()
 	w.Add(famApps, float64(len(apps)))
+	d.collectAnnounce(w)
 	byStream := map[uint32]string{}
 	for _, a := range apps {
 		byStream[a.Stream] = a.Name

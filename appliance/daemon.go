@@ -16,6 +16,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/fabricbridge/fabricbridge/appliance/announce"
 	"github.com/fabricbridge/fabricbridge/appliance/config"
 	"github.com/fabricbridge/fabricbridge/classifier"
 	"github.com/fabricbridge/fabricbridge/control"
@@ -48,6 +49,11 @@ type Daemon struct {
 	metAddr net.Addr
 	started time.Time
 	live    liveness
+
+	// announcer tells the routers this box serves the addresses while
+	// up holds (bgp.go); nil without a bgp section.
+	announcer *announce.Announcer
+	up        atomic.Bool
 
 	reserved   *classifier.PortSet
 	portRecord string // where the ports this daemon reserved are recorded
@@ -161,6 +167,10 @@ func Start(cfg *config.Config, opts Options) (_ *Daemon, err error) {
 		go d.metrics.Serve(ln)
 		d.log.Info("metrics", "address", "http://"+ln.Addr().String()+"/metrics")
 	}
+	d.up.Store(true)
+	if err := d.startAnnounce(cfg); err != nil {
+		return nil, err
+	}
 	d.log.Info("fabricbridge running", "config", cfg.File, "interfaces", len(cfg.Interfaces), "pid", os.Getpid())
 	return d, nil
 }
@@ -217,6 +227,7 @@ var restartOnly = []struct {
 	{"metrics", func(c *config.Config) any { return c.Metrics }},
 	{"applications", func(c *config.Config) any { return c.Applications }},
 	{"default_quota", func(c *config.Config) any { return c.DefaultQuota }},
+	{"bgp", func(c *config.Config) any { return c.BGP }},
 }
 
 // Reload applies a new configuration's rules and log settings in one atomic
@@ -277,7 +288,8 @@ func (d *Daemon) Close() error {
 }
 
 func (d *Daemon) shutdown() error {
-	var errs []error
+	// Routers stop sending here before anything stops serving.
+	errs := []error{d.stopAnnounce()}
 	if d.admin != nil {
 		d.admin.Close() // captures in progress end here
 	}

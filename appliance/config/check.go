@@ -24,6 +24,7 @@ func (c *Config) check(d *decoder) {
 	c.checkListeners(d, ids)
 	c.checkRules(d, ids)
 	c.checkControl(d)
+	c.checkBGP(d)
 	if len(d.errs) == 0 {
 		// The classifier's own validation is the last word; the checks
 		// above should have caught everything it would refuse, with a

@@ -40,6 +40,7 @@ type Config struct {
 	Control      Control `yaml:"control"`
 	Metrics      Metrics `yaml:"metrics"`
 	Log          Log     `yaml:"log"`
+	BGP          BGP     `yaml:"bgp"`
 
 	where map[string]pos
 }
@@ -266,6 +267,7 @@ func Default() *Config {
 		Control:       Control{Socket: DefaultSocket, SocketMode: 0o660},
 		Metrics:       Metrics{Address: DefaultMetrics},
 		Log:           Log{Level: LogLevel(0)},
+		BGP:           defaultBGP(),
 	}
 }
 

@@ -106,7 +106,7 @@ in network namespaces of its own.`,
 		return fmt.Errorf("%s: %w (%s --help)", c.CommandPath(), err, c.CommandPath())
 	})
 	root.AddCommand(newDemoCommand(), newRunCommand(), newCheckCommand(), newStatsCommand(),
-		newCaptureCommand(), newAppCommand(), newVersionCommand())
+		newCaptureCommand(), newDrainCommand(), newAppCommand(), newVersionCommand())
 	return root
 }
 

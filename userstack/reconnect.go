@@ -141,6 +141,7 @@ type attachment struct {
 	gen    uint64   // counts attachments
 	up     chan struct{}
 	lostAt time.Time
+	lost   error // why the last bridge was lost
 	book   map[uint64]*heldClaim
 	nextID uint64
 	loss   chan uint64 // generations whose stream failed
@@ -230,6 +231,7 @@ func (a *attachment) detach(why error) {
 	a.cur = attached{}
 	a.up = make(chan struct{})
 	a.lostAt = time.Now()
+	a.lost = why
 	a.mu.Unlock()
 	a.link.set(nil)
 	at.close()
@@ -306,7 +308,7 @@ func (a *attachment) resume(ctx context.Context, at attached) bool {
 func (a *attachment) client(ctx context.Context) (*control.Client, uint64, error) {
 	for {
 		a.mu.Lock()
-		c, gen, up := a.cur.client, a.gen, a.up
+		c, gen, up, lost := a.cur.client, a.gen, a.up, a.lost
 		a.mu.Unlock()
 		if c != nil {
 			return c, gen, nil
@@ -316,7 +318,7 @@ func (a *attachment) client(ctx context.Context) (*control.Client, uint64, error
 		case <-a.ctx.Done():
 			return nil, 0, ErrClosed
 		case <-ctx.Done():
-			return nil, 0, fmt.Errorf("%w (reconnecting): %w", ErrBridgeUnavailable, ctx.Err())
+			return nil, 0, fmt.Errorf("%w, reconnecting (%w): %w", ErrBridgeUnavailable, lost, ctx.Err())
 		}
 	}
 }

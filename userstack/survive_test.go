@@ -1,0 +1,213 @@
+package userstack
+
+import (
+	"bytes"
+	"errors"
+	"io"
+	"net"
+	"net/netip"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/fabricbridge/fabricbridge/control"
+)
+
+// bridgeEvents collects a stack's events and lets a test wait for them.
+type bridgeEvents struct {
+	mu     sync.Mutex
+	events []Event
+}
+
+func (l *bridgeEvents) add(e Event) {
+	l.mu.Lock()
+	l.events = append(l.events, e)
+	l.mu.Unlock()
+}
+
+func (l *bridgeEvents) count(k EventKind) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := 0
+	for _, e := range l.events {
+		if e.Kind == k {
+			n++
+		}
+	}
+	return n
+}
+
+func (l *bridgeEvents) await(t *testing.T, k EventKind, n int) {
+	t.Helper()
+	if !eventually(10*time.Second, func() bool { return l.count(k) >= n }) {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		t.Fatalf("no %d× %v among the events %v", n, k, l.events)
+	}
+}
+
+func (w *world) openWithEvents(t *testing.T, app string) (*Stack, *bridgeEvents) {
+	t.Helper()
+	log := &bridgeEvents{}
+	s, err := Open(testCtx(t, 10*time.Second), Options{App: app, Control: w.path, Events: log.add})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	return s, log
+}
+
+// servePaced writes want to every connection it accepts, a chunk every
+// millisecond, so that a transfer spans what a test does meanwhile.
+func servePaced(l net.Listener, want []byte) {
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			return
+		}
+		go func() {
+			defer c.Close()
+			for b := want; len(b) > 0; {
+				n, err := c.Write(b[:min(len(b), 32<<10)])
+				if err != nil {
+					return
+				}
+				b = b[n:]
+				time.Sleep(time.Millisecond)
+			}
+		}()
+	}
+}
+
+// TestStacksOutliveTheirBridge restarts the control server under two
+// stacks with a transfer running between them, through a's flow and b's
+// listener: the transfer completes byte-exact over the new streams, a
+// Dial made while the bridge is away completes once it is back, and b's
+// listener accepts new connections.
+func TestStacksOutliveTheirBridge(t *testing.T) {
+	w := newWorld(t)
+	a, aEvents := w.openWithEvents(t, "a")
+	b, bEvents := w.openWithEvents(t, "b")
+	l, err := b.Listen("tcp", ":9000")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	want := body(16 << 20)
+	go servePaced(l, want)
+
+	c, err := a.Dial(testCtx(t, 10*time.Second), "tcp", "198.18.0.2:9000")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	got := make([]byte, len(want))
+	c.SetReadDeadline(time.Now().Add(60 * time.Second))
+	if _, err := io.ReadFull(c, got[:1<<20]); err != nil {
+		t.Fatal(err)
+	}
+
+	w.srv.Close()
+	aEvents.await(t, BridgeLost, 1)
+	bEvents.await(t, BridgeLost, 1)
+	if _, ok := w.app("a"); ok {
+		t.Fatal("a still registered with the closed server")
+	}
+	// A Dial while the bridge is away waits for it.
+	dialed := make(chan error, 1)
+	go func() {
+		c, err := a.Dial(testCtx(t, 10*time.Second), "tcp", "198.18.0.2:9000")
+		if err == nil {
+			c.Close()
+		}
+		dialed <- err
+	}()
+	time.Sleep(200 * time.Millisecond)
+	select {
+	case err := <-dialed:
+		t.Fatalf("Dial returned while the bridge was away: %v", err)
+	default:
+	}
+
+	w.srv = w.serve(t, w.path)
+	aEvents.await(t, BridgeBack, 1)
+	bEvents.await(t, BridgeBack, 1)
+	if err := <-dialed; err != nil {
+		t.Fatalf("Dial made while the bridge was away: %v", err)
+	}
+	if _, err := io.ReadFull(c, got[1<<20:]); err != nil {
+		t.Fatalf("the transfer did not survive the restart: %v", err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatal("the transfer survived the restart with other bytes than were sent")
+	}
+	// b's listener was claimed again and its Accept kept waiting.
+	c2, err := a.Dial(testCtx(t, time.Second), "tcp", "198.18.0.2:9000")
+	if err != nil {
+		t.Fatalf("a new connection after the restart: %v", err)
+	}
+	c2.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.ReadFull(c2, got[:1000]); err != nil || !bytes.Equal(got[:1000], want[:1000]) {
+		t.Fatalf("a new connection after the restart: %v", err)
+	}
+	c2.Close()
+	if bi, ok := w.app("b"); !ok || bi.Listeners != 1 {
+		t.Fatalf("b at the new bridge: %+v", bi)
+	}
+	if n := aEvents.count(ClaimLost) + bEvents.count(ClaimLost); n != 0 {
+		t.Fatalf("%d claims lost in a restart nobody else used", n)
+	}
+}
+
+// TestALostClaimIsReported has another application take a stack's port
+// while the bridge is away: the stack says so.
+func TestALostClaimIsReported(t *testing.T) {
+	w := newWorld(t)
+	b, events := w.openWithEvents(t, "b")
+	if _, err := b.Listen("tcp", ":9000"); err != nil {
+		t.Fatal(err)
+	}
+	w.srv.Close()
+	events.await(t, BridgeLost, 1)
+	// The new bridge hears from the intruder first, on a socket of its own.
+	side := filepath.Join(t.TempDir(), "side.sock")
+	w.srv = w.serve(t, side)
+	ctx := testCtx(t, 10*time.Second)
+	intruder, err := control.DialLocal(ctx, side, "c")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer intruder.Close()
+	_, st, err := intruder.RegisterLocal(ctx, 0, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	if _, err := intruder.Listen(ctx, "tcp", netip.Addr{}, 9000); err != nil {
+		t.Fatal(err)
+	}
+	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: w.path, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	go w.srv.ServeLocal(l)
+	events.await(t, BridgeBack, 1)
+	events.await(t, ClaimLost, 1)
+	events.mu.Lock()
+	var lost Event
+	for _, e := range events.events {
+		if e.Kind == ClaimLost {
+			lost = e
+		}
+	}
+	events.mu.Unlock()
+	if !errors.Is(lost.Err, control.ErrPortInUse) || !strings.Contains(lost.Err.Error(), "port 9000") || !strings.Contains(lost.Err.Error(), `"c"`) {
+		t.Fatalf("the lost claim is reported as %v", lost)
+	}
+	// The rest of the stack goes on.
+	if _, err := b.Listen("tcp", ":9001"); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -168,6 +168,7 @@ func appCommand(ctx context.Context, args []string, stdout io.Writer) error {
 	if err != nil {
 		return err
 	}
+	o.stack.Events = func(e userstack.Event) { logBridgeEvent(stdout, o.kind, e) }
 	st, err := userstack.Open(ctx, o.stack)
 	if err != nil {
 		return fmt.Errorf("app %s: %w", o.kind, err)
@@ -181,6 +182,19 @@ func appCommand(ctx context.Context, args []string, stdout io.Writer) error {
 		return serveEcho(ctx, st, o.listen, o.udp, stdout)
 	default:
 		return serveSink(ctx, st, o.listen, o.udp, o.every, stdout)
+	}
+}
+
+// logBridgeEvent tells the operator that the bridge went away or came
+// back, or that a claim did not survive its absence.
+func logBridgeEvent(w io.Writer, kind string, e userstack.Event) {
+	switch e.Kind {
+	case userstack.BridgeLost:
+		fmt.Fprintf(w, "%s: bridge lost, reconnecting (connections wait): %v\n", kind, e.Err)
+	case userstack.BridgeBack:
+		fmt.Fprintf(w, "%s: bridge back after %v, listeners and connections claimed again\n", kind, e.Down.Round(time.Millisecond))
+	default:
+		fmt.Fprintf(w, "%s: %v\n", kind, e)
 	}
 }
 

@@ -68,11 +68,13 @@ func (e Event) String() string {
 var ErrBridgeUnavailable = errors.New("userstack: bridge unavailable")
 
 // Reconnection backoff: the first attempt follows the loss at once, and
-// the ceiling stays well under a second so that a restarted bridge serves
-// the stack's listeners again within a second of its control socket.
+// the ceiling is what a restarted bridge may wait before a stack is back.
+// A local attempt costs a failed connect(2) on a Unix socket, so local
+// stacks try often; remote ones spare the network and the bridge.
 const (
-	backoffMin = 10 * time.Millisecond
-	backoffMax = 200 * time.Millisecond
+	backoffMin       = 5 * time.Millisecond
+	backoffMaxLocal  = 20 * time.Millisecond
+	backoffMaxRemote = 250 * time.Millisecond
 )
 
 // attached is what one registration with a bridge gave.
@@ -122,9 +124,10 @@ func (h *heldClaim) String() string {
 // the claims it hands out have ids of its own, which stay valid across
 // bridges, and it asks each new bridge for all of them again.
 type attachment struct {
-	dial   func(ctx context.Context) (attached, error)
-	link   *relink
-	events func(Event)
+	dial    func(ctx context.Context) (attached, error)
+	backoff time.Duration // the ceiling between attempts
+	link    *relink
+	events  func(Event)
 
 	ctx    context.Context // ends with Close
 	cancel context.CancelFunc
@@ -149,12 +152,12 @@ type attachment struct {
 
 // newAttachment registers with a bridge through dial and watches the
 // attachment from then on.
-func newAttachment(ctx context.Context, dial func(context.Context) (attached, error), events func(Event)) (*attachment, error) {
+func newAttachment(ctx context.Context, dial func(context.Context) (attached, error), backoff time.Duration, events func(Event)) (*attachment, error) {
 	at, err := dial(ctx)
 	if err != nil {
 		return nil, err
 	}
-	a := &attachment{dial: dial, events: events, cur: at, gen: 1, up: make(chan struct{}), book: make(map[uint64]*heldClaim), loss: make(chan uint64, 1), done: make(chan struct{})}
+	a := &attachment{dial: dial, backoff: backoff, events: events, cur: at, gen: 1, up: make(chan struct{}), book: make(map[uint64]*heldClaim), loss: make(chan uint64, 1), done: make(chan struct{})}
 	close(a.up)
 	a.ctx, a.cancel = context.WithCancel(context.Background())
 	a.link = newRelink(at.link, a.linkFailed)
@@ -256,7 +259,7 @@ func (a *attachment) reattach() bool {
 			return false
 		case <-time.After(wait):
 		}
-		wait = min(2*wait, backoffMax)
+		wait = min(2*wait, a.backoff)
 	}
 }
 

@@ -116,12 +116,12 @@ func Open(ctx context.Context, opts Options) (*Stack, error) {
 	if (opts.Control == "") == (opts.Remote == nil) {
 		return nil, errors.New("userstack: set exactly one of Options.Control and Options.Remote")
 	}
-	dial, closeTransport := localDialer(opts), func() error { return nil }
+	dial, closeTransport, backoff := localDialer(opts), func() error { return nil }, backoffMaxLocal
 	if opts.Remote != nil {
 		rd := &remoteDialer{opts: opts}
-		dial, closeTransport = rd.dial, rd.close
+		dial, closeTransport, backoff = rd.dial, rd.close, backoffMaxRemote
 	}
-	a, err := newAttachment(ctx, dial, opts.Events)
+	a, err := newAttachment(ctx, dial, backoff, opts.Events)
 	if err != nil {
 		closeTransport()
 		return nil, err

@@ -26,6 +26,7 @@ import (
 const appUsage = `usage: fabricbridge app http|echo|sink|trigger [flags]
 
   http     serve HTTP: GET / answers --size bytes, GET /bytes/N answers N bytes
+           (at --rate Mbit/s at most, if given)
   echo     TCP echo (and UDP echo with --udp)
   sink     discard TCP (and UDP with --udp), print the rate every --every
   trigger  consume an ingest ring, on the CPU or with --gpu (app trigger -h)
@@ -50,6 +51,7 @@ type appOptions struct {
 	kind, name, listen string
 	stack              userstack.Options
 	size               int
+	rateMbit           float64
 	udp                bool
 	every              time.Duration
 }
@@ -78,12 +80,13 @@ func parseApp(args []string) (appOptions, error) {
 	fs.StringVar(&tlsFiles.serverName, "tls-server-name", "", "name to check in the bridge's certificate")
 	fs.IntVar(&o.stack.MTU, "mtu", 0, "largest IP packet the stack sends")
 	fs.IntVar(&o.size, "size", 4096, "http: bytes of the answer to GET /")
+	fs.Float64Var(&o.rateMbit, "rate", 0, "http: pace answers to GET /bytes/N to this many Mbit/s (0: no limit)")
 	fs.BoolVar(&o.udp, "udp", false, "echo, sink: serve UDP on the same port too")
 	fs.DurationVar(&o.every, "every", 5*time.Second, "sink: how often to print the rate")
 	if err := fs.Parse(args[1:]); err != nil {
 		return o, err
 	}
-	if fs.NArg() > 0 || o.size < 0 || o.every <= 0 || o.stack.MTU < 0 {
+	if fs.NArg() > 0 || o.size < 0 || o.every <= 0 || o.stack.MTU < 0 || o.rateMbit < 0 {
 		return o, errors.New(appUsage)
 	}
 	o.stack.App = o.name
@@ -177,7 +180,7 @@ func appCommand(ctx context.Context, args []string, stdout io.Writer) error {
 	fmt.Fprintf(stdout, "%s: application %q on a user-space stack, addresses %v\n", o.kind, o.name, st.Addrs())
 	switch o.kind {
 	case "http":
-		return serveHTTP(ctx, st, o.listen, o.size, stdout, nil)
+		return serveHTTP(ctx, st, o.listen, o.size, o.rateMbit*1e6/8, stdout, nil)
 	case "echo":
 		return serveEcho(ctx, st, o.listen, o.udp, stdout)
 	default:
@@ -192,7 +195,7 @@ func logBridgeEvent(w io.Writer, kind string, e userstack.Event) {
 	case userstack.BridgeLost:
 		fmt.Fprintf(w, "%s: bridge lost, reconnecting (connections wait): %v\n", kind, e.Err)
 	case userstack.BridgeBack:
-		fmt.Fprintf(w, "%s: bridge back after %v, listeners and connections claimed again\n", kind, e.Down.Round(time.Millisecond))
+		fmt.Fprintf(w, "%s: bridge back after %v\n", kind, e.Down.Round(time.Millisecond))
 	default:
 		fmt.Fprintf(w, "%s: %v\n", kind, e)
 	}
@@ -204,7 +207,12 @@ type httpCounters struct {
 }
 
 // httpHandler answers GET / with size bytes and GET /bytes/N with N.
-func httpHandler(size int, c *httpCounters) http.Handler {
+func httpHandler(size int, c *httpCounters) http.Handler { return httpHandlerPaced(size, 0, c) }
+
+// httpHandlerPaced is httpHandler sending /bytes/N at rate bytes a second
+// at most (0: as fast as the connection takes them), so that a download
+// can be made to last.
+func httpHandlerPaced(size int, rate float64, c *httpCounters) http.Handler {
 	body := []byte(strings.Repeat("fabricbridge ", size/13+1)[:size])
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /{$}", func(w http.ResponseWriter, r *http.Request) {
@@ -220,12 +228,15 @@ func httpHandler(size int, c *httpCounters) http.Handler {
 		}
 		w.Header().Set("Content-Length", strconv.Itoa(n))
 		chunk := []byte(strings.Repeat("x", 64<<10))
-		sent := 0
+		sent, start := 0, time.Now()
 		for sent < n {
 			k, err := w.Write(chunk[:min(len(chunk), n-sent)])
 			sent += k
 			if err != nil {
 				break
+			}
+			if rate > 0 {
+				time.Sleep(time.Duration(float64(sent)/rate*float64(time.Second)) - time.Since(start))
 			}
 		}
 		c.Requests.Add(1)
@@ -234,8 +245,9 @@ func httpHandler(size int, c *httpCounters) http.Handler {
 	return mux
 }
 
-// serveHTTP serves until ctx ends; counters, if not nil, count what it served.
-func serveHTTP(ctx context.Context, st *userstack.Stack, listen string, size int, log io.Writer, counters *httpCounters) error {
+// serveHTTP serves until ctx ends, /bytes/N at rate bytes a second at most
+// (0: no limit); counters, if not nil, count what it served.
+func serveHTTP(ctx context.Context, st *userstack.Stack, listen string, size int, rate float64, log io.Writer, counters *httpCounters) error {
 	ln, err := st.Listen("tcp", listen)
 	if err != nil {
 		return fmt.Errorf("http: listen %s: %w", listen, err)
@@ -243,7 +255,7 @@ func serveHTTP(ctx context.Context, st *userstack.Stack, listen string, size int
 	if counters == nil {
 		counters = &httpCounters{}
 	}
-	srv := &http.Server{Handler: httpHandler(size, counters), ReadHeaderTimeout: 10 * time.Second}
+	srv := &http.Server{Handler: httpHandlerPaced(size, rate, counters), ReadHeaderTimeout: 10 * time.Second}
 	go func() {
 		<-ctx.Done()
 		srv.Close()

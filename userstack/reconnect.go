@@ -30,6 +30,11 @@ const (
 	// port meanwhile (Event.Err names it). Its packets no longer reach
 	// this stack.
 	ClaimLost
+	// BridgeRefused: a bridge answered but would not register the stack
+	// again (Event.Err says why: the application is no longer permitted,
+	// its name is in use...). The stack tries again every
+	// refusedBackoff; the event comes again only when the reason changes.
+	BridgeRefused
 )
 
 func (k EventKind) String() string {
@@ -40,6 +45,8 @@ func (k EventKind) String() string {
 		return "bridge back"
 	case ClaimLost:
 		return "claim lost"
+	case BridgeRefused:
+		return "bridge refused"
 	}
 	return fmt.Sprintf("EventKind(%d)", int(k))
 }
@@ -75,7 +82,21 @@ const (
 	backoffMin       = 5 * time.Millisecond
 	backoffMaxLocal  = 20 * time.Millisecond
 	backoffMaxRemote = 250 * time.Millisecond
+	// refusedBackoff spaces the attempts a bridge answers with a refusal,
+	// which it logs: one a second is enough to notice a change of its
+	// configuration.
+	refusedBackoff = time.Second
 )
+
+// refusal reports whether err is a bridge's answer that registering again
+// now would only repeat, rather than the absence of a bridge.
+func refusal(err error) bool {
+	switch control.ErrorCode(err) {
+	case "", "bridge_gone", "internal":
+		return false
+	}
+	return true
+}
 
 // attached is what one registration with a bridge gave.
 type attached struct {
@@ -245,6 +266,7 @@ func (a *attachment) detach(why error) {
 // once Close ended the attempts.
 func (a *attachment) reattach() bool {
 	wait := backoffMin
+	refused := ""
 	for {
 		ctx, cancel := context.WithTimeout(a.ctx, controlTimeout)
 		at, err := a.dial(ctx)
@@ -254,25 +276,46 @@ func (a *attachment) reattach() bool {
 			return ok
 		}
 		cancel()
+		next := wait
+		if refusal(err) {
+			next = refusedBackoff
+			if err.Error() != refused {
+				refused = err.Error()
+				a.emit(Event{Kind: BridgeRefused, Err: err})
+			}
+		}
 		select {
 		case <-a.ctx.Done():
 			return false
-		case <-time.After(wait):
+		case <-time.After(next):
 		}
 		wait = min(2*wait, a.backoff)
 	}
 }
 
 // resume installs a new registration and asks its bridge for every claim
-// the stack holds.
+// the stack holds. The events go out once claims may be made again, so
+// that a handler can make some.
 func (a *attachment) resume(ctx context.Context, at attached) bool {
+	events := a.reclaim(ctx, at)
+	if events == nil {
+		return false
+	}
+	for _, e := range events {
+		a.emit(e)
+	}
+	return true
+}
+
+// reclaim is resume's part under claimMu; nil once Close has begun.
+func (a *attachment) reclaim(ctx context.Context, at attached) []Event {
 	a.claimMu.Lock()
 	defer a.claimMu.Unlock()
 	a.mu.Lock()
 	if a.ctx.Err() != nil {
 		a.mu.Unlock()
 		at.close()
-		return false
+		return nil
 	}
 	a.gen++
 	gen := a.gen
@@ -284,6 +327,7 @@ func (a *attachment) resume(ctx context.Context, at attached) bool {
 	a.mu.Unlock()
 	a.link.set(at.link)
 	slices.Sort(ids) // oldest first: listeners before the connections they accepted
+	var events []Event
 	for _, id := range ids {
 		a.mu.Lock()
 		h := a.book[id]
@@ -296,15 +340,14 @@ func (a *attachment) resume(ctx context.Context, at attached) bool {
 		h.bridgeID, h.gen = cl.ID, gen
 		a.mu.Unlock()
 		if err != nil {
-			a.emit(Event{Kind: ClaimLost, Err: fmt.Errorf("userstack: %v: %w", h, err)})
+			events = append(events, Event{Kind: ClaimLost, Err: fmt.Errorf("userstack: %v: %w", h, err)})
 		}
 	}
 	a.mu.Lock()
 	close(a.up)
 	down := time.Since(a.lostAt)
 	a.mu.Unlock()
-	a.emit(Event{Kind: BridgeBack, Down: down})
-	return true
+	return append(events, Event{Kind: BridgeBack, Down: down})
 }
 
 // client waits for an attached bridge, within ctx.

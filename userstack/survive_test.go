@@ -211,3 +211,33 @@ func TestALostClaimIsReported(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestARefusingBridgeIsReported restarts the bridge with a configuration
+// that no longer lets the application in: the stack says why, once, and
+// attaches when a bridge takes it again.
+func TestARefusingBridgeIsReported(t *testing.T) {
+	w := newWorld(t)
+	_, events := w.openWithEvents(t, "b")
+	w.srv.Close()
+	events.await(t, BridgeLost, 1)
+	open := w.cfg
+	w.cfg.Apps = map[string]control.Policy{"a": {Addrs: addrA}}
+	w.cfg.RefuseUnlisted = true
+	w.srv = w.serve(t, w.path)
+	events.await(t, BridgeRefused, 1)
+	time.Sleep(2500 * time.Millisecond) // two more refusals
+	if n := events.count(BridgeRefused); n != 1 {
+		t.Fatalf("the same refusal reported %d times", n)
+	}
+	w.srv.Close()
+	w.cfg = open
+	w.srv = w.serve(t, w.path)
+	events.await(t, BridgeBack, 1)
+	events.mu.Lock()
+	defer events.mu.Unlock()
+	for _, e := range events.events {
+		if e.Kind == BridgeRefused && !errors.Is(e.Err, control.ErrNotPermitted) {
+			t.Fatalf("refusal reported as %v", e)
+		}
+	}
+}

@@ -326,7 +326,7 @@ func (a *attachment) reclaim(ctx context.Context, at attached) []Event {
 	}
 	a.mu.Unlock()
 	a.link.set(at.link)
-	slices.Sort(ids) // oldest first: listeners before the connections they accepted
+	slices.Sort(ids) // in the order they were made
 	var events []Event
 	for _, id := range ids {
 		a.mu.Lock()

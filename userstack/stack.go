@@ -7,12 +7,14 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"runtime"
 	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/vishvananda/netns"
 	"gvisor.dev/gvisor/pkg/tcpip"
 	"gvisor.dev/gvisor/pkg/tcpip/network/ipv4"
 	"gvisor.dev/gvisor/pkg/tcpip/network/ipv6"
@@ -162,9 +164,57 @@ func localDialer(opts Options) func(context.Context) (attached, error) {
 type remoteDialer struct {
 	opts Options
 	r    *fabric.Remote
+	// ns is the network namespace of the thread that called Open. Later
+	// registrations dial from a goroutine of their own, whose thread may
+	// be in another (an application that opened its stack inside
+	// netns.Set, as the tests' remote hosts do).
+	ns netns.NsHandle
 }
 
-func (d *remoteDialer) dial(ctx context.Context) (attached, error) {
+func (d *remoteDialer) dial(ctx context.Context) (at attached, err error) {
+	if d.r == nil {
+		if d.ns, err = netns.Get(); err != nil {
+			d.ns = netns.None()
+		}
+		return d.dialHere(ctx)
+	}
+	if nerr := inNetns(d.ns, func() { at, err = d.dialHere(ctx) }); nerr != nil {
+		return attached{}, fmt.Errorf("%w: the application's network namespace: %v", control.ErrBridgeGone, nerr)
+	}
+	return at, err
+}
+
+// inNetns runs fn on a thread in ns (none: wherever it runs).
+func inNetns(ns netns.NsHandle, fn func()) error {
+	if !ns.IsOpen() {
+		fn()
+		return nil
+	}
+	runtime.LockOSThread()
+	orig, err := netns.Get()
+	if err != nil {
+		runtime.UnlockOSThread()
+		return err
+	}
+	defer orig.Close()
+	if orig.Equal(ns) {
+		runtime.UnlockOSThread()
+		fn()
+		return nil
+	}
+	if err := netns.Set(ns); err != nil {
+		runtime.UnlockOSThread()
+		return err
+	}
+	fn()
+	if err := netns.Set(orig); err != nil {
+		return err // the thread stays locked and ends with its goroutine
+	}
+	runtime.UnlockOSThread()
+	return nil
+}
+
+func (d *remoteDialer) dialHere(ctx context.Context) (attached, error) {
 	ro := d.opts.Remote
 	var nd net.Dialer
 	conn, err := nd.DialContext(ctx, "tcp", ro.Control)
@@ -212,6 +262,9 @@ func (d *remoteDialer) dial(ctx context.Context) (attached, error) {
 }
 
 func (d *remoteDialer) close() error {
+	if d.ns.IsOpen() {
+		d.ns.Close()
+	}
 	if d.r == nil {
 		return nil
 	}

@@ -172,18 +172,19 @@ type attachment struct {
 }
 
 // newAttachment registers with a bridge through dial and watches the
-// attachment from then on.
-func newAttachment(ctx context.Context, dial func(context.Context) (attached, error), backoff time.Duration, events func(Event)) (*attachment, error) {
+// attachment from then on. It returns the first registration too, which
+// the watcher may replace at any time after.
+func newAttachment(ctx context.Context, dial func(context.Context) (attached, error), backoff time.Duration, events func(Event)) (*attachment, attached, error) {
 	at, err := dial(ctx)
 	if err != nil {
-		return nil, err
+		return nil, attached{}, err
 	}
 	a := &attachment{dial: dial, backoff: backoff, events: events, cur: at, gen: 1, up: make(chan struct{}), book: make(map[uint64]*heldClaim), loss: make(chan uint64, 1), done: make(chan struct{})}
 	close(a.up)
 	a.ctx, a.cancel = context.WithCancel(context.Background())
 	a.link = newRelink(at.link, a.linkFailed)
 	go a.run()
-	return a, nil
+	return a, at, nil
 }
 
 // linkFailed is the relink's report that stream l failed.

@@ -123,12 +123,11 @@ func Open(ctx context.Context, opts Options) (*Stack, error) {
 		rd := &remoteDialer{opts: opts}
 		dial, closeTransport, backoff = rd.dial, rd.close, backoffMaxRemote
 	}
-	a, err := newAttachment(ctx, dial, backoff, opts.Events)
+	a, first, err := newAttachment(ctx, dial, backoff, opts.Events)
 	if err != nil {
 		closeTransport()
 		return nil, err
 	}
-	first := a.cur
 	// The ring the bridge made, whatever was asked: windows must fit it.
 	cfg := LinkConfig{MTU: mtuOf(first.reg.MTU, opts.MTU, first.maxPacket), MaxPacket: first.maxPacket, NoGRO: opts.NoGRO, RxDepth: first.rxDepth}
 	s, err := newStack(a.link, cfg, first.reg.Addrs, a, a.Close, a.link.Close, closeTransport)

@@ -23,16 +23,7 @@ func (r *registry) reclaimListener(a *app, proto classifier.Protocol, addr netip
 	if addr.IsValid() && !addr.IsUnspecified() && !slices.Contains(a.policy.Addrs, addr) {
 		return nil, fmt.Errorf("%w: address %v is not one this application may use", ErrNotPermitted, addr)
 	}
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if err := r.reservedPortFree(a, proto, port); err != nil {
-		return nil, err
-	}
-	c := &claim{proto: proto, listener: true, addr: addr, port: port}
-	if err := r.grant(a, c); err != nil {
-		return nil, err
-	}
-	return c, nil
+	return r.grantReserved(a, &claim{proto: proto, listener: true, addr: addr, port: port})
 }
 
 // reclaimFlow is connect for a flow held under an earlier lease: the same
@@ -47,12 +38,16 @@ func (r *registry) reclaimFlow(a *app, proto classifier.Protocol, local netip.Ad
 	case local.Is4() != ra.Is4():
 		return nil, fmt.Errorf("%w: local %v and remote %v are of different families", ErrBadRequest, local, ra)
 	}
+	return r.grantReserved(a, &claim{proto: proto, addr: local, port: port, remote: remote})
+}
+
+// grantReserved grants a c, whose port of the reserved range it names.
+func (r *registry) grantReserved(a *app, c *claim) (*claim, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if err := r.reservedPortFree(a, proto, port); err != nil {
+	if err := r.reservedPortFree(a, c.proto, c.port); err != nil {
 		return nil, err
 	}
-	c := &claim{proto: proto, addr: local, port: port, remote: remote}
 	if err := r.grant(a, c); err != nil {
 		return nil, err
 	}

@@ -1,8 +1,6 @@
 package userstack
 
 import (
-	"bytes"
-	"io"
 	"net"
 	"testing"
 	"time"
@@ -64,27 +62,9 @@ func TestRemoteStackOutlivesItsBridge(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	got := make([]byte, len(want))
-	c.SetReadDeadline(time.Now().Add(60 * time.Second))
-	if _, err := io.ReadFull(c, got[:1<<20]); err != nil {
-		t.Fatal(err)
-	}
+	got := transferStarted(t, c, want)
 	e.restart(t)
 	events.await(t, BridgeLost, 1)
 	events.await(t, BridgeBack, 1)
-	if _, err := io.ReadFull(c, got[1<<20:]); err != nil {
-		t.Fatalf("the download did not survive the restart: %v", err)
-	}
-	if !bytes.Equal(got, want) {
-		t.Fatal("the download survived the restart with other bytes than were sent")
-	}
-	c2, err := e.dialOutside(testCtx(t, time.Second), "tcp", addr)
-	if err != nil {
-		t.Fatalf("a new connection after the restart: %v", err)
-	}
-	c2.SetReadDeadline(time.Now().Add(10 * time.Second))
-	if _, err := io.ReadFull(c2, got[:1000]); err != nil || !bytes.Equal(got[:1000], want[:1000]) {
-		t.Fatalf("a new connection after the restart: %v", err)
-	}
-	c2.Close()
+	transferSurvived(t, c, got, want, e.dialOutside, addr)
 }

@@ -2,6 +2,7 @@ package userstack
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"io"
 	"net"
@@ -81,6 +82,39 @@ func servePaced(l net.Listener, want []byte) {
 	}
 }
 
+// transferStarted reads the first MiB of want from c, which servePaced
+// sends, and returns the buffer the rest goes to.
+func transferStarted(t *testing.T, c net.Conn, want []byte) []byte {
+	t.Helper()
+	got := make([]byte, len(want))
+	c.SetReadDeadline(time.Now().Add(60 * time.Second))
+	if _, err := io.ReadFull(c, got[:1<<20]); err != nil {
+		t.Fatal(err)
+	}
+	return got
+}
+
+// transferSurvived reads the rest of want from c after a restart, and
+// checks that a new connection (dial) is served within a second.
+func transferSurvived(t *testing.T, c net.Conn, got, want []byte, dial func(context.Context, string, string) (net.Conn, error), addr string) {
+	t.Helper()
+	if _, err := io.ReadFull(c, got[1<<20:]); err != nil {
+		t.Fatalf("the transfer did not survive the restart: %v", err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatal("the transfer survived the restart with other bytes than were sent")
+	}
+	c2, err := dial(testCtx(t, time.Second), "tcp", addr)
+	if err != nil {
+		t.Fatalf("a new connection after the restart: %v", err)
+	}
+	defer c2.Close()
+	c2.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := io.ReadFull(c2, got[:1000]); err != nil || !bytes.Equal(got[:1000], want[:1000]) {
+		t.Fatalf("a new connection after the restart: %v", err)
+	}
+}
+
 // TestStacksOutliveTheirBridge restarts the control server under two
 // stacks with a transfer running between them, through a's flow and b's
 // listener: the transfer completes byte-exact over the new streams, a
@@ -103,11 +137,7 @@ func TestStacksOutliveTheirBridge(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	got := make([]byte, len(want))
-	c.SetReadDeadline(time.Now().Add(60 * time.Second))
-	if _, err := io.ReadFull(c, got[:1<<20]); err != nil {
-		t.Fatal(err)
-	}
+	got := transferStarted(t, c, want)
 
 	w.srv.Close()
 	aEvents.await(t, BridgeLost, 1)
@@ -137,22 +167,8 @@ func TestStacksOutliveTheirBridge(t *testing.T) {
 	if err := <-dialed; err != nil {
 		t.Fatalf("Dial made while the bridge was away: %v", err)
 	}
-	if _, err := io.ReadFull(c, got[1<<20:]); err != nil {
-		t.Fatalf("the transfer did not survive the restart: %v", err)
-	}
-	if !bytes.Equal(got, want) {
-		t.Fatal("the transfer survived the restart with other bytes than were sent")
-	}
 	// b's listener was claimed again and its Accept kept waiting.
-	c2, err := a.Dial(testCtx(t, time.Second), "tcp", "198.18.0.2:9000")
-	if err != nil {
-		t.Fatalf("a new connection after the restart: %v", err)
-	}
-	c2.SetReadDeadline(time.Now().Add(10 * time.Second))
-	if _, err := io.ReadFull(c2, got[:1000]); err != nil || !bytes.Equal(got[:1000], want[:1000]) {
-		t.Fatalf("a new connection after the restart: %v", err)
-	}
-	c2.Close()
+	transferSurvived(t, c, got, want, a.Dial, "198.18.0.2:9000")
 	if bi, ok := w.app("b"); !ok || bi.Listeners != 1 {
 		t.Fatalf("b at the new bridge: %+v", bi)
 	}

@@ -161,9 +161,9 @@ type attachment struct {
 	claimMu sync.RWMutex
 
 	mu     sync.Mutex
-	cur    attached // zero while the bridge is away
-	gen    uint64   // counts attachments
-	up     chan struct{}
+	cur    attached      // zero while the bridge is away
+	gen    uint64        // counts attachments
+	up     chan struct{} // closed once a bridge is attached; a new one when it is lost
 	lostAt time.Time
 	lost   error // why the last bridge was lost
 	book   map[uint64]*heldClaim
@@ -331,7 +331,7 @@ func (a *attachment) reclaim(ctx context.Context, at attached) []Event {
 	var events []Event
 	for _, id := range ids {
 		a.mu.Lock()
-		h := a.book[id]
+		h := a.book[id] // Release, which deletes, waits for claimMu
 		a.mu.Unlock()
 		cl, err := at.client.Reclaim(ctx, h.proto, h.addr, h.port, h.remote)
 		if errors.Is(err, control.ErrBridgeGone) {

@@ -18,11 +18,15 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
 	"github.com/fabricbridge/fabricbridge/internal/topology"
 	"github.com/fabricbridge/fabricbridge/internal/topology/ethtool"
 	"github.com/fabricbridge/fabricbridge/userstack"
 )
+
+// restartMetrics is the daemon's metrics address, inside its namespace.
+const restartMetrics = "127.0.0.1:9470"
 
 // restartRig is `fabricbridge run` in a bridge namespace, which a test
 // stops and starts again under applications that keep running.
@@ -44,8 +48,8 @@ func newRestartRig(t *testing.T) *restartRig {
 	}
 	dir := t.TempDir()
 	r.path, r.sock = filepath.Join(dir, "fb.yaml"), filepath.Join(dir, "control.sock")
-	cfg := fmt.Sprintf("interfaces: [{name: %s}]\naddresses: [%s]\ncontrol: {socket: %s}\nmetrics: {address: \"\"}\n",
-		r.v.A.Name, r.v.A.Addr4.Addr(), r.sock)
+	cfg := fmt.Sprintf("interfaces: [{name: %s}]\naddresses: [%s]\ncontrol: {socket: %s}\nmetrics: {address: %q}\n",
+		r.v.A.Name, r.v.A.Addr4.Addr(), r.sock, restartMetrics)
 	if err := os.WriteFile(r.path, []byte(cfg), 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -350,6 +354,11 @@ func TestApplicationsSurviveDaemonRestarts(t *testing.T) {
 				"the application was attached again %v after that and new connections served %v after that; no UDP echo for %v (%d of %d lost, one sent every ms)",
 				stop, exited.Sub(t0).Round(time.Millisecond), back.Sub(exited).Round(time.Millisecond),
 				reattached.Round(time.Millisecond), served.Sub(back).Round(time.Millisecond), window, lost, sent)
+			// The new daemon counts the applications that came back.
+			waitMetric(t, r.bridge, restartMetrics, r.d, func(s []metrics.Sample) bool {
+				a := metrics.Find(s, "fabricbridge_applications_connected")
+				return len(a) == 1 && a[0].Value == 3
+			})
 			for _, want := range []string{"http: bridge lost", "http: bridge back"} {
 				if n := strings.Count(httpLog.String(), want); n != i+1 {
 					t.Errorf("the application logged %q %d times after %d restarts:\n%s", want, n, i+1, httpLog.String())

@@ -32,8 +32,9 @@ const (
 	ClaimLost
 	// BridgeRefused: a bridge answered but would not register the stack
 	// again (Event.Err says why: the application is no longer permitted,
-	// its name is in use...). The stack tries again every
-	// refusedBackoff; the event comes again only when the reason changes.
+	// its name is in use...) a few times in a row. The stack tries again
+	// every refusedBackoff from then on; the event comes again only when
+	// the reason changes.
 	BridgeRefused
 )
 
@@ -82,10 +83,13 @@ const (
 	backoffMin       = 5 * time.Millisecond
 	backoffMaxLocal  = 20 * time.Millisecond
 	backoffMaxRemote = 250 * time.Millisecond
-	// refusedBackoff spaces the attempts a bridge answers with a refusal,
-	// which it logs: one a second is enough to notice a change of its
-	// configuration.
+	// refusedBackoff spaces the attempts a bridge keeps answering with a
+	// refusal, which it logs: one a second is enough to notice a change of
+	// its configuration. The first refusedQuickly go at the usual pace: a
+	// bridge that has not yet seen the old control connection end refuses
+	// the name until it does.
 	refusedBackoff = time.Second
+	refusedQuickly = 3
 )
 
 // refusal reports whether err is a bridge's answer that registering again
@@ -267,7 +271,7 @@ func (a *attachment) detach(why error) {
 // once Close ended the attempts.
 func (a *attachment) reattach() bool {
 	wait := backoffMin
-	refused := ""
+	refused, refusals := "", 0
 	for {
 		ctx, cancel := context.WithTimeout(a.ctx, controlTimeout)
 		at, err := a.dial(ctx)
@@ -278,7 +282,9 @@ func (a *attachment) reattach() bool {
 		}
 		cancel()
 		next := wait
-		if refusal(err) {
+		if !refusal(err) {
+			refusals = 0
+		} else if refusals++; refusals >= refusedQuickly {
 			next = refusedBackoff
 			if err.Error() != refused {
 				refused = err.Error()

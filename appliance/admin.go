@@ -12,14 +12,14 @@ import (
 
 	"github.com/fabricbridge/fabricbridge/appliance/capture"
 	"github.com/fabricbridge/fabricbridge/appliance/config"
-	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 )
 
 // The admin socket serves the operator's tools over HTTP on a Unix socket
-// that only root may open (mode 0600): /metrics as on the metrics address,
-// and /capture, which streams a pcap of one application stream. Captures
-// are not offered on the metrics address because that one may listen on
-// the network and packets are the applications' data.
+// that only root may open (mode 0600): what the metrics address serves
+// (metrics, health, the read-only API), and /capture, which streams a pcap
+// of one application stream. Captures are not offered on the metrics
+// address because that one may listen on the network and packets are the
+// applications' data; nor is anything that changes state.
 
 // tapper is a data plane that can capture a stream.
 type tapper interface {
@@ -42,7 +42,7 @@ func (d *Daemon) startAdmin(cfg *config.Config) error {
 		return cfg.Errorf("control.admin_socket", "%v", err)
 	}
 	mux := http.NewServeMux()
-	mux.Handle("/metrics", metrics.Handler(d.collect))
+	d.routeReadOnly(mux)
 	mux.HandleFunc("/capture", d.serveCapture)
 	d.admin = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 	go d.admin.Serve(ln)

@@ -63,6 +63,7 @@ func bridgeConfig(in config.Interface, log *slog.Logger) (bridge.Config, error) 
 		BusyPoll:   time.Duration(in.BusyPoll),
 		Spin:       time.Duration(in.Spin),
 		CPUs:       in.CPUs,
+		RouteCache: in.RouteCache,
 		Logger:     log,
 	}
 	if bc.Spin == 0 {
@@ -96,14 +97,29 @@ func openBridge(cfg *config.Config, log *slog.Logger) (*bridgePlane, error) {
 		return nil, fmt.Errorf("interface %s (attach: %s): %w", in.Name, in.Attach, err)
 	}
 	p := &bridgePlane{ifname: in.Name, b: b, log: log, streams: map[uint32]*planeStream{}, stop: make(chan struct{})}
-	if b.Path() == bridge.PathGeneric || b.Path() == bridge.PathAFPacket {
-		log.Warn("data path attached on a slow path: the driver has no native XDP; expect much lower rates", "interface", in.Name, "mode", b.Mode(), "tried", b.Tried())
-	} else {
-		log.Info("data path attached", "interface", in.Name, "mode", b.Mode(), "tried", b.Tried())
-	}
+	logAttach(log, in.Name, b)
 	p.ticker.Add(1)
 	go p.tick()
 	return p, nil
+}
+
+// logAttach says which path the data path took. Leaving native XDP is a
+// fallback users must notice (rates drop by an order of magnitude): a
+// warning with each path's reason, which the metrics and `fabricbridge
+// stats` repeat (fabricbridge_attach_fallback). Native copy after zero copy
+// is what most drivers, veth among them, offer, and is only noted.
+func logAttach(log *slog.Logger, ifname string, b *bridge.Bridge) {
+	fb := b.Fallbacks()
+	slow := b.Path() == bridge.PathGeneric || b.Path() == bridge.PathAFPacket
+	switch {
+	case slow && len(fb) > 0:
+		log.Warn("data path fell back to a slower path; expect much lower rates", "interface", ifname,
+			"from", fb[0].From.String(), "to", b.Mode(), "reason", b.Tried())
+	case slow:
+		log.Warn("data path attached on a slow path, as configured; expect much lower rates", "interface", ifname, "mode", b.Mode())
+	default:
+		log.Info("data path attached", "interface", ifname, "mode", b.Mode(), "tried", b.Tried())
+	}
 }
 
 func (p *bridgePlane) tick() {
@@ -283,6 +299,8 @@ var (
 	famStreamTxRejects = metrics.Family{Name: "fabricbridge_stream_tx_rejects_total", Type: metrics.Counter, Help: "Packets a stream sent that failed verification, by reason."}
 	famStreamHealth    = metrics.Family{Name: "fabricbridge_stream_health", Type: metrics.Gauge, Help: "1 for each stream's health state (normal, sick: dropped in the last second, broken: the application is gone)."}
 	famKernelSendErr   = metrics.Family{Name: "fabricbridge_kernel_send_errors_total", Type: metrics.Counter, Help: "Packets the kernel refused on the hand-off path for unknown neighbours."}
+	famAttachFallback  = metrics.Family{Name: "fabricbridge_attach_fallback", Type: metrics.Gauge, Help: "1 for each path the data path tried at start and left for a slower one (from), with the path it ended on (to) and why (reason)."}
+	famQueueErrors     = metrics.Family{Name: "fabricbridge_queue_bind_errors_total", Type: metrics.Counter, Help: "Receive queues that came into use (ethtool -L) and could not be served: the frames they steer go to the kernel."}
 	famVLANRulesBlind  = metrics.Family{Name: "fabricbridge_vlan_rules_blind", Type: metrics.Gauge, Help: "1 when rules match on VLAN ids but the interface strips VLAN tags before XDP and could not be made to stop: those rules cannot match."}
 )
 
@@ -300,6 +318,10 @@ func (p *bridgePlane) Collect(w *metrics.Writer, names func(uint32) string, apps
 	st := p.b.Stats()
 	in := metrics.Label{Name: "interface", Value: p.ifname}
 	w.Add(famAttach, 1, in, metrics.Label{Name: "mode", Value: st.Path})
+	for _, f := range p.b.Fallbacks() {
+		w.Add(famAttachFallback, 1, in, metrics.Label{Name: "from", Value: f.From.String()}, metrics.Label{Name: "to", Value: st.Path}, metrics.Label{Name: "reason", Value: f.Reason})
+	}
+	w.AddUint(famQueueErrors, st.QueueErrors, in)
 	if c, err := p.b.VerdictCounters(); err == nil {
 		collectVerdicts(w, p.ifname, c)
 	}
@@ -307,6 +329,7 @@ func (p *bridgePlane) Collect(w *metrics.Writer, names func(uint32) string, apps
 		collectRules(w, p.ifname, rc, names)
 	}
 	w.AddUint(famKernelSendErr, st.KernelSendErrors, in)
+	collectRoutes(w, st.Routes, in)
 	blind := 0.0
 	if st.VLANRulesBlind {
 		blind = 1

@@ -17,7 +17,6 @@ import (
 	"time"
 
 	"github.com/fabricbridge/fabricbridge/appliance/config"
-	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 	"github.com/fabricbridge/fabricbridge/classifier"
 	"github.com/fabricbridge/fabricbridge/control"
 	"github.com/fabricbridge/fabricbridge/fabric"
@@ -48,14 +47,17 @@ type Daemon struct {
 	admin   *http.Server
 	metAddr net.Addr
 	started time.Time
+	live    liveness
 
 	reserved   *classifier.PortSet
 	portRecord string // where the ports this daemon reserved are recorded
+	netns      uint64 // the home namespace's inode, in the record
 
 	mu        sync.Mutex // serialises Reload and Close
 	closed    bool
 	reloadsOK atomic.Uint64
 	reloadsKO atomic.Uint64
+	refused   reasonCounts // configuration files refused on SIGHUP, by config.Reason
 }
 
 // NewLogger builds the configured structured logger; level is adjustable
@@ -106,8 +108,9 @@ func Start(cfg *config.Config, opts Options) (_ *Daemon, err error) {
 		d.log.Warn("removed stale pinned BPF objects", "paths", pins)
 	}
 	d.portRecord = cfg.Control.Socket + ".ports"
-	if d.reserved, err = adoptReservation(d.portRecord, cfg.ReservedPorts); err != nil {
-		return nil, cfg.Errorf("reserved_ports", "%v", err)
+	d.netns = netnsID()
+	if d.reserved, err = d.reserve(cfg); err != nil {
+		return nil, err
 	}
 	d.log.Info("reserved ports for applications' outgoing connections", "range", cfg.ReservedPorts.String(), "added", d.reserved.String())
 
@@ -149,11 +152,11 @@ func Start(cfg *config.Config, opts Options) (_ *Daemon, err error) {
 	if cfg.Metrics.Address != "" {
 		ln, err := net.Listen("tcp", string(cfg.Metrics.Address))
 		if err != nil {
-			return nil, cfg.Errorf("metrics.address", "%v", err)
+			return nil, metricsAddrErr(cfg, d.peers(cfg), err)
 		}
 		d.metAddr = ln.Addr()
 		mux := http.NewServeMux()
-		mux.Handle("/metrics", metrics.Handler(d.collect))
+		d.routeReadOnly(mux)
 		d.metrics = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
 		go d.metrics.Serve(ln)
 		d.log.Info("metrics", "address", "http://"+ln.Addr().String()+"/metrics")
@@ -166,9 +169,12 @@ func Start(cfg *config.Config, opts Options) (_ *Daemon, err error) {
 // is closed.
 func (d *Daemon) serve(name string, loop func() error) {
 	d.serving.Add(1)
+	d.live.started(name)
 	go func() {
 		defer d.serving.Done()
-		if err := loop(); err != nil {
+		err := loop()
+		d.live.stopped(name, err)
+		if err != nil {
 			d.log.Error("control listener failed", "listener", name, "error", err)
 		}
 	}()
@@ -299,7 +305,7 @@ func (d *Daemon) shutdown() error {
 		errs = append(errs, d.plane.Close())
 	}
 	if d.reserved != nil {
-		err := d.home.do(func() error { return unreservePorts(d.reserved) })
+		err := d.home.do(func() error { return unreservePorts(d.withoutPeers(d.reserved)) })
 		if err == nil {
 			os.Remove(d.portRecord)
 		}
@@ -318,7 +324,7 @@ func (d *Daemon) shutdown() error {
 // reloads the file on SIGHUP, and shuts down when ctx ends (the caller
 // ties ctx to SIGTERM and SIGINT).
 func Run(ctx context.Context, path string, opts Options) error {
-	cfg, err := config.Load(path)
+	cfg, err := config.LoadContext(ctx, path)
 	if err != nil {
 		return err
 	}
@@ -336,9 +342,10 @@ func Run(ctx context.Context, path string, opts Options) error {
 			return d.Close()
 		case <-hup:
 			d.log.Info("SIGHUP: reloading", "config", path)
-			next, err := config.Load(path)
+			next, err := config.LoadContext(ctx, path)
 			if err != nil {
 				d.reloadsKO.Add(1)
+				d.refused.add(config.Reason(err))
 			} else {
 				err = d.Reload(next)
 			}

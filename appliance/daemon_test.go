@@ -72,7 +72,12 @@ log: {level: debug}
 control:
   socket: %s
 %s`, tp.v.A.Name, tp.iface, tp.v.A.Addr4.Addr(), tp.v.A.Addr6.Addr(), filepath.Join(tp.dir, "control.sock"), strings.Join(control, "")) + extra
-	path := filepath.Join(tp.dir, "fabricbridge.yaml")
+	return loadConfigText(t, filepath.Join(tp.dir, "fabricbridge.yaml"), text)
+}
+
+// loadConfigText writes a configuration to path and loads it.
+func loadConfigText(t testing.TB, path, text string) *config.Config {
+	t.Helper()
 	if err := os.WriteFile(path, []byte(text), 0o644); err != nil {
 		t.Fatal(err)
 	}

@@ -56,6 +56,7 @@ func openIngest(cfg *config.Config, b *bridge.Bridge, log *slog.Logger) (_ *inge
 		r, err := ingest.Create(ingest.Config{
 			Name: path, Buffers: g.Buffers, BufferSize: int(g.BufferSize), Window: time.Duration(g.Window),
 			BufferID: cfg.IngestID(g.Name), NoHugepages: !g.Hugepages,
+			MaxSources: g.Sources, SourceIdle: time.Duration(g.SourceIdle),
 		})
 		if err != nil {
 			return nil, cfg.Errorf(fmt.Sprintf("ingest[%d]", i), "%v", err)
@@ -97,8 +98,9 @@ var (
 	famIngestRecords   = metrics.Family{Name: "fabricbridge_ingest_records_total", Type: metrics.Counter, Help: "Datagrams written into each ingest ring."}
 	famIngestBytes     = metrics.Family{Name: "fabricbridge_ingest_bytes_total", Type: metrics.Counter, Help: "Payload bytes written into each ingest ring."}
 	famIngestPublished = metrics.Family{Name: "fabricbridge_ingest_buffers_published_total", Type: metrics.Counter, Help: "Buffers each ingest ring published to its consumer."}
-	famIngestDrops     = metrics.Family{Name: "fabricbridge_ingest_drops_total", Type: metrics.Counter, Help: "Datagrams an ingest ring dropped, by reason (no_buffer: the consumer holds every buffer; too_big; source_full)."}
-	famIngestSources   = metrics.Family{Name: "fabricbridge_ingest_sources", Type: metrics.Gauge, Help: "Distinct sources an ingest ring has seen."}
+	famIngestDrops     = metrics.Family{Name: "fabricbridge_ingest_drops_total", Type: metrics.Counter, Help: "Datagrams an ingest ring dropped, by reason (no_buffer: the consumer holds every buffer; too_big; source_full: no source-table entry was free or idle)."}
+	famIngestSources   = metrics.Family{Name: "fabricbridge_ingest_sources", Type: metrics.Gauge, Help: "Entries of an ingest ring's source table in use."}
+	famIngestEvicted   = metrics.Family{Name: "fabricbridge_ingest_source_evictions_total", Type: metrics.Counter, Help: "Source-table entries an ingest ring gave to a new source because their source had gone idle."}
 	famIngestConsumer  = metrics.Family{Name: "fabricbridge_ingest_consumer_attached", Type: metrics.Gauge, Help: "1 when a consumer is attached to the ingest ring."}
 	famEngine          = metrics.Family{Name: "fabricbridge_ingest_engine_frames_total", Type: metrics.Counter, Help: "Frames the ingest engine handled, by outcome (received, appended, dropped, no_ring, malformed, refused: judged malformed on the AF_PACKET path, kernel_drop)."}
 	famEngineFillEmpty = metrics.Family{Name: "fabricbridge_ingest_engine_fill_ring_empty_total", Type: metrics.Counter, Help: "Times the kernel found an ingest socket's fill ring empty."}
@@ -121,6 +123,7 @@ func (p *ingestPlane) Collect(w *metrics.Writer) {
 			w.AddUint(famIngestDrops, d.n, append(l, metrics.Label{Name: "reason", Value: d.reason})...)
 		}
 		w.Add(famIngestSources, float64(st.Sources), l...)
+		w.AddUint(famIngestEvicted, st.SourceEvicted, l...)
 		att := 0.0
 		if st.Attached {
 			att = 1

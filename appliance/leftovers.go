@@ -41,7 +41,7 @@ func lockRun(socket string) (*runLock, error) {
 		f.Close()
 		if errors.Is(err, unix.EWOULDBLOCK) {
 			owner, _ := os.ReadFile(path)
-			return nil, fmt.Errorf("another fabricbridge (pid %s) runs with control socket %s", strings.TrimSpace(string(owner)), socket)
+			return nil, fmt.Errorf("another fabricbridge (pid %s) runs with control socket %s; a second daemon needs its own control.socket (and reserved_ports and metrics.address)", strings.TrimSpace(string(owner)), socket)
 		}
 		return nil, fmt.Errorf("lock %s: %w", path, err)
 	}

@@ -121,7 +121,7 @@ func TestAdoptReservation(t *testing.T) {
 		if err := os.WriteFile(record, []byte("50000-50099\n"), 0o644); err != nil {
 			return err
 		}
-		added, err := adoptReservation(record, config.PortRange{Lo: 50050, Hi: 50149})
+		added, err := adoptReservation(record, config.PortRange{Lo: 50050, Hi: 50149}, 42, "127.0.0.1:9469")
 		if err != nil {
 			return err
 		}
@@ -131,8 +131,9 @@ func TestAdoptReservation(t *testing.T) {
 		if added.String() != "50050-50149" {
 			t.Errorf("owned %s, want the whole new range", added)
 		}
-		if rec, _ := os.ReadFile(record); strings.TrimSpace(string(rec)) != "50050-50149" {
-			t.Errorf("record %q", rec)
+		if rec, err := readPortRecord(record); err != nil || rec.Added.String() != "50050-50149" ||
+			rec.Range != (config.PortRange{Lo: 50050, Hi: 50149}) || rec.NetNS != 42 || rec.Metrics != "127.0.0.1:9469" {
+			t.Errorf("record %+v, %v", rec, err)
 		}
 		if err := unreservePorts(added); err != nil {
 			return err

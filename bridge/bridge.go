@@ -83,7 +83,9 @@ type Config struct {
 	// Interface is the Ethernet interface's name, in the network namespace
 	// of the thread that calls Open.
 	Interface string
-	// Queues are the receive queues to serve; nil serves all of them.
+	// Queues are the receive queues to serve; nil serves all those in use
+	// (the device's channels, see channels.go), and follows them as they
+	// change.
 	Queues []int
 	Mode   Mode
 	Path   Path
@@ -105,8 +107,12 @@ type Config struct {
 	// on CPUs[i%len(CPUs)]. A loop that spins for latency wants a core of
 	// its own, near the interrupts of its NIC queue; each CPU must be one
 	// this process may run on.
-	CPUs   []int
-	Logger *slog.Logger
+	CPUs []int
+	// RouteCache bounds the destinations whose next hop the bridge keeps
+	// (shared, and per queue); default DefaultRouteCache. Beyond it, a
+	// random entry is evicted.
+	RouteCache int
+	Logger     *slog.Logger
 
 	// manual (tests): no loops run; tests drive rxOnce and round themselves.
 	manual bool
@@ -121,7 +127,7 @@ type Bridge struct {
 	ifindex int
 	mtu     int
 	mac     [6]byte
-	tried   []string // what auto fallback tried before path, and why it failed
+	tried   []Fallback // what auto fallback tried before path, and why it failed
 	clock   monoClock
 
 	nl     *netlink.Handle
@@ -131,7 +137,17 @@ type Bridge struct {
 	prog   *fbebpf.Program // nil on the AF_PACKET path
 	afp    *afpShared      // nil on the XDP paths
 
+	// queues are the queues served, replaced (never changed in place)
+	// under mu when queues come into use; see queueList.
 	queues []*queue
+
+	// Following the queues in use (channels.go).
+	dev          *features.Device // nil if no ethtool socket could be opened
+	followQueues bool             // Config.Queues was nil: serve all in use
+	inUse        int              // receive queues in use when last read, under mu
+	queueErrs    atomic.Uint64    // queues that came into use and could not be served
+	watchStop    chan struct{}
+	watchWG      sync.WaitGroup
 
 	mu         sync.Mutex // serialises control-plane changes
 	streams    atomic.Pointer[streamTable]
@@ -241,7 +257,7 @@ func Open(cfg Config) (*Bridge, error) {
 			b.path = p
 			break
 		}
-		b.tried = append(b.tried, fmt.Sprintf("%v: %v", p, err))
+		b.tried = append(b.tried, Fallback{From: p, Reason: err.Error()})
 		errs = append(errs, fmt.Errorf("%v: %w", p, err))
 		b.log.Warn("bridge: path unavailable", "interface", cfg.Interface, "path", p.String(), "err", err)
 	}
@@ -266,13 +282,7 @@ func Open(cfg Config) (*Bridge, error) {
 	b.log.Info("bridge: running", "interface", cfg.Interface, "path", b.path.String(), "queues", len(b.queues), "cpus", cfg.CPUs)
 	var loopErrs []error
 	for _, q := range b.queues {
-		if cfg.manual {
-			break
-		}
-		started := make(chan error, 1)
-		b.wg.Add(1)
-		go func() { defer b.wg.Done(); q.loop(started) }()
-		if err := <-started; err != nil {
+		if err := b.startLoop(q); err != nil {
 			loopErrs = append(loopErrs, err)
 		}
 	}
@@ -280,7 +290,23 @@ func Open(cfg Config) (*Bridge, error) {
 		b.Close()
 		return nil, errors.Join(loopErrs...)
 	}
+	if b.followQueues && !cfg.manual {
+		b.watchStop = make(chan struct{})
+		b.watchWG.Add(1)
+		go func() { defer b.watchWG.Done(); b.watchQueues(b.watchStop) }()
+	}
 	return b, nil
+}
+
+// startLoop starts q's loop and waits until it runs where Config.CPUs says.
+func (b *Bridge) startLoop(q *queue) error {
+	if b.cfg.manual {
+		return nil
+	}
+	started := make(chan error, 1)
+	b.wg.Add(1)
+	go func() { defer b.wg.Done(); q.loop(started) }()
+	return <-started
 }
 
 // openCommon resolves the interface and opens what every path needs.
@@ -312,14 +338,8 @@ func (b *Bridge) openCommon() error {
 	if b.mtu+ethHeader > b.cfg.FrameSize-xdpHeadroom {
 		return fmt.Errorf("bridge: MTU %d of %s does not fit frames of %d bytes", b.mtu, b.cfg.Interface, b.cfg.FrameSize)
 	}
-	if b.cfg.Queues == nil {
-		n := max(a.NumRxQueues, 1)
-		for i := range n {
-			b.cfg.Queues = append(b.cfg.Queues, i)
-		}
-	}
-	if len(b.cfg.Queues) == 0 {
-		return errors.New("bridge: no queues")
+	if err := b.chooseQueues(a.NumRxQueues); err != nil {
+		return err
 	}
 	if err := nft.RemoveLeftover(ns, b.cfg.Interface); err != nil {
 		b.log.Warn("bridge: removing a leftover nftables table", "interface", b.cfg.Interface, "err", err)
@@ -327,7 +347,7 @@ func (b *Bridge) openCommon() error {
 	if b.kernel, err = newKernelPath(); err != nil {
 		return err
 	}
-	if b.res, err = newResolver(b.nl, ns, b.ifindex, b.mtu, b.log); err != nil {
+	if b.res, err = newResolver(b.nl, ns, b.ifindex, b.mtu, b.cfg.RouteCache, b.log); err != nil {
 		return err
 	}
 	return nil
@@ -345,6 +365,9 @@ func (b *Bridge) closeCommon() {
 	}
 	if b.feats != nil {
 		b.feats.Close()
+	}
+	if b.dev != nil {
+		b.dev.Close()
 	}
 	if b.ns.IsOpen() {
 		b.ns.Close()
@@ -509,7 +532,7 @@ func (b *Bridge) pause() {
 	if b.cfg.manual {
 		return
 	}
-	for _, q := range b.queues {
+	for _, q := range b.queueList() {
 		done := make(chan struct{})
 		q.tx.command(txCmd{park: true, done: done})
 		<-done
@@ -520,7 +543,7 @@ func (b *Bridge) resume() {
 	if b.cfg.manual {
 		return
 	}
-	for _, q := range b.queues {
+	for _, q := range b.queueList() {
 		q.tx.resume <- struct{}{}
 	}
 }
@@ -532,15 +555,33 @@ func (b *Bridge) Path() Path { return b.path }
 // "generic" or "afpacket").
 func (b *Bridge) Mode() string { return b.path.String() }
 
+// Fallback is one path auto fallback tried and left, and why.
+type Fallback struct {
+	From   Path
+	Reason string // the error that made the path unusable
+}
+
+func (f Fallback) String() string { return f.From.String() + ": " + f.Reason }
+
 // Tried lists the paths auto fallback tried before the one in use, and why
 // each failed.
-func (b *Bridge) Tried() []string { return slices.Clone(b.tried) }
+func (b *Bridge) Tried() []string {
+	s := make([]string, len(b.tried))
+	for i, f := range b.tried {
+		s[i] = f.String()
+	}
+	return s
+}
+
+// Fallbacks lists the paths auto fallback tried before the one in use, and
+// why each failed.
+func (b *Bridge) Fallbacks() []Fallback { return slices.Clone(b.tried) }
 
 // umem is the UMEM of one queue on the XDP paths (nil otherwise), for
 // the offload engine's sockets, which share the queue with the bridge: the
 // kernel allows one UMEM per queue.
 func (b *Bridge) umem(queue int) *xsk.Umem {
-	for _, q := range b.queues {
+	for _, q := range b.queueList() {
 		if x, ok := q.rx.(*xdpRx); ok && q.id == queue {
 			return x.umem
 		}
@@ -666,6 +707,10 @@ func (b *Bridge) Close() error {
 	}
 	b.closed = true
 	b.mu.Unlock()
+	if b.watchStop != nil {
+		close(b.watchStop)
+		b.watchWG.Wait()
+	}
 	var errs []error
 	if b.prog != nil {
 		// Frames stop arriving before the sockets go.

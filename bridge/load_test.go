@@ -257,23 +257,8 @@ func TestNoAllocations(t *testing.T) {
 		}
 
 		// RX: frames waiting in the RX ring (AF_XDP) or in retired blocks
-		// (AF_PACKET: bursts 5 ms apart, one block each).
-		c := udpSocket(t, r.out, netip.AddrPortFrom(r.remote4, 0))
-		for range 8 {
-			sendTo(t, c, netip.AddrPortFrom(r.local4, udpPort1), payloads(48, "alloc"))
-			time.Sleep(5 * time.Millisecond)
-		}
-		time.Sleep(20 * time.Millisecond)
-		var d dispatcher
-		var frames int
-		allocs := testing.AllocsPerRun(5, func() {
-			for try := 0; try < 1000; try++ {
-				if n := q.rxOnce(&d); n > 0 {
-					frames += n
-					return
-				}
-			}
-		})
+		// (AF_PACKET).
+		allocs, frames := r.rxAllocs(t, q, udpPort1, "alloc")
 		if allocs != 0 || frames < 6 { // every run handled at least one batch
 			t.Fatalf("RX: %v allocations per batch over %d frames", allocs, frames)
 		}

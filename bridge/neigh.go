@@ -1,6 +1,7 @@
 package bridge
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -8,6 +9,7 @@ import (
 	"net/netip"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
@@ -37,12 +39,84 @@ type resolver struct {
 	// replace it where the kernel lacks a device they need.
 	routeGet func(dst net.IP) ([]netlink.Route, error)
 
-	mu     sync.Mutex
-	neigh  map[neighKey]net.HardwareAddr // usable entries, on any link
-	vlans  map[int]vlanLink              // VLAN devices on our interface, by ifindex
-	routes map[netip.Addr]nextHop        // dst → next hop, emptied on any route change
-	done   chan struct{}
-	wg     sync.WaitGroup
+	// cacheSize bounds routes and every queue's l2cache; 0 means
+	// DefaultRouteCache.
+	cacheSize int
+
+	mu      sync.Mutex
+	neigh   map[neighKey]net.HardwareAddr // usable entries, on any link
+	vlans   map[int]vlanLink              // VLAN devices on our interface, by ifindex
+	routes  map[netip.Addr]nextHop        // dst → next hop, emptied on any route change
+	lookups lookupBudget                  // paces route lookups (the system calls)
+	done    chan struct{}
+	wg      sync.WaitGroup
+
+	counts  RouteCacheStats // under mu, but for Evicted, which the queues add to
+	evicted atomic.Uint64
+}
+
+// RouteCacheStats count what the bridge's route cache did: the kernel route
+// lookups it made, the ones a flood of new destinations made it put off
+// (those packets went through the kernel, which routes them itself), and
+// the entries it evicted to stay within its bound.
+type RouteCacheStats struct {
+	Entries  int    // destinations in the shared cache now
+	Lookups  uint64 // kernel route lookups made
+	Deferred uint64 // lookups put off by the rate limit: the packet went through the kernel
+	Evicted  uint64 // entries evicted, from the shared cache and the queues' own
+}
+
+// DefaultRouteCache is how many destinations the route cache holds by
+// default (Config.RouteCache): the peers of a busy server, at about 100
+// bytes each.
+const DefaultRouteCache = 4096
+
+// Route lookups (a netlink round trip each, under the resolver's lock) are
+// paced so that a flood of packets to new destinations — SYN-ACKs to the
+// spoofed sources of a SYN flood — costs bounded CPU: lookupBurst at once,
+// then lookupRate per second. A packet whose destination cannot be looked
+// up yet goes through the kernel, which routes and resolves it itself, and
+// its destination is looked up again on its next packet.
+const (
+	lookupRate  = 2000
+	lookupBurst = 256
+)
+
+// lookupBudget is a token bucket of route lookups; the zero value is full.
+type lookupBudget struct {
+	tokens float64
+	last   time.Time
+}
+
+func (b *lookupBudget) take(now time.Time) bool {
+	if b.last.IsZero() {
+		b.tokens = lookupBurst
+	} else {
+		b.tokens = min(lookupBurst, b.tokens+now.Sub(b.last).Seconds()*lookupRate)
+	}
+	b.last = now
+	if b.tokens < 1 {
+		return false
+	}
+	b.tokens--
+	return true
+}
+
+func (r *resolver) size() int {
+	if r.cacheSize > 0 {
+		return r.cacheSize
+	}
+	return DefaultRouteCache
+}
+
+// evictOne deletes one entry of m, whichever Go's randomised map iteration
+// meets first: random eviction, which a flood of new keys cannot steer and
+// which costs nothing to keep track of.
+func evictOne[K comparable, V any](m map[K]V) {
+	for k := range m {
+		delete(m, k)
+		return
+	}
 }
 
 type neighKey struct {
@@ -76,9 +150,9 @@ const usableNUD = netlink.NUD_REACHABLE | netlink.NUD_STALE | netlink.NUD_DELAY 
 // newResolver subscribes to neighbour, route and link changes in ns. The
 // initial neighbour table comes in through the subscription's listing; mtu
 // is the interface's MTU now.
-func newResolver(h *netlink.Handle, ns netns.NsHandle, ifindex, mtu int, log *slog.Logger) (*resolver, error) {
+func newResolver(h *netlink.Handle, ns netns.NsHandle, ifindex, mtu, cacheSize int, log *slog.Logger) (*resolver, error) {
 	r := &resolver{
-		h: h, ifindex: ifindex, log: log, routeGet: h.RouteGet,
+		h: h, ifindex: ifindex, log: log, routeGet: h.RouteGet, cacheSize: cacheSize,
 		neigh:  map[neighKey]net.HardwareAddr{},
 		vlans:  map[int]vlanLink{},
 		routes: map[netip.Addr]nextHop{},
@@ -135,9 +209,14 @@ func newResolver(h *netlink.Handle, ns netns.NsHandle, ifindex, mtu int, log *sl
 					return
 				}
 				r.mu.Lock()
-				r.apply(u.Type, &u.Neigh)
+				changed := r.apply(u.Type, &u.Neigh)
 				r.mu.Unlock()
-				r.gen.Add(1)
+				// Entries that are not usable (the incomplete and failed
+				// ones a flood of new destinations makes the kernel
+				// create) change no answer: the queues keep their caches.
+				if changed {
+					r.gen.Add(1)
+				}
 			case u, ok := <-links:
 				if !ok {
 					return
@@ -169,17 +248,24 @@ func newResolver(h *netlink.Handle, ns netns.NsHandle, ifindex, mtu int, log *sl
 	return r, nil
 }
 
-func (r *resolver) apply(typ uint16, n *netlink.Neigh) {
+// apply follows one neighbour entry; it reports whether the usable set
+// changed.
+func (r *resolver) apply(typ uint16, n *netlink.Neigh) bool {
 	a, ok := netip.AddrFromSlice(n.IP)
 	if !ok {
-		return
+		return false
 	}
 	k := neighKey{n.LinkIndex, a.Unmap()}
+	old, had := r.neigh[k]
 	if typ == unix.RTM_DELNEIGH || n.State&usableNUD == 0 || len(n.HardwareAddr) != 6 {
 		delete(r.neigh, k)
-		return
+		return had
+	}
+	if had && bytes.Equal(old, n.HardwareAddr) {
+		return false
 	}
 	r.neigh[k] = append(net.HardwareAddr(nil), n.HardwareAddr...)
+	return true
 }
 
 // applyLink follows VLAN devices on our interface: created, changed (id,
@@ -209,10 +295,23 @@ func (r *resolver) applyLink(typ uint16, l netlink.Link) bool {
 // when the packet should go to the kernel instead: no route through our
 // interface or a VLAN device on it, or no usable neighbour yet.
 func (r *resolver) resolve(dst netip.Addr) (out l2, ok bool) {
+	out, ok, _ = r.lookup(dst, time.Now())
+	return out, ok
+}
+
+// lookup is resolve for a queue's cache: keep is false when the answer
+// must not be cached, because the route lookup was put off (lookupRate).
+// The shared route cache holds at most size() destinations.
+func (r *resolver) lookup(dst netip.Addr, now time.Time) (out l2, ok, keep bool) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	hop, known := r.routes[dst]
 	if !known {
+		if !r.lookups.take(now) {
+			r.counts.Deferred++
+			return out, false, false
+		}
+		r.counts.Lookups++
 		hop = nextHop{}
 		if rs, err := r.routeGet(dst.AsSlice()); err == nil && len(rs) > 0 && rs[0].Type != unix.RTN_LOCAL {
 			rt := rs[0]
@@ -222,25 +321,39 @@ func (r *resolver) resolve(dst netip.Addr) (out l2, ok bool) {
 				hop.addr = gw.Unmap()
 			}
 		}
+		if len(r.routes) >= r.size() {
+			evictOne(r.routes)
+			r.evicted.Add(1)
+		}
 		r.routes[dst] = hop
 	}
 	if hop.link == 0 {
-		return out, false
+		return out, false, true
 	}
 	if hop.link != r.ifindex {
 		v, ok := r.vlans[hop.link]
 		if !ok {
-			return out, false
+			return out, false, true
 		}
 		out.tag = uint32(v.tpid)<<16 | uint32(v.vid)
 		out.mtu = int32(v.mtu)
 	}
 	hw, ok := r.neigh[neighKey{hop.link, hop.addr}]
 	if !ok {
-		return out, false
+		return out, false, true
 	}
 	copy(out.mac[:], hw)
-	return out, true
+	return out, true, true
+}
+
+// stats is a snapshot of the route cache's counters.
+func (r *resolver) stats() RouteCacheStats {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	st := r.counts
+	st.Entries = len(r.routes)
+	st.Evicted = r.evicted.Load()
+	return st
 }
 
 func (r *resolver) close() {
@@ -254,10 +367,11 @@ func (r *resolver) close() {
 
 // l2cache is one queue's TX side's private view of the resolver: no lock, no
 // allocation once a destination has been seen, emptied when the resolver's
-// generation moves.
+// generation moves, and bounded as the resolver's route cache is.
 type l2cache struct {
 	r   *resolver
 	gen uint64
+	max int
 	m   map[netip.Addr]l2entry
 }
 
@@ -267,7 +381,7 @@ type l2entry struct {
 }
 
 func newL2cache(r *resolver) *l2cache {
-	return &l2cache{r: r, gen: r.gen.Load(), m: make(map[netip.Addr]l2entry, 64)}
+	return &l2cache{r: r, gen: r.gen.Load(), max: r.size(), m: make(map[netip.Addr]l2entry, 64)}
 }
 
 func (c *l2cache) lookup(dst netip.Addr) (l2, bool) {
@@ -278,7 +392,14 @@ func (c *l2cache) lookup(dst netip.Addr) (l2, bool) {
 	if e, ok := c.m[dst]; ok {
 		return e.l2, e.ok
 	}
-	h, ok := c.r.resolve(dst)
+	h, ok, keep := c.r.lookup(dst, time.Now())
+	if !keep {
+		return h, ok
+	}
+	if len(c.m) >= c.max {
+		evictOne(c.m)
+		c.r.evicted.Add(1)
+	}
 	c.m[dst] = l2entry{h, ok}
 	return h, ok
 }

@@ -1,7 +1,6 @@
 package bridge
 
 import (
-	"net/netip"
 	"path/filepath"
 	"testing"
 	"time"
@@ -30,24 +29,7 @@ func TestAFPacketIngestNoAllocations(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer off.Close() // before the ring closes
-	// Bursts 5 ms apart: a retired block each.
-	c := udpSocket(t, r.out, netip.AddrPortFrom(r.remote4, 0))
-	for range 8 {
-		sendTo(t, c, netip.AddrPortFrom(r.local4, port), payloads(48, "ingest"))
-		time.Sleep(5 * time.Millisecond)
-	}
-	time.Sleep(20 * time.Millisecond)
-	q := r.b.queues[0]
-	var d dispatcher
-	var frames int
-	allocs := testing.AllocsPerRun(5, func() {
-		for try := 0; try < 1000; try++ {
-			if n := q.rxOnce(&d); n > 0 {
-				frames += n
-				return
-			}
-		}
-	})
+	allocs, frames := r.rxAllocs(t, r.b.queues[0], port, "ingest")
 	st := off.Stats()
 	// Six blocks were taken (a warm-up and five measured); a slow loop
 	// (-race) can see a burst split over two blocks, so ask for one burst.

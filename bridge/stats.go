@@ -21,6 +21,12 @@ type Stats struct {
 	// strips VLAN tags before XDP and could not be made to stop, so those
 	// rules cannot match (see docs/bridge.md, VLANs).
 	VLANRulesBlind bool
+	// Routes are the route cache's counters.
+	Routes RouteCacheStats
+	// QueueErrors counts receive queues that came into use while the
+	// bridge served all queues and could not be bound: their steered
+	// frames go to the kernel.
+	QueueErrors uint64
 }
 
 // RxDrops counts received frames that reached no stream, by reason.
@@ -68,8 +74,11 @@ type StreamStats struct {
 
 // Stats reads every counter; cheap enough to call once a second.
 func (b *Bridge) Stats() Stats {
-	s := Stats{Path: b.path.String(), Tried: slices.Clone(b.tried), KernelSendErrors: b.kernelErrs.Load(), VLANRulesBlind: b.vlanBlind.Load()}
-	for _, q := range b.queues {
+	s := Stats{Path: b.path.String(), Tried: b.Tried(), KernelSendErrors: b.kernelErrs.Load(), VLANRulesBlind: b.vlanBlind.Load(), QueueErrors: b.queueErrs.Load()}
+	if b.res != nil {
+		s.Routes = b.res.stats()
+	}
+	for _, q := range b.queueList() {
 		qs := QueueStats{
 			Queue:     q.id,
 			RxPackets: q.rxPackets.Load(), RxBytes: q.rxBytes.Load(),
@@ -110,7 +119,7 @@ func (b *Bridge) accountUMEM() []xsk.Accounting {
 	b.pause()
 	defer b.resume()
 	var out []xsk.Accounting
-	for _, q := range b.queues {
+	for _, q := range b.queueList() {
 		if x, ok := q.tx.port.(*xdpTx); ok {
 			var queued []uint64
 			for _, d := range x.descs {

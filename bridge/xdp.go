@@ -38,10 +38,7 @@ func (b *Bridge) openXDP(p Path) (err error) {
 			return err
 		}
 	}
-	bind := xsk.BindCopy
-	if p == PathNativeZeroCopy {
-		bind = xsk.BindZeroCopy
-	}
+	bind := xskBindFor(p)
 	var qs []*queue
 	defer func() {
 		if err != nil {
@@ -71,6 +68,14 @@ func (b *Bridge) openXDP(p Path) (err error) {
 	}
 	b.queues = qs
 	return nil
+}
+
+// xskBindFor is how sockets bind on XDP path p.
+func xskBindFor(p Path) xsk.BindMode {
+	if p == PathNativeZeroCopy {
+		return xsk.BindZeroCopy
+	}
+	return xsk.BindCopy
 }
 
 // openXSK makes one queue's UMEM and socket: half the frames go to the fill

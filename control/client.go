@@ -64,12 +64,34 @@ type Claim struct {
 	Port uint16
 }
 
+// Unreachable is the error for a control socket (a path or a TCP address)
+// that dialling failed with err: ErrBridgeGone to errors.Is, and, when
+// nothing listens there, "no fabricbridge daemon at ADDR (is it running?)".
+func Unreachable(addr string, err error) error { return &unreachableError{addr: addr, err: err} }
+
+// unreachableError is a control socket no daemon answers on. It is
+// ErrBridgeGone to errors.Is, but says what a user needs to know first.
+type unreachableError struct {
+	addr string
+	err  error
+}
+
+func (e *unreachableError) Error() string {
+	if errors.Is(e.err, unix.ENOENT) || errors.Is(e.err, unix.ECONNREFUSED) {
+		return fmt.Sprintf("no fabricbridge daemon at %s (is it running?)", e.addr)
+	}
+	return fmt.Sprintf("cannot reach the fabricbridge daemon at %s: %v", e.addr, e.err)
+}
+
+func (e *unreachableError) Is(target error) bool { return target == ErrBridgeGone }
+func (e *unreachableError) Unwrap() error        { return e.err }
+
 // DialLocal connects to a bridge's control socket at path and says hello.
 func DialLocal(ctx context.Context, path, app string) (*Client, error) {
 	var d net.Dialer
 	conn, err := d.DialContext(ctx, "unix", path)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %v", ErrBridgeGone, err)
+		return nil, &unreachableError{addr: path, err: err}
 	}
 	c := newClient(conn, app)
 	if _, err := c.call(ctx, &Request{Op: OpHello, Version: Version, App: app}); err != nil {
@@ -85,7 +107,7 @@ func DialRemote(ctx context.Context, addr, app string, secret []byte) (*Client, 
 	var d net.Dialer
 	conn, err := d.DialContext(ctx, "tcp", addr)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %v", ErrBridgeGone, err)
+		return nil, &unreachableError{addr: addr, err: err}
 	}
 	return DialRemoteConn(ctx, conn, app, secret)
 }

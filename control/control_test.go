@@ -870,7 +870,7 @@ func TestConfiguredEntriesFollowTheirApplication(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c2.Close()
-	if _, _, err := c2.RegisterLocal(ctx(t), 0, 0); !errors.Is(err, ErrPortInUse) {
+	if _, _, err := c2.RegisterLocal(ctx(t), 0, 0); !errors.Is(err, ErrNameTaken) {
 		t.Fatalf("second web: %v", err)
 	}
 	// Dynamic ids stay above the floor.

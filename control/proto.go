@@ -93,6 +93,7 @@ var (
 	ErrNotRegistered = errors.New("control: not registered")
 	ErrNotPermitted  = errors.New("control: not permitted")
 	ErrPortInUse     = errors.New("control: port held")
+	ErrNameTaken     = errors.New("control: name already registered")
 	ErrQuota         = errors.New("control: quota exceeded")
 	ErrNoPorts       = errors.New("control: no free port in the reserved range")
 	ErrUnknownClaim  = errors.New("control: unknown claim")
@@ -110,6 +111,7 @@ var codes = []struct {
 	{"not_registered", ErrNotRegistered},
 	{"not_permitted", ErrNotPermitted},
 	{"port_in_use", ErrPortInUse},
+	{"name_taken", ErrNameTaken},
 	{"quota", ErrQuota},
 	{"no_ports", ErrNoPorts},
 	{"unknown_claim", ErrUnknownClaim},

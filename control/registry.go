@@ -123,7 +123,7 @@ func (r *registry) register(name string, pol Policy, attach func(id uint32, own 
 	defer r.mu.Unlock()
 	_, bound := r.static.Apps[name]
 	if holder := r.named[name]; bound && holder != nil {
-		return nil, fmt.Errorf("%w: application %q is registered already (stream %d) and holds its configured listeners", ErrPortInUse, name, holder.stream)
+		return nil, fmt.Errorf("%w: application %q is registered already (stream %d) and holds its configured listeners", ErrNameTaken, name, holder.stream)
 	}
 	id, ok := r.freeStream()
 	if !ok {

@@ -235,7 +235,13 @@ func TestTsharkDecodesGeneve(t *testing.T) {
 					if c := fr["geneve.option.class"]; len(c) == 0 || c[0] != "0xfff0" {
 						t.Errorf("frame %d: option class %v, want 0xfff0", i+1, c)
 					}
-					if len(ipSrc) == 0 || ipSrc[0] != outerDst {
+					switch {
+					case len(ipSrc) == 1 && ipSrc[0] == outerSrc:
+						// B's keepalive (a credit of what it consumed, which
+						// is nothing), sent every PeerTimeout/4: a slow run
+						// can see one.
+						continue
+					case len(ipSrc) == 0 || ipSrc[0] != outerDst:
 						t.Errorf("frame %d: credit from %v, want %v", i+1, ipSrc, outerDst)
 					}
 					credits++

@@ -218,7 +218,7 @@ func (d *remoteDialer) dialHere(ctx context.Context) (attached, error) {
 	var nd net.Dialer
 	conn, err := nd.DialContext(ctx, "tcp", ro.Control)
 	if err != nil {
-		return attached{}, fmt.Errorf("%w: %v", control.ErrBridgeGone, err)
+		return attached{}, control.Unreachable(ro.Control, err)
 	}
 	if ro.TLS != nil {
 		tc := tls.Client(conn, ro.TLS)

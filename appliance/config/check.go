@@ -67,6 +67,9 @@ func (c *Config) checkInterfaces(d *decoder) {
 			d.errorAt(p+".ingest_priority", "must be a real-time priority from 1 to 99, or 0 for none, not %d", in.IngestPriority)
 		}
 		checkIndexList(d, p+".cpus", "CPU", in.CPUs)
+		if in.RouteCache < 16 || in.RouteCache > MaxRouteCache {
+			d.errorAt(p+".route_cache", "must be from 16 to %d destinations, not %d", MaxRouteCache, in.RouteCache)
+		}
 	}
 }
 
@@ -151,6 +154,12 @@ func (c *Config) checkIngest(d *decoder) {
 		}
 		if g.LatencyBudget <= 0 {
 			d.errorAt(p+".latency_budget", "must be longer than 0")
+		}
+		if g.Sources < 1 || g.Sources > MaxIngestSources {
+			d.errorAt(p+".sources", "must be from 1 to %d, not %d", MaxIngestSources, g.Sources)
+		}
+		if g.SourceIdle <= 0 {
+			d.errorAt(p+".source_idle", "must be longer than 0")
 		}
 	}
 }

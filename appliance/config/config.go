@@ -2,10 +2,13 @@ package config
 
 import (
 	"fmt"
-	"os"
 	"path/filepath"
 	"reflect"
+	"strings"
 	"time"
+
+	"github.com/fabricbridge/fabricbridge/bridge"
+	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
 )
 
 // Config is one fabricbridge configuration file, decoded and checked. Every
@@ -69,6 +72,10 @@ type Interface struct {
 	// holding its CPU while windows are open (bridge/offload
 	// Config.Priority). 0: ordinary threads.
 	IngestPriority int `yaml:"ingest_priority"`
+	// RouteCache bounds how many destinations the bridge keeps the next
+	// hop of (bridge Config.RouteCache); a flood of new peer addresses
+	// evicts entries instead of growing the daemon.
+	RouteCache int `yaml:"route_cache"`
 }
 
 // Streams sizes the stream an application gets when it does not ask for
@@ -95,6 +102,12 @@ type Ingest struct {
 	LatencyBudget Duration `yaml:"latency_budget"`
 	// Hugepages backs the ring with huge pages when the machine has them.
 	Hugepages bool `yaml:"hugepages"`
+	// Sources bounds the ring's table of senders (address and ports);
+	// SourceIdle is how long a sender must have been silent before a new
+	// one may take its entry when the table is full (fabric/ingest
+	// Config.SourceIdle).
+	Sources    int      `yaml:"sources"`
+	SourceIdle Duration `yaml:"source_idle"`
 }
 
 // Listener claims every packet to one local address and port for an
@@ -171,7 +184,7 @@ type Control struct {
 	SocketMode FileMode `yaml:"socket_mode"`
 	// AdminSocket serves the operator's tools (fabricbridge capture,
 	// stats): HTTP over a Unix socket of mode 0600, so only root may look
-	// at traffic. Default admin.sock beside Socket.
+	// at traffic. Default: see DefaultAdminSocket.
 	AdminSocket string `yaml:"admin_socket"`
 	// RefuseUnlisted refuses applications that the applications list
 	// does not name.
@@ -221,14 +234,21 @@ const (
 	DefaultFrames        = 4096
 	DefaultFrameSize     = 2048
 	DefaultSpin          = 20 * time.Microsecond
+	DefaultRouteCache    = bridge.DefaultRouteCache
+	MaxRouteCache        = 1 << 24
 	DefaultReservedLo    = 61000
 	DefaultReservedHi    = 61999
 	DefaultIngestBuffers = 64
 	DefaultIngestSize    = 1 << 20
 	DefaultIngestWindow  = 100 * time.Microsecond
 	DefaultIngestBudget  = time.Millisecond
-	DefaultQuotaPorts    = 1024
-	DefaultQuotaSlots    = 8192
+	// DefaultIngestSources and DefaultIngestSourceIdle size an ingest
+	// ring's table of senders; MaxIngestSources is the most it may hold.
+	DefaultIngestSources    = fingest.DefaultMaxSources
+	DefaultIngestSourceIdle = fingest.DefaultSourceIdle
+	MaxIngestSources        = fingest.MaxSourcesCap
+	DefaultQuotaPorts       = 1024
+	DefaultQuotaSlots       = 8192
 
 	// MaxStaticID is the largest id of a static listener or rule. The ids
 	// above it, up to classifier.MaxRuleID, are left to the control plane
@@ -252,21 +272,26 @@ func Default() *Config {
 func (i *Interface) setDefaults() {
 	i.FrameSize, i.Frames = DefaultFrameSize, DefaultFrames
 	i.Spin = Duration(DefaultSpin)
+	i.RouteCache = DefaultRouteCache
 }
 
 func (g *Ingest) setDefaults() {
 	g.Buffers, g.BufferSize = DefaultIngestBuffers, DefaultIngestSize
 	g.Window, g.LatencyBudget = Duration(DefaultIngestWindow), Duration(DefaultIngestBudget)
 	g.Hugepages = true
+	g.Sources, g.SourceIdle = DefaultIngestSources, Duration(DefaultIngestSourceIdle)
 }
 
-// Load reads and checks a configuration file.
-func Load(path string) (*Config, error) {
-	data, err := os.ReadFile(path)
-	if err != nil {
-		return nil, err
+// DefaultAdminSocket is the admin socket of a daemon whose control socket
+// is socket: admin.sock beside control.sock, and NAME.admin.sock beside any
+// other NAME.sock, so that daemons whose control sockets share a directory
+// do not share an admin socket.
+func DefaultAdminSocket(socket string) string {
+	dir, base := filepath.Split(socket)
+	if base == filepath.Base(DefaultSocket) {
+		return filepath.Join(dir, "admin.sock")
 	}
-	return Parse(path, data)
+	return filepath.Join(dir, strings.TrimSuffix(base, ".sock")+".admin.sock")
 }
 
 // Parse decodes and checks a configuration; file names it in errors. The
@@ -282,10 +307,11 @@ func Parse(file string, data []byte) (*Config, error) {
 	if len(d.errs) == 0 {
 		c.where = d.where
 		if c.Control.AdminSocket == "" && c.Control.Socket != "" {
-			c.Control.AdminSocket = filepath.Join(filepath.Dir(c.Control.Socket), "admin.sock")
+			c.Control.AdminSocket = DefaultAdminSocket(c.Control.Socket)
 		}
 		c.check(d)
 	}
+	d.finish()
 	if len(d.errs) > 0 {
 		d.errs.sort()
 		return nil, d.errs

@@ -59,6 +59,13 @@ func TestErrorsArePrecise(t *testing.T) {
 		{"size suffix", base + "ingest:\n  - name: t\n    buffer_size: 1T\n", []string{`t.yaml:5:18: ingest[0].buffer_size: "1T" is not a size (a number of bytes, optionally with K, M or G)`}},
 		{"duration", base + "ingest:\n  - name: t\n    window: soon\n", []string{`t.yaml:5:13: ingest[0].window: "soon" is not a duration (for example 100us, 5s)`}},
 		{"ingest unnamed", base + "ingest:\n  - buffers: 8\n", []string{"t.yaml:4:5: ingest[0].name: required"}},
+		{"route cache", "interfaces: [{name: eth0, route_cache: 8}]\naddresses: [198.18.0.1]\n", []string{
+			"t.yaml:1:27: interfaces[0].route_cache: must be from 16 to 16777216 destinations, not 8",
+		}},
+		{"ingest sources", base + "ingest:\n  - {name: t, sources: 0, source_idle: 0s}\n", []string{
+			"t.yaml:4:15: ingest[0].sources: must be from 1 to 65536, not 0",
+			"t.yaml:4:27: ingest[0].source_idle: must be longer than 0",
+		}},
 		{"listener fields", base + "listeners:\n  - {id: 1, port: 80}\n", []string{
 			"t.yaml:4:5: listeners[0].protocol: required: tcp or udp",
 			"t.yaml:4:5: listeners[0].app: required: the application to deliver to",
@@ -179,14 +186,15 @@ func TestDefaults(t *testing.T) {
 	}
 	in := c.Interfaces[0]
 	if in.Attach != AttachAuto || in.Path != PathAuto || in.FrameSize != 2048 || in.Frames != 4096 || len(in.Queues) != 0 ||
-		time.Duration(in.Spin) != 20*time.Microsecond || len(in.CPUs) != 0 {
+		time.Duration(in.Spin) != 20*time.Microsecond || len(in.CPUs) != 0 || in.RouteCache != 4096 {
 		t.Errorf("interface defaults: %+v", in)
 	}
 	if c.ReservedPorts != (PortRange{61000, 61999}) || c.Streams != (Streams{1024, 1024, 2048}) {
 		t.Errorf("defaults: reserved %v streams %+v", c.ReservedPorts, c.Streams)
 	}
 	g := c.Ingest[0]
-	if g.Buffers != 64 || g.BufferSize != 1<<20 || time.Duration(g.Window) != 100*time.Microsecond || !g.Hugepages {
+	if g.Buffers != 64 || g.BufferSize != 1<<20 || time.Duration(g.Window) != 100*time.Microsecond || !g.Hugepages ||
+		g.Sources != 256 || time.Duration(g.SourceIdle) != time.Second {
 		t.Errorf("ingest defaults: %+v", g)
 	}
 	if c.Control.Socket != DefaultSocket || c.Control.AdminSocket != "/run/fabricbridge/admin.sock" || c.Control.SocketMode != 0o660 || c.Control.TCP.Address != "" {
@@ -202,7 +210,7 @@ func TestDefaults(t *testing.T) {
 
 func TestEmptyFileNeedsTheMachine(t *testing.T) {
 	_, err := Parse("t.yaml", nil)
-	want := "t.yaml: interfaces: at least one interface is required\nt.yaml: addresses: at least one address is required: the addresses applications may use"
+	want := "t.yaml:1: interfaces: at least one interface is required\nt.yaml:1: addresses: at least one address is required: the addresses applications may use"
 	if err == nil || err.Error() != want {
 		t.Errorf("got %v, want\n%s", err, want)
 	}

@@ -1,8 +1,10 @@
 package config
 
 import (
+	"bytes"
 	"errors"
 	"fmt"
+	"io"
 	"reflect"
 	"slices"
 	"strconv"
@@ -18,6 +20,9 @@ type Error struct {
 	Line, Column int
 	Field        string // dotted path such as rules[2].match.dst_port; empty for syntax errors
 	Msg          string
+	// Reason says which bound or rule of the input the file broke
+	// (ReasonSyntax, ReasonNotText, ...); empty for a field's value.
+	Reason string
 }
 
 func (e *Error) Error() string {
@@ -73,21 +78,57 @@ type decoder struct {
 	file  string
 	errs  Errors
 	where map[string]pos
+
+	// Bounds (see MaxExpansion, MaxErrors): inAlias is how many aliases
+	// the walk is inside, expanded how many values they stood for;
+	// stopped ends the walk; dropped counts problems beyond MaxErrors,
+	// firstDropped is where the first of them is.
+	inAlias, expanded int
+	stopped           bool
+	dropped           int
+	firstDropped      pos
 }
 
 func (d *decoder) errorf(n *yaml.Node, field, format string, args ...any) {
-	e := &Error{File: d.file, Field: field, Msg: fmt.Sprintf(format, args...)}
+	var p pos
 	if n != nil {
-		e.Line, e.Column = n.Line, n.Column
+		p = pos{n.Line, n.Column}
 	}
-	d.errs = append(d.errs, e)
+	d.add(p, field, "", fmt.Sprintf(format, shortArgs(args)...))
 }
 
 // errorAt reports a problem with a field by its path, located where the
 // field (or, when it was not written, its nearest written parent) is.
 func (d *decoder) errorAt(field, format string, args ...any) {
-	p := d.lookup(field)
-	d.errs = append(d.errs, &Error{File: d.file, Line: p.line, Column: p.col, Field: field, Msg: fmt.Sprintf(format, args...)})
+	d.add(d.lookup(field), field, "", fmt.Sprintf(format, shortArgs(args)...))
+}
+
+// add records a problem, the first MaxErrors of them and the bound that
+// ended the walk, if one did; a problem with no position of its own (a
+// check on an empty file) is put on line 1.
+func (d *decoder) add(p pos, field, reason, msg string) {
+	if p.line == 0 {
+		p = pos{1, 0}
+	}
+	if len(d.errs) >= MaxErrors && reason != ReasonAliasBomb && reason != ReasonTooBig {
+		if d.dropped == 0 {
+			d.firstDropped = p
+		}
+		d.dropped++
+		return
+	}
+	if len(field) > 2*maxQuote {
+		field = head(field) + "…"
+	}
+	d.errs = append(d.errs, &Error{File: d.file, Line: p.line, Column: p.col, Field: field, Msg: msg, Reason: reason})
+}
+
+// finish adds the count of problems beyond MaxErrors.
+func (d *decoder) finish() {
+	if d.dropped > 0 {
+		d.errs = append(d.errs, &Error{File: d.file, Line: d.firstDropped.line, Column: d.firstDropped.col, Reason: ReasonTooMany,
+			Msg: fmt.Sprintf("%d more problem(s) from here on, not listed: fix the ones above first", d.dropped)})
+	}
 }
 
 func (d *decoder) lookup(field string) pos {
@@ -130,7 +171,7 @@ func kindName(n *yaml.Node) string {
 	case yaml.SequenceNode:
 		return "a list"
 	case yaml.ScalarNode:
-		return fmt.Sprintf("%q", n.Value)
+		return excerpt(n.Value)
 	}
 	return "something else"
 }
@@ -142,13 +183,37 @@ var scalarType = reflect.TypeFor[scalar]()
 // decode stores n into v (addressable). A null leaves v as it is, so that
 // `key:` with nothing after it keeps the default.
 func (d *decoder) decode(path string, n *yaml.Node, v reflect.Value) {
+	if d.stopped || n == nil {
+		return
+	}
+	if n.Kind == yaml.AliasNode {
+		d.inAlias++
+		defer func() { d.inAlias-- }()
+	}
+	if d.inAlias > 0 {
+		if d.expanded++; d.expanded > MaxExpansion {
+			d.add(pos{n.Line, n.Column}, path, ReasonAliasBomb, fmt.Sprintf("aliases (*name) stand for more than %d values in all; write the values out", MaxExpansion))
+			d.stopped = true
+			return
+		}
+	}
 	n = resolve(n)
 	if n == nil || isNull(n) {
+		return
+	}
+	if n.Kind == yaml.ScalarNode && len(n.Value) > MaxScalar {
+		d.add(pos{n.Line, n.Column}, path, ReasonTooLong, fmt.Sprintf("a value of %d bytes, more than the %d a value may have: %s", len(n.Value), MaxScalar, excerpt(n.Value)))
 		return
 	}
 	if v.Addr().Type().Implements(scalarType) {
 		if n.Kind != yaml.ScalarNode {
 			d.errorf(n, path, "want a single value, got %s", kindName(n))
+			return
+		}
+		if len(n.Value) > maxQuote {
+			// Ports, addresses, sizes, durations and names of choices
+			// are short: a long one is wrong, and is not echoed whole.
+			d.errorf(n, path, "want a single short value, got %s", kindName(n))
 			return
 		}
 		if err := v.Addr().Interface().(scalar).parseScalar(n.Value); err != nil {
@@ -234,7 +299,7 @@ func (d *decoder) decodeStruct(path string, n *yaml.Node, v reflect.Value) {
 	seen := map[string]int{}
 	for i := 0; i+1 < len(n.Content); i += 2 {
 		k, val := resolve(n.Content[i]), n.Content[i+1]
-		if k.Kind != yaml.ScalarNode {
+		if k.Kind != yaml.ScalarNode || len(k.Value) > maxQuote {
 			d.errorf(k, path, "a field name must be a plain word, got %s", kindName(k))
 			continue
 		}
@@ -245,7 +310,7 @@ func (d *decoder) decodeStruct(path string, n *yaml.Node, v reflect.Value) {
 		}
 		fi, ok := index[k.Value]
 		if !ok {
-			d.errorf(k, field, "unknown field%s; known fields here: %s", suggest(k.Value, keys), strings.Join(keys, ", "))
+			d.errorf(k, field, "unknown field%s; known fields here: %s", suggest(k.Value, keys), schemaText(strings.Join(keys, ", ")))
 			continue
 		}
 		if line, dup := seen[k.Value]; dup {
@@ -293,12 +358,29 @@ func distance(a, b string) int {
 	return prev[len(b)]
 }
 
-// parseYAML parses one YAML document into its root mapping node, turning the
-// parser's errors into located Errors.
+// parseYAML parses the file's one YAML document into its root node,
+// turning the parser's errors into located Errors. The file must be within
+// the bounds prescan checks; a second document is an error.
 func (d *decoder) parseYAML(data []byte) *yaml.Node {
-	var doc yaml.Node
-	if err := yaml.Unmarshal(data, &doc); err != nil {
+	if d.tooBig(data) || !d.prescan(data) {
+		return nil
+	}
+	dec := yaml.NewDecoder(bytes.NewReader(data))
+	var doc, next yaml.Node
+	if err := dec.Decode(&doc); err != nil {
+		if err != io.EOF {
+			d.errs = append(d.errs, syntaxError(d.file, err))
+		}
+		return nil
+	}
+	switch err := dec.Decode(&next); {
+	case err == io.EOF:
+	case err != nil:
 		d.errs = append(d.errs, syntaxError(d.file, err))
+		return nil
+	default:
+		d.errs = append(d.errs, &Error{File: d.file, Line: max(next.Line, 1), Reason: ReasonDocuments,
+			Msg: "a second YAML document (after ---): a configuration file holds one"})
 		return nil
 	}
 	if doc.Kind == 0 || len(doc.Content) == 0 {
@@ -315,7 +397,8 @@ func syntaxError(file string, err error) *Error {
 		msg = te.Errors[0]
 	}
 	msg = strings.TrimPrefix(msg, "yaml: ")
-	e := &Error{File: file, Msg: "invalid YAML: " + msg}
+	// Where the parser names no line, the file as a whole is meant.
+	e := &Error{File: file, Line: 1, Msg: "invalid YAML: " + msg, Reason: ReasonSyntax}
 	if rest, ok := strings.CutPrefix(msg, "line "); ok {
 		if num, text, ok := strings.Cut(rest, ": "); ok {
 			if line, err := strconv.Atoi(num); err == nil {

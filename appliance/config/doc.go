@@ -9,6 +9,11 @@
 // once. Unknown fields are errors: a misspelt field must never silently
 // fall back to a default.
 //
+// The input is bounded (see MaxFileSize and the constants beside it): a
+// file is one document of UTF-8 text, of limited size, nesting, value
+// length and alias expansion, so that a hostile file costs milliseconds
+// and is refused with located, short messages.
+//
 // configs/README.md is the reference of every field; configs/*.yaml are
 // examples that the tests check.
 package config

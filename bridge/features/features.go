@@ -3,6 +3,8 @@
 // ethtool ioctl's feature interface (ETHTOOL_GSTRINGS for the names,
 // ETHTOOL_GFEATURES and ETHTOOL_SFEATURES for the bits): the one interface
 // that names every feature, receive offloads and VLAN stripping among them.
+// It also reads and sets the interface's queue channels (`ethtool -l`,
+// `ethtool -L`), through the same ioctl.
 package features
 
 import (
@@ -42,12 +44,9 @@ type State struct {
 // Open reads the feature names of interface name, in the network namespace
 // of the calling thread; later calls may come from any thread.
 func Open(name string) (*Interface, error) {
-	if len(name) >= unix.IFNAMSIZ {
-		return nil, fmt.Errorf("features: interface name %q too long", name)
-	}
-	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	fd, err := ethtoolSocket(name)
 	if err != nil {
-		return nil, fmt.Errorf("features: socket: %w", err)
+		return nil, err
 	}
 	f := &Interface{fd: fd, name: name}
 	if err := f.load(); err != nil {
@@ -55,6 +54,19 @@ func Open(name string) (*Interface, error) {
 		return nil, err
 	}
 	return f, nil
+}
+
+// ethtoolSocket opens a socket for ethtool requests on interface name, in
+// the calling thread's network namespace.
+func ethtoolSocket(name string) (int, error) {
+	if len(name) >= unix.IFNAMSIZ {
+		return -1, fmt.Errorf("features: interface name %q too long", name)
+	}
+	fd, err := unix.Socket(unix.AF_INET, unix.SOCK_DGRAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		return -1, fmt.Errorf("features: socket: %w", err)
+	}
+	return fd, nil
 }
 
 // Close releases the socket.

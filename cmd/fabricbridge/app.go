@@ -5,7 +5,6 @@ import (
 	"crypto/tls"
 	"crypto/x509"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"net"
@@ -16,6 +15,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/spf13/cobra"
+
 	"github.com/fabricbridge/fabricbridge/appliance/config"
 	"github.com/fabricbridge/fabricbridge/userstack"
 )
@@ -23,30 +24,7 @@ import (
 // The sample applications run on a user-space stack over a stream of the
 // bridge: for trying the bridge out and for benchmarks.
 
-const appUsage = `usage: fabricbridge app http|echo|sink|trigger [flags]
-
-  http     serve HTTP: GET / answers --size bytes, GET /bytes/N answers N bytes
-           (at --rate Mbit/s at most, if given)
-  echo     TCP echo (and UDP echo with --udp)
-  sink     discard TCP (and UDP with --udp), print the rate every --every
-  trigger  consume an ingest ring, on the CPU or with --gpu (app trigger -h)
-
-flags (all applications):
-  --name NAME          application name, as the bridge's configuration knows it
-  --listen HOST:PORT   where to listen (default :80 for http, :7 echo, :9 sink)
-  --config FILE        the bridge's configuration, for its control socket
-  --control PATH       the bridge's control socket (overrides --config)
-  --remote HOST:PORT   a bridge on another node (control over TCP, stream over GENEVE)
-  --secret-file FILE   the secret shared with that bridge (required with --remote)
-  --tls-cert FILE      client certificate, for a bridge with auth: tls (with --tls-key)
-  --tls-key FILE       its private key
-  --tls-ca FILE        the CA that signed the bridge's certificate (default: system roots)
-  --tls-server-name N  the name to check in the bridge's certificate (default: the
-                       host of --remote, an IP address checked against its IP SANs)
-  --mtu N              largest IP packet the stack sends; with --remote, at most the
-                       link MTU towards the bridge minus 36 (GENEVE): 1464 on 1500
-`
-
+// appOptions are the flags of `app http`, `app echo` and `app sink`.
 type appOptions struct {
 	kind, name, listen string
 	stack              userstack.Options
@@ -54,78 +32,127 @@ type appOptions struct {
 	rateMbit           float64
 	udp                bool
 	every              time.Duration
+
+	// Where the bridge is, turned into stack.Control or stack.Remote by
+	// resolve.
+	config, control, remote, secretFile string
+	tls                                 clientTLSFiles
 }
 
-func parseApp(args []string) (appOptions, error) {
-	if len(args) == 0 || strings.HasPrefix(args[0], "-") {
-		return appOptions{}, errors.New(appUsage)
+func newAppCommand() *cobra.Command {
+	app := &cobra.Command{
+		Use:   "app http|echo|sink|trigger [flags]",
+		Short: "Run a sample application on a user-space stack over the bridge",
+		Long: `Runs a sample application on its own user-space TCP/IP stack (gVisor
+netstack) over a stream of the bridge, local or on another node: for trying
+the bridge out and for benchmarks; or the consumer of an ingest ring.`,
+		RunE: func(c *cobra.Command, args []string) error {
+			if len(args) == 0 {
+				return errors.New("app: which application? http, echo, sink or trigger (fabricbridge app --help)")
+			}
+			return fmt.Errorf("app: unknown application %q: http, echo, sink or trigger (fabricbridge app --help)", args[0])
+		},
 	}
-	o := appOptions{kind: args[0]}
-	defaults := map[string]string{"http": ":80", "echo": ":7", "sink": ":9"}
-	listen, ok := defaults[o.kind]
-	if !ok {
-		return o, fmt.Errorf("app: unknown application %q\n\n%s", o.kind, appUsage)
+	app.AddCommand(
+		newServeCommand("http", ":80", "Serve HTTP on a user-space stack",
+			"Serves HTTP: GET / answers --size bytes, GET /bytes/N answers N bytes\n(at --rate Mbit/s at most, if given)."),
+		newServeCommand("echo", ":7", "Echo TCP (and UDP) on a user-space stack",
+			"Echoes TCP connections, and UDP datagrams with --udp."),
+		newServeCommand("sink", ":9", "Discard TCP (and UDP) on a user-space stack, printing the rate",
+			"Discards TCP connections, and UDP datagrams with --udp, and prints the rate\nevery --every."),
+		newTriggerCommand())
+	return app
+}
+
+// newServeCommand is `app KIND`, a server on a user-space stack that
+// listens on listen unless told otherwise; long says what it serves.
+func newServeCommand(kind, listen, short, long string) *cobra.Command {
+	o := appOptions{kind: kind}
+	c := &cobra.Command{
+		Use:   kind + " [flags]",
+		Short: short,
+		Long: long + `
+
+It registers with the bridge as --name, over the control socket of the local
+bridge (--control, or the one --config names) or over TCP to a bridge on
+another node (--remote, with its shared secret and, for a bridge with
+auth: tls, a client certificate), and serves on its own user-space stack.`,
+		Args: cobra.NoArgs,
+		RunE: func(c *cobra.Command, _ []string) error {
+			if err := o.resolve(); err != nil {
+				return err
+			}
+			return serveApp(c.Context(), o, c.OutOrStdout())
+		},
 	}
-	fs := flag.NewFlagSet("app "+o.kind, flag.ContinueOnError)
-	fs.StringVar(&o.name, "name", o.kind, "application name")
-	fs.StringVar(&o.listen, "listen", listen, "address to listen on")
-	cfgPath := fs.String("config", "", "the bridge's configuration (default "+DefaultConfig+")")
-	control := fs.String("control", "", "the bridge's control socket")
-	remote := fs.String("remote", "", "a remote bridge's control address")
-	secretFile := fs.String("secret-file", "", "the secret shared with the remote bridge")
-	var tlsFiles clientTLSFiles
-	fs.StringVar(&tlsFiles.cert, "tls-cert", "", "client certificate for a bridge with auth: tls")
-	fs.StringVar(&tlsFiles.key, "tls-key", "", "the client certificate's key")
-	fs.StringVar(&tlsFiles.ca, "tls-ca", "", "CA of the bridge's certificate")
-	fs.StringVar(&tlsFiles.serverName, "tls-server-name", "", "name to check in the bridge's certificate")
-	fs.IntVar(&o.stack.MTU, "mtu", 0, "largest IP packet the stack sends")
-	fs.IntVar(&o.size, "size", 4096, "http: bytes of the answer to GET /")
-	fs.Float64Var(&o.rateMbit, "rate", 0, "http: pace answers to GET /bytes/N to this many Mbit/s (0: no limit)")
-	fs.BoolVar(&o.udp, "udp", false, "echo, sink: serve UDP on the same port too")
-	fs.DurationVar(&o.every, "every", 5*time.Second, "sink: how often to print the rate")
-	if err := fs.Parse(args[1:]); err != nil {
-		return o, err
+	fs := c.Flags()
+	fs.StringVar(&o.name, "name", kind, "application name, as the bridge's configuration knows it")
+	fs.StringVar(&o.listen, "listen", listen, "where to listen, HOST:PORT")
+	fs.StringVar(&o.config, "config", "", "the bridge's configuration, for its control socket (default "+DefaultConfig+")")
+	fs.StringVar(&o.control, "control", "", "the bridge's control socket (overrides --config)")
+	fs.StringVar(&o.remote, "remote", "", "a bridge on another node, HOST:PORT (control over TCP, stream over GENEVE)")
+	fs.StringVar(&o.secretFile, "secret-file", "", "the secret shared with that bridge (required with --remote)")
+	fs.StringVar(&o.tls.cert, "tls-cert", "", "client certificate, for a bridge with auth: tls (with --tls-key)")
+	fs.StringVar(&o.tls.key, "tls-key", "", "the client certificate's private key")
+	fs.StringVar(&o.tls.ca, "tls-ca", "", "the CA that signed the bridge's certificate (default: the system's roots)")
+	fs.StringVar(&o.tls.serverName, "tls-server-name", "", "the name to check in the bridge's certificate (default: the host of --remote, an IP address checked against its IP SANs)")
+	fs.IntVar(&o.stack.MTU, "mtu", 0, "largest IP packet the stack sends; with --remote, at most the link MTU towards the bridge minus 36 (GENEVE): 1464 on 1500")
+	switch kind {
+	case "http":
+		fs.IntVar(&o.size, "size", 4096, "bytes of the answer to GET /")
+		fs.Float64Var(&o.rateMbit, "rate", 0, "pace answers to GET /bytes/N to this many Mbit/s (0: no limit)")
+	case "echo":
+		fs.BoolVar(&o.udp, "udp", false, "serve UDP on the same port too")
+	case "sink":
+		fs.BoolVar(&o.udp, "udp", false, "serve UDP on the same port too")
+		fs.DurationVar(&o.every, "every", 5*time.Second, "how often to print the rate")
 	}
-	if fs.NArg() > 0 || o.size < 0 || o.every <= 0 || o.stack.MTU < 0 || o.rateMbit < 0 {
-		return o, errors.New(appUsage)
+	return c
+}
+
+// resolve checks the flags and finds the bridge: over TCP, by its control
+// socket, or by the socket its configuration names.
+func (o *appOptions) resolve() error {
+	if o.size < 0 || o.stack.MTU < 0 || o.rateMbit < 0 || (o.kind == "sink" && o.every <= 0) {
+		return fmt.Errorf("app %s: --size, --mtu and --rate must not be negative, --every must be positive", o.kind)
 	}
 	o.stack.App = o.name
-	if *remote == "" && (*secretFile != "" || tlsFiles != clientTLSFiles{}) {
-		return o, errors.New("app: --secret-file and --tls-* go with --remote")
+	if o.remote == "" && (o.secretFile != "" || o.tls != clientTLSFiles{}) {
+		return errors.New("app: --secret-file and --tls-* go with --remote")
 	}
 	switch {
-	case *remote != "":
-		if *secretFile == "" {
-			return o, errors.New("app: --remote needs --secret-file")
+	case o.remote != "":
+		if o.secretFile == "" {
+			return errors.New("app: --remote needs --secret-file")
 		}
-		secret, err := os.ReadFile(*secretFile)
+		secret, err := os.ReadFile(o.secretFile)
 		if err != nil {
-			return o, fmt.Errorf("app: --secret-file: %w", err)
+			return fmt.Errorf("app: --secret-file: %w", err)
 		}
-		o.stack.Remote = &userstack.RemoteOptions{Control: *remote, Secret: []byte(strings.TrimRight(string(secret), "\r\n"))}
-		if tlsFiles != (clientTLSFiles{}) {
-			if o.stack.Remote.TLS, err = tlsFiles.config(*remote); err != nil {
-				return o, err
+		o.stack.Remote = &userstack.RemoteOptions{Control: o.remote, Secret: []byte(strings.TrimRight(string(secret), "\r\n"))}
+		if o.tls != (clientTLSFiles{}) {
+			if o.stack.Remote.TLS, err = o.tls.config(o.remote); err != nil {
+				return err
 			}
 		}
-	case *control != "":
-		o.stack.Control = *control
+	case o.control != "":
+		o.stack.Control = o.control
 	default:
-		path := *cfgPath
+		path := o.config
 		if path == "" {
 			path = DefaultConfig
 		}
-		if _, err := os.Stat(path); err != nil && *cfgPath == "" {
+		if _, err := os.Stat(path); err != nil && o.config == "" {
 			o.stack.Control = config.DefaultSocket
 			break
 		}
 		c, err := config.Load(path)
 		if err != nil {
-			return o, err
+			return err
 		}
 		o.stack.Control = c.Control.Socket
 	}
-	return o, nil
+	return nil
 }
 
 // clientTLSFiles are the --tls-* flags: the client's side of mutual TLS
@@ -163,14 +190,8 @@ func (f clientTLSFiles) config(remote string) (*tls.Config, error) {
 	return c, nil
 }
 
-func appCommand(ctx context.Context, args []string, stdout io.Writer) error {
-	if len(args) > 0 && args[0] == "trigger" {
-		return triggerCommand(ctx, args[1:], stdout)
-	}
-	o, err := parseApp(args)
-	if err != nil {
-		return err
-	}
+// serveApp runs the application until ctx ends.
+func serveApp(ctx context.Context, o appOptions, stdout io.Writer) error {
 	o.stack.Events = func(e userstack.Event) { logBridgeEvent(stdout, o.kind, e) }
 	st, err := userstack.Open(ctx, o.stack)
 	if err != nil {
@@ -298,10 +319,7 @@ func serveSink(ctx context.Context, st *userstack.Stack, listen string, udp bool
 			}
 		}
 	}()
-	return serveStream(ctx, st, listen, udp, log, "sink", func(c net.Conn) {
-		n, _ := io.Copy(io.Discard, c)
-		bytes.Add(n)
-	}, func(pc net.PacketConn) {
+	return serveStream(ctx, st, listen, udp, log, "sink", func(c net.Conn) { sinkConn(c, &bytes) }, func(pc net.PacketConn) {
 		buf := make([]byte, 65536)
 		for {
 			n, _, err := pc.ReadFrom(buf)
@@ -312,6 +330,20 @@ func serveSink(ctx context.Context, st *userstack.Stack, listen string, udp bool
 			packets.Add(1)
 		}
 	})
+}
+
+// sinkConn reads c to its end, adding each read to n as it arrives: the
+// rate printed every --every is then the rate of the transfer, not of the
+// connections that closed.
+func sinkConn(c net.Conn, n *atomic.Int64) {
+	buf := make([]byte, 64<<10)
+	for {
+		k, err := c.Read(buf)
+		n.Add(int64(k))
+		if err != nil {
+			return
+		}
+	}
 }
 
 // serveStream accepts TCP connections (and, with udp, datagrams on the same

@@ -10,6 +10,7 @@ import (
 	"net/netip"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -134,5 +135,35 @@ func TestAppUsage(t *testing.T) {
 		if err := appCommand(context.Background(), args, io.Discard); err == nil {
 			t.Errorf("%v accepted", args)
 		}
+	}
+}
+
+// TestSinkCountsAsBytesArrive: the sink counts a connection's bytes while
+// it is open, so that its rate covers a long transfer as it runs.
+func TestSinkCountsAsBytesArrive(t *testing.T) {
+	app, peer := net.Pipe()
+	var n atomic.Int64
+	done := make(chan struct{})
+	go func() { sinkConn(app, &n); close(done) }()
+	if _, err := peer.Write(make([]byte, 1000)); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(5 * time.Second); n.Load() < 1000 && time.Now().Before(deadline); {
+		time.Sleep(time.Millisecond)
+	}
+	if got := n.Load(); got != 1000 {
+		t.Errorf("with the connection open the sink counted %d bytes, want 1000", got)
+	}
+	peer.Close()
+	<-done
+}
+
+// TestAppWithoutDaemon: an application started with no daemon says so and
+// names the socket it tried.
+func TestAppWithoutDaemon(t *testing.T) {
+	sock := t.TempDir() + "/control.sock"
+	err := appCommand(context.Background(), []string{"sink", "--control", sock}, io.Discard)
+	if want := "app sink: no fabricbridge daemon at " + sock + " (is it running?)"; err == nil || err.Error() != want {
+		t.Errorf("got %v, want %q", err, want)
 	}
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"net"
@@ -15,41 +14,64 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/spf13/cobra"
+
 	"github.com/fabricbridge/fabricbridge/appliance/capture"
 	"github.com/fabricbridge/fabricbridge/appliance/config"
 )
 
-// captureCommand records both directions of one application stream into a
+type captureOptions struct {
+	config, admin, stream, out string
+	count, snaplen             int
+}
+
+func newCaptureCommand() *cobra.Command {
+	var o captureOptions
+	c := &cobra.Command{
+		Use:   "capture --stream NAME -w FILE.pcap [flags] [filter]",
+		Short: "Record both directions of one application's stream into a pcap file",
+		Long: `Records both directions of one application's stream into a pcap file
+(tcpdump, Wireshark), through the daemon's admin socket (root only), until
+Ctrl-C, the count or the application's end.
+
+The filter is a conjunction of terms joined by "and": tcp, udp, icmp or icmp6;
+[src|dst] host ADDR; [src|dst] port N. For example:
+
+    fabricbridge capture --stream web -w web.pcap tcp and dst port 80`,
+		RunE: func(c *cobra.Command, args []string) error {
+			return captureStream(c.Context(), o, strings.Join(args, " "), c.OutOrStdout(), c.ErrOrStderr())
+		},
+	}
+	fs := c.Flags()
+	fs.StringVar(&o.config, "config", "", "read the admin socket path from this configuration (default "+DefaultConfig+")")
+	fs.StringVar(&o.admin, "admin", "", "the daemon's admin socket (overrides --config)")
+	fs.StringVar(&o.stream, "stream", "", "the stream: an application name or a stream id")
+	fs.StringVarP(&o.out, "write", "w", "", "pcap file to write (- for standard output)")
+	fs.IntVarP(&o.count, "count", "c", 0, "stop after this many packets (0: until interrupted)")
+	fs.IntVar(&o.snaplen, "snaplen", 0, "bytes kept of each packet (default 65535)")
+	return c
+}
+
+// captureStream records both directions of one application stream into a
 // pcap file, through the daemon's admin socket, until Ctrl-C, the count,
 // or the application's end.
-func captureCommand(ctx context.Context, args []string, stderr io.Writer) error {
-	fs := flag.NewFlagSet("capture", flag.ContinueOnError)
-	path := fs.String("config", "", "read the admin socket path from this configuration (default "+DefaultConfig+")")
-	admin := fs.String("admin", "", "the daemon's admin socket (overrides --config)")
-	stream := fs.String("stream", "", "the stream: an application name or a stream id")
-	out := fs.String("w", "", "pcap file to write (- for standard output)")
-	count := fs.Int("c", 0, "stop after this many packets (0: until interrupted)")
-	snaplen := fs.Int("snaplen", 0, "bytes kept of each packet (default 65535)")
-	if err := fs.Parse(args); err != nil {
-		return err
-	}
-	if *stream == "" || *out == "" || *count < 0 || *snaplen < 0 {
+func captureStream(ctx context.Context, o captureOptions, filter string, stdout, stderr io.Writer) error {
+	if o.stream == "" || o.out == "" || o.count < 0 || o.snaplen < 0 {
 		return errors.New("capture: usage: fabricbridge capture --stream NAME -w FILE.pcap [-c N] [--snaplen N] [--config FILE | --admin PATH] [filter]")
 	}
-	filter := strings.Join(fs.Args(), " ")
 	if _, err := capture.ParseFilter(filter); err != nil {
 		return fmt.Errorf("capture: %w", err)
 	}
-	sock, err := adminSocket(*admin, *path)
+	sock, err := adminSocket(o.admin, o.config)
 	if err != nil {
 		return fmt.Errorf("capture: %w", err)
 	}
-	q := url.Values{"stream": {*stream}, "filter": {filter}}
-	if *count > 0 {
-		q.Set("count", strconv.Itoa(*count))
+	q := url.Values{"stream": {o.stream}, "filter": {filter}}
+	if o.count > 0 {
+		q.Set("count", strconv.Itoa(o.count))
 	}
-	if *snaplen > 0 {
-		q.Set("snaplen", strconv.Itoa(*snaplen))
+	if o.snaplen > 0 {
+		q.Set("snaplen", strconv.Itoa(o.snaplen))
 	}
 	client := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
 		return (&net.Dialer{}).DialContext(ctx, "unix", sock)
@@ -67,16 +89,16 @@ func captureCommand(ctx context.Context, args []string, stderr io.Writer) error 
 		msg, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
 		return fmt.Errorf("capture: %s", strings.TrimSpace(string(msg)))
 	}
-	var w io.Writer = os.Stdout
-	if *out != "-" {
-		f, err := os.Create(*out)
+	w := stdout
+	if o.out != "-" {
+		f, err := os.Create(o.out)
 		if err != nil {
 			return fmt.Errorf("capture: %w", err)
 		}
 		defer f.Close()
 		w = f
 	}
-	fmt.Fprintf(stderr, "capturing stream %s%s; Ctrl-C stops\n", *stream, map[bool]string{true: " (" + filter + ")", false: ""}[filter != ""])
+	fmt.Fprintf(stderr, "capturing stream %s%s; Ctrl-C stops\n", o.stream, map[bool]string{true: " (" + filter + ")", false: ""}[filter != ""])
 	cw := &pcapCounter{w: w}
 	_, err = io.Copy(cw, resp.Body)
 	if ctx.Err() != nil {

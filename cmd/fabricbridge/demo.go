@@ -17,6 +17,8 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/spf13/cobra"
+
 	"github.com/fabricbridge/fabricbridge/appliance"
 	"github.com/fabricbridge/fabricbridge/appliance/config"
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
@@ -51,6 +53,48 @@ type demoOptions struct {
 }
 
 var defaultDemo = demoOptions{Requests: 200, TriggerPerPort: 250, Blocked: 100, Pings: 3, ResponseBytes: 4096, ProgressTimeout: 10 * time.Second}
+
+func newDemoCommand() *cobra.Command {
+	opts := defaultDemo
+	var attach string
+	c := &cobra.Command{
+		Use:   "demo [flags]",
+		Short: "Run the whole appliance in network namespaces of its own, with real traffic",
+		Long: `Builds an outside host and a bridge host in network namespaces and runs the
+daemon on the bridge host with an embedded configuration, an HTTP application
+on a user-space stack and an ingest consumer; drives HTTP, UDP trigger bursts,
+blocked datagrams and pings through it, prints a summary and removes
+everything it made. Needs root.`,
+		Args: cobra.NoArgs,
+		RunE: func(c *cobra.Command, _ []string) error {
+			switch attach {
+			case "auto":
+				opts.Attach = config.AttachAuto
+			case "strict":
+				opts.Attach = config.AttachStrict
+			default:
+				return fmt.Errorf("demo: --attach %q: want auto or strict", attach)
+			}
+			if opts.Requests < 1 || opts.TriggerPerPort < 0 {
+				return errors.New("demo: --requests must be at least 1 and --triggers not negative")
+			}
+			if os.Geteuid() != 0 {
+				return errors.New("demo: needs root (it creates network namespaces, loads an XDP program and opens AF_XDP sockets)")
+			}
+			sum, err := runDemo(c.Context(), opts, c.OutOrStdout())
+			if err != nil {
+				return fmt.Errorf("demo: %w", err)
+			}
+			printSummary(c.OutOrStdout(), sum)
+			return nil
+		},
+	}
+	fs := c.Flags()
+	fs.IntVar(&opts.Requests, "requests", opts.Requests, "HTTP requests to send")
+	fs.IntVar(&opts.TriggerPerPort, "triggers", opts.TriggerPerPort, "UDP trigger datagrams per source port")
+	fs.StringVar(&attach, "attach", "auto", "auto: the fastest data path the interface allows; strict: native zero-copy or fail")
+	return c
+}
 
 // demoSummary is what the demo measured; the test asserts it.
 type demoSummary struct {

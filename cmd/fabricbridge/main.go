@@ -1,110 +1,136 @@
 // Command fabricbridge is the command-line tool of the fabricbridge
-// appliance.
+// appliance: the daemon (run), its checks and tools (check, stats, capture),
+// sample applications (app) and a self-contained demo (demo).
 //
-//	fabricbridge demo                  the whole appliance in a namespace topology, with
-//	                                   real traffic and a summary
-//	fabricbridge run --config FILE     the daemon (SIGHUP reloads, SIGTERM stops)
-//	fabricbridge check --config FILE   validate a configuration file
-//	fabricbridge stats                 a live table of the daemon's counters
-//	fabricbridge capture --stream NAME -w FILE.pcap [filter]
-//	fabricbridge app http|echo|sink    sample applications on a user-space stack
+// `fabricbridge --help` lists the commands and `fabricbridge COMMAND --help`
+// describes one; the same text makes the manual pages in docs/man.
 package main
+
+//go:generate go test -count=1 -run ^TestManPages$ . -args -update
 
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
+	"io"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 
-	"github.com/fabricbridge/fabricbridge/appliance/config"
+	"github.com/spf13/cobra"
 )
 
-const usage = `usage: fabricbridge <command> [flags]
-
-commands:
-  demo     build an outside host and a bridge host in network namespaces, run
-           the daemon there with an embedded configuration, an HTTP application
-           on a user-space stack and an ingest consumer; drive HTTP, UDP trigger
-           bursts, blocked datagrams and pings through it, print a summary and
-           clean up (needs root). Flags: -requests N, -triggers N, -attach MODE
-  run      [--config FILE]: the daemon; SIGHUP reloads the rules, SIGTERM
-           shuts down cleanly (default FILE /etc/fabricbridge/fabricbridge.yaml)
-  check    --config FILE: validate a configuration file; every problem is
-           reported with its file, line and field
-  stats    [--config FILE | --metrics HOST:PORT | --admin PATH] [--once]:
-           a live table of the daemon's counters and rates, refreshing like top
-  capture  --stream NAME -w FILE.pcap [-c N] [filter]: both directions of
-           one application's stream into a pcap file (tcpdump, Wireshark);
-           filter: tcp|udp|icmp, [src|dst] host ADDR, [src|dst] port N, and
-  app      http|echo|sink [--name NAME] [--listen HOST:PORT] [--config FILE]:
-           a sample application on its own user-space TCP/IP stack over the
-           bridge (fabricbridge app for the flags)
-  help     print this text
-`
-
 func main() {
-	if len(os.Args) < 2 {
-		fmt.Fprint(os.Stderr, usage)
+	err := execute(context.Background(), os.Args[1:], os.Stdout, os.Stderr)
+	if err == nil {
+		return
+	}
+	fmt.Fprintf(os.Stderr, "fabricbridge: %v\n", err)
+	if errors.As(err, new(commandLineError)) {
 		os.Exit(2)
 	}
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
-	var err error
-	switch cmd, args := os.Args[1], os.Args[2:]; cmd {
-	case "demo":
-		err = demoCommand(ctx, args)
-	case "run":
-		err = runCommand(ctx, args)
-	case "app":
-		err = appCommand(ctx, args, os.Stdout)
-	case "capture":
-		err = captureCommand(ctx, args, os.Stderr)
-	case "stats":
-		err = statsCommand(ctx, args, os.Stdout)
-	case "check":
-		err = checkCommand(args, os.Stdout, os.Stderr)
-	case "help", "-h", "--help":
-		fmt.Print(usage)
-	default:
-		fmt.Fprintf(os.Stderr, "fabricbridge: unknown command %q\n\n%s", cmd, usage)
-		os.Exit(2)
-	}
-	if err != nil {
-		fmt.Fprintf(os.Stderr, "fabricbridge: %v\n", err)
-		os.Exit(1)
-	}
+	os.Exit(1)
 }
 
-func demoCommand(ctx context.Context, args []string) error {
-	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
-	opts := defaultDemo
-	fs.IntVar(&opts.Requests, "requests", opts.Requests, "HTTP requests to send")
-	fs.IntVar(&opts.TriggerPerPort, "triggers", opts.TriggerPerPort, "UDP trigger datagrams per source port")
-	attach := fs.String("attach", "auto", "auto: the fastest data path the interface allows; strict: native zero-copy or fail")
-	if err := fs.Parse(args); err != nil {
-		return err
+// execute runs one command line (args without the program's name) with
+// its output in stdout and stderr.
+func execute(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	stop := func() {}
+	defer func() { stop() }()
+	root := newRootCommand(func(c *cobra.Command) {
+		// Nothing to clean up: SIGTERM and Ctrl-C end it at once, as
+		// they end any process that does not catch them.
+		if c.Annotations[diesOnSignal] != "" {
+			return
+		}
+		var ctx context.Context
+		ctx, stop = signal.NotifyContext(c.Context(), os.Interrupt, syscall.SIGTERM)
+		// A second signal ends the process at once, should the
+		// cleaning up hang.
+		context.AfterFunc(ctx, stop)
+		c.SetContext(ctx)
+	})
+	root.SetArgs(singleDashFlags(root, args))
+	root.SetOut(stdout)
+	root.SetErr(stderr)
+	return root.ExecuteContext(ctx)
+}
+
+// diesOnSignal marks a command that leaves SIGTERM and SIGINT their default
+// action; every other command gets a context that they end, and cleans up.
+const diesOnSignal = "fabricbridge/dies-on-signal"
+
+// commandLineError is a command line that names no command or an unknown
+// one: exit status 2.
+type commandLineError struct{ error }
+
+// newRootCommand is the command tree; onStart runs before any command's
+// own work, with the command that runs.
+func newRootCommand(onStart func(*cobra.Command)) *cobra.Command {
+	root := &cobra.Command{
+		Use:   "fabricbridge",
+		Short: "An XDP/AF_XDP edge appliance that bridges packets to user-space applications",
+		Long: `fabricbridge classifies the packets of one interface in XDP and hands the
+traffic of applications that registered with it to their own user-space
+TCP/IP stacks over shared-memory streams, and trigger datagrams to ingest
+rings, leaving everything else to the kernel.
+
+The daemon (run) reads its configuration from ` + DefaultConfig + `
+(fabricbridge.yaml(5)); check validates a file, stats and capture watch a running daemon, app runs
+sample applications on a user-space stack and demo shows the whole appliance
+in network namespaces of its own.`,
+		Args: func(c *cobra.Command, args []string) error {
+			if len(args) == 0 {
+				return nil
+			}
+			msg := fmt.Sprintf("unknown command %q", args[0])
+			if s := c.SuggestionsFor(args[0]); len(s) > 0 {
+				msg += fmt.Sprintf(" (did you mean %s?)", strings.Join(s, ", "))
+			}
+			return commandLineError{fmt.Errorf("%s; fabricbridge --help lists the commands", msg)}
+		},
+		RunE: func(c *cobra.Command, _ []string) error {
+			c.SetOut(c.ErrOrStderr())
+			c.Usage()
+			return commandLineError{errors.New("no command given")}
+		},
+		PersistentPreRun: func(c *cobra.Command, _ []string) { onStart(c) },
+		SilenceErrors:    true,
+		SilenceUsage:     true,
+		// The manual pages are regenerated and compared in CI: no date
+		// of generation in them.
+		DisableAutoGenTag: true,
 	}
-	switch *attach {
-	case "auto":
-		opts.Attach = config.AttachAuto
-	case "strict":
-		opts.Attach = config.AttachStrict
-	default:
-		return fmt.Errorf("demo: -attach %q: want auto or strict", *attach)
-	}
-	if opts.Requests < 1 || opts.TriggerPerPort < 0 {
-		return errors.New("demo: -requests must be at least 1 and -triggers not negative")
-	}
-	if os.Geteuid() != 0 {
-		return errors.New("demo: needs root (it creates network namespaces, loads an XDP program and opens AF_XDP sockets)")
-	}
-	sum, err := runDemo(ctx, opts, os.Stdout)
+	root.SetFlagErrorFunc(func(c *cobra.Command, err error) error {
+		return fmt.Errorf("%s: %w (%s --help)", c.CommandPath(), err, c.CommandPath())
+	})
+	root.AddCommand(newDemoCommand(), newRunCommand(), newCheckCommand(), newStatsCommand(),
+		newCaptureCommand(), newAppCommand(), newVersionCommand())
+	return root
+}
+
+// singleDashFlags turns -name and -name=value into --name and --name=value
+// where name is a long flag of the command args run: the Go flag package,
+// which fabricbridge used before, took both, and scripts and units written
+// then keep working.
+func singleDashFlags(root *cobra.Command, args []string) []string {
+	c, _, err := root.Find(args)
 	if err != nil {
-		return fmt.Errorf("demo: %w", err)
+		return args
 	}
-	printSummary(os.Stdout, sum)
-	return nil
+	c.InitDefaultHelpFlag()
+	out := make([]string, len(args))
+	for i, a := range args {
+		out[i] = a
+		if a == "--" {
+			copy(out[i:], args[i:])
+			break
+		}
+		name, _, _ := strings.Cut(strings.TrimPrefix(a, "-"), "=")
+		if len(name) > 1 && a[0] == '-' && a[1] != '-' && c.Flags().Lookup(name) != nil {
+			out[i] = "-" + a
+		}
+	}
+	return out
 }

@@ -67,7 +67,7 @@ func TestTestScriptInstallsWhatIsMissing(t *testing.T) {
 [ "$1" = install ] || exit 0
 for p in "$@"; do
 	case $p in
-	iproute2) c=ip;; nftables) c=nft;; tshark) c=tshark;; *) continue;;
+	iproute2) c=ip;; nftables) c=nft;; tshark) c=tshark;; buildah) c=buildah;; groff-base) c=groff;; man-db) c=man;; *) continue;;
 	esac
 	printf '#!` + bash + `\n' >` + bin + `/$c; ` + chmod + ` +x ` + bin + `/$c
 done`,
@@ -78,7 +78,7 @@ done`,
 			t.Fatal(err)
 		}
 	}
-	// nft is already there: only iproute2 and tshark are missing.
+	// nft is already there: the others are missing.
 	if err := os.WriteFile(filepath.Join(bin, "nft"), []byte("#!"+bash+"\n"), 0o755); err != nil {
 		t.Fatal(err)
 	}
@@ -94,7 +94,7 @@ done`,
 		t.Fatal(err)
 	}
 	install := regexp.MustCompile(`(?m)^apt-get install .*$`).FindString(string(got))
-	for _, want := range []string{"iproute2", "tshark"} {
+	for _, want := range []string{"iproute2", "tshark", "buildah", "groff-base", "man-db"} {
 		if !strings.Contains(install, " "+want) {
 			t.Errorf("apt-get install line %q lacks %s", install, want)
 		}

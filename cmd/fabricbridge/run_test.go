@@ -213,6 +213,14 @@ func TestRunSignals(t *testing.T) {
 	if !strings.Contains(d.out.String(), "bogus: unknown field") {
 		t.Errorf("the failed reload does not name the problem:\n%s", d.out.String())
 	}
+	// A second document is refused too, and counted by its reason.
+	write("---\nlog: {level: debug}\n")
+	d.signal(t, syscall.SIGHUP)
+	waitMetric(t, bridge, metricsAddr, d, func(s []metrics.Sample) bool {
+		r := metrics.Find(s, "fabricbridge_config_refusals_total", metrics.L("reason", "documents")...)
+		v := metrics.Find(s, "fabricbridge_config_refusals_total", metrics.L("reason", "value")...)
+		return len(r) == 1 && r[0].Value == 1 && len(v) == 1 && v[0].Value == 1
+	})
 	write("")
 	d.signal(t, syscall.SIGHUP)
 	waitMetric(t, bridge, metricsAddr, d, func(s []metrics.Sample) bool {

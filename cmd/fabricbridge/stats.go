@@ -4,7 +4,6 @@ import (
 	"cmp"
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"net"
@@ -16,26 +15,48 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/spf13/cobra"
+
 	"github.com/fabricbridge/fabricbridge/appliance/config"
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 )
 
-// statsCommand shows the daemon's counters as a table that refreshes, like
-// top: rates are the difference between two scrapes of /metrics.
-func statsCommand(ctx context.Context, args []string, stdout io.Writer) error {
-	fs := flag.NewFlagSet("stats", flag.ContinueOnError)
-	path := fs.String("config", "", "read the metrics address from this configuration (default "+DefaultConfig+" if it exists)")
-	addr := fs.String("metrics", "", "the daemon's metrics address host:port (overrides --config)")
-	admin := fs.String("admin", "", "the daemon's admin socket (overrides --config)")
-	every := fs.Duration("interval", time.Second, "refresh interval")
-	once := fs.Bool("once", false, "print one table (rates over one interval) and exit")
-	if err := fs.Parse(args); err != nil {
-		return err
+type statsOptions struct {
+	config, metrics, admin string
+	interval               time.Duration
+	once                   bool
+}
+
+func newStatsCommand() *cobra.Command {
+	var o statsOptions
+	c := &cobra.Command{
+		Use:   "stats [flags]",
+		Short: "Show a live table of the daemon's counters and rates",
+		Long: `Shows the daemon's verdicts, rules, streams, queues and ingest rings as a
+table that refreshes like top: rates are the difference between two scrapes of
+its /metrics, read from the metrics address of its configuration, or through
+its admin socket when that address is off.`,
+		Args: cobra.NoArgs,
+		RunE: func(c *cobra.Command, _ []string) error {
+			return showStats(c.Context(), o, c.OutOrStdout())
+		},
 	}
-	if fs.NArg() > 0 || *every <= 0 {
+	fs := c.Flags()
+	fs.StringVar(&o.config, "config", "", "read the metrics address from this configuration (default "+DefaultConfig+" if it exists)")
+	fs.StringVar(&o.metrics, "metrics", "", "the daemon's metrics address host:port (overrides --config)")
+	fs.StringVar(&o.admin, "admin", "", "the daemon's admin socket (overrides --config)")
+	fs.DurationVar(&o.interval, "interval", time.Second, "refresh interval")
+	fs.BoolVar(&o.once, "once", false, "print one table (rates over one interval) and exit")
+	return c
+}
+
+// showStats shows the daemon's counters as a table that refreshes, like
+// top: rates are the difference between two scrapes of /metrics.
+func showStats(ctx context.Context, o statsOptions, stdout io.Writer) error {
+	if o.interval <= 0 {
 		return errors.New("stats: usage: fabricbridge stats [--config FILE | --metrics HOST:PORT | --admin PATH] [--interval D] [--once]")
 	}
-	target, sock, err := metricsTarget(*addr, *admin, *path)
+	target, sock, err := metricsTarget(o.metrics, o.admin, o.config)
 	label := strings.TrimSuffix(strings.TrimPrefix(target, "http://"), "/metrics")
 	if sock != "" {
 		target, label = "http://fabricbridge/metrics", sock // dialled through the socket
@@ -53,12 +74,12 @@ func statsCommand(ctx context.Context, args []string, stdout io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("stats: %w", err)
 	}
-	clear := !*once && isTerminal(stdout)
+	clear := !o.once && isTerminal(stdout)
 	for {
 		select {
 		case <-ctx.Done():
 			return nil
-		case <-time.After(*every):
+		case <-time.After(o.interval):
 		}
 		cur, err := scrape(ctx, client, target)
 		if err != nil {
@@ -71,7 +92,7 @@ func statsCommand(ctx context.Context, args []string, stdout io.Writer) error {
 			io.WriteString(stdout, "\x1b[H\x1b[2J")
 		}
 		render(stdout, label, prev, cur)
-		if *once {
+		if o.once {
 			return nil
 		}
 		prev = cur
@@ -211,11 +232,19 @@ func render(w io.Writer, source string, prev, cur snapshot) {
 		cur.at.Format("15:04:05"))
 
 	for _, x := range metrics.Find(cur.samples, "fabricbridge_attach_mode") {
+		ifname := x.Label("interface")
+		fell := metrics.Find(cur.samples, "fabricbridge_attach_fallback", metrics.Label{Name: "interface", Value: ifname})
 		note := ""
 		if m := x.Label("mode"); m == "generic" || m == "afpacket" {
-			note = "  (slow path: the driver could not do better)"
+			note = "  (slow path, as configured)"
+			if len(fell) > 0 {
+				note = "  FELL BACK to a slow path"
+			}
 		}
-		fmt.Fprintf(w, "interface %s  mode %s%s\n", x.Label("interface"), x.Label("mode"), note)
+		fmt.Fprintf(w, "interface %s  mode %s%s\n", ifname, x.Label("mode"), note)
+		for _, f := range fell {
+			fmt.Fprintf(w, "  not %s: %s\n", f.Label("from"), f.Label("reason"))
+		}
 	}
 
 	table(w, "VERDICT", []string{"PACKETS", "PKT/S", "BYTES", "RATE"}, rowsOf(prev, cur, "fabricbridge_xdp_verdict_packets_total", "fabricbridge_xdp_verdict_bytes_total",

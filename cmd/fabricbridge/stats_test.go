@@ -104,3 +104,24 @@ func TestStatsOnce(t *testing.T) {
 		t.Errorf("no daemon: %v", err)
 	}
 }
+
+// TestRenderFallback: a data path that fell back to a slow path says so in
+// the header, with each path it left and why.
+func TestRenderFallback(t *testing.T) {
+	text := `fabricbridge_attach_mode{interface="eth1",mode="afpacket"} 1
+fabricbridge_attach_fallback{interface="eth1",from="native-copy",to="afpacket",reason="queue 1: xsk: bind (copy): invalid argument"} 1
+fabricbridge_attach_fallback{interface="eth1",from="generic",to="afpacket",reason="queue 1: busy"} 1
+`
+	cur := newSnapshot(time.Unix(2000, 0), exposition(t, text))
+	var b bytes.Buffer
+	render(&b, "127.0.0.1:9469", cur, cur)
+	for _, want := range []string{
+		"interface eth1  mode afpacket  FELL BACK to a slow path\n",
+		"  not native-copy: queue 1: xsk: bind (copy): invalid argument\n",
+		"  not generic: queue 1: busy\n",
+	} {
+		if !strings.Contains(b.String(), want) {
+			t.Errorf("lacks %q:\n%s", want, b.String())
+		}
+	}
+}

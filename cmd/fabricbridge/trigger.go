@@ -3,12 +3,13 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"strings"
 	"sync/atomic"
 	"time"
+
+	"github.com/spf13/cobra"
 
 	"github.com/fabricbridge/fabricbridge/appliance"
 	"github.com/fabricbridge/fabricbridge/appliance/config"
@@ -16,23 +17,10 @@ import (
 	"github.com/fabricbridge/fabricbridge/fabric/ingest/gpu"
 )
 
-const triggerUsage = `usage: fabricbridge app trigger [flags]
-
-Attaches to an ingest ring as its consumer and runs the trigger on it (the
-CPU reference, or the GPU with --gpu), printing records/s, buffers/s and
-the publish-to-result latency every --every, and the totals at the end.
-
-  --ring NAME          the ring (an ingest entry's name; default trigger) or a socket path
-  --config FILE        the bridge's configuration, to find the ring's socket
-  --gpu                run the trigger on the GPU (CUDA driver API, libcuda.so.1)
-  --mode MODE          with --gpu: persistent (default) or host-driven
-  --blocks N           with --gpu: persistent blocks, or buffers per launch
-  --threshold N        summed window energy that triggers (default 1000000)
-  --every D            how often to print (default 5s)
-`
-
 type triggerOptions struct {
-	path      string
+	ring, config, modeName string
+
+	path      string // the ring's socket, found by resolve
 	gpu       bool
 	mode      gpu.Mode
 	blocks    int
@@ -40,52 +28,63 @@ type triggerOptions struct {
 	every     time.Duration
 }
 
-func parseTrigger(args []string) (triggerOptions, error) {
-	o := triggerOptions{}
-	fs := flag.NewFlagSet("app trigger", flag.ContinueOnError)
-	fs.Usage = func() { fmt.Fprint(fs.Output(), triggerUsage) }
-	ring := fs.String("ring", "trigger", "the ring")
-	cfgPath := fs.String("config", "", "the bridge's configuration")
-	mode := fs.String("mode", "persistent", "persistent or host-driven")
-	fs.BoolVar(&o.gpu, "gpu", false, "run the trigger on the GPU")
-	fs.IntVar(&o.blocks, "blocks", 0, "GPU blocks")
-	fs.Uint64Var(&o.threshold, "threshold", 1_000_000, "window energy that triggers")
+func newTriggerCommand() *cobra.Command {
+	var o triggerOptions
+	c := &cobra.Command{
+		Use:   "trigger [flags]",
+		Short: "Consume an ingest ring and run the trigger on it, on the CPU or the GPU",
+		Long: `Attaches to an ingest ring as its consumer and runs the trigger on it (the
+CPU reference, or the GPU with --gpu), printing records/s, buffers/s and the
+publish-to-result latency every --every, and the totals at the end.`,
+		Args: cobra.NoArgs,
+		RunE: func(c *cobra.Command, _ []string) error {
+			if err := o.resolve(); err != nil {
+				return err
+			}
+			return runTrigger(c.Context(), o, c.OutOrStdout())
+		},
+	}
+	fs := c.Flags()
+	fs.StringVar(&o.ring, "ring", "trigger", "the ring: an ingest entry's name, or a socket path")
+	fs.StringVar(&o.config, "config", "", "the bridge's configuration, to find the ring's socket (default "+DefaultConfig+")")
+	fs.BoolVar(&o.gpu, "gpu", false, "run the trigger on the GPU (CUDA driver API, libcuda.so.1)")
+	fs.StringVar(&o.modeName, "mode", "persistent", "with --gpu: persistent or host-driven")
+	fs.IntVar(&o.blocks, "blocks", 0, "with --gpu: persistent blocks, or buffers per launch")
+	fs.Uint64Var(&o.threshold, "threshold", 1_000_000, "summed window energy that triggers")
 	fs.DurationVar(&o.every, "every", 5*time.Second, "how often to print")
-	if err := fs.Parse(args); err != nil {
-		return o, err
+	return c
+}
+
+// resolve checks the flags and finds the ring's socket.
+func (o *triggerOptions) resolve() error {
+	if o.every <= 0 || o.blocks < 0 {
+		return errors.New("app trigger: --every must be positive and --blocks not negative")
 	}
-	if fs.NArg() > 0 || o.every <= 0 || o.blocks < 0 {
-		return o, errors.New(triggerUsage)
-	}
-	switch *mode {
+	switch o.modeName {
 	case "persistent":
 		o.mode = gpu.Persistent
 	case "host-driven", "host":
 		o.mode = gpu.HostDriven
 	default:
-		return o, fmt.Errorf("app trigger: --mode %q: persistent or host-driven", *mode)
+		return fmt.Errorf("app trigger: --mode %q: persistent or host-driven", o.modeName)
 	}
-	o.path = *ring
-	if !strings.ContainsRune(*ring, '/') {
-		path := *cfgPath
+	o.path = o.ring
+	if !strings.ContainsRune(o.ring, '/') {
+		path := o.config
 		if path == "" {
 			path = DefaultConfig
 		}
 		if cfg, err := config.Load(path); err == nil {
-			o.path = appliance.IngestPath(cfg, *ring)
-		} else if *cfgPath != "" {
-			return o, err
+			o.path = appliance.IngestPath(cfg, o.ring)
+		} else if o.config != "" {
+			return err
 		}
 	}
-	return o, nil
+	return nil
 }
 
-// triggerCommand is `app trigger`: the consumer of an ingest ring.
-func triggerCommand(ctx context.Context, args []string, stdout io.Writer) error {
-	o, err := parseTrigger(args)
-	if err != nil {
-		return err
-	}
+// runTrigger is `app trigger`: the consumer of an ingest ring.
+func runTrigger(ctx context.Context, o triggerOptions, stdout io.Writer) error {
 	cons, err := fingest.Open(o.path, fingest.ConsumerOptions{})
 	if err != nil {
 		return fmt.Errorf("app trigger: %w", err)

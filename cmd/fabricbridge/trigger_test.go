@@ -50,7 +50,7 @@ func TestAppTrigger(t *testing.T) {
 		t.Errorf("no totals, or not 8 windows all triggered:\n%s", out.String())
 	}
 
-	if _, err := parseTrigger([]string{"--mode", "sideways"}); err == nil {
+	if err := triggerCommand(context.Background(), []string{"--ring", path, "--mode", "sideways"}, &out); err == nil || !strings.Contains(err.Error(), "sideways") {
 		t.Error("--mode sideways accepted")
 	}
 	path2 := filepath.Join(t.TempDir(), "ring")

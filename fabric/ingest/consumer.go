@@ -173,10 +173,14 @@ func (b *Buffer) Iter() RecordIter {
 
 // Record is one datagram in a buffer.
 type Record struct {
-	Source  uint16 // index into the source table (Consumer.Source)
-	Seq     uint32 // per-source sequence: a gap is datagrams dropped at this box
-	RxNs    uint64 // RX timestamp (CLOCK_MONOTONIC)
-	Payload []byte // the UDP payload, in the shared buffer
+	Source uint16 // index into the source table (Consumer.Source)
+	// SourceGen is the source entry's generation: it changes when the
+	// entry goes to another source (Config.SourceIdle), and Seq starts
+	// again at 0 with it.
+	SourceGen uint32
+	Seq       uint32 // per-source sequence: a gap is datagrams dropped at this box
+	RxNs      uint64 // RX timestamp (CLOCK_MONOTONIC)
+	Payload   []byte // the UDP payload, in the shared buffer
 }
 
 // RecordIter walks a buffer's records, checking each: a record that would
@@ -222,7 +226,7 @@ func (it *RecordIter) Next() bool {
 	if it.err != nil {
 		return false
 	}
-	it.rec = Record{Source: src, Seq: le.Uint32(rest[rSeq:]), RxNs: le.Uint64(rest[rRxNs:]),
+	it.rec = Record{Source: src, SourceGen: le.Uint32(rest[rSourceGen:]), Seq: le.Uint32(rest[rSeq:]), RxNs: le.Uint64(rest[rRxNs:]),
 		Payload: rest[RecordHeader : RecordHeader+plen : RecordHeader+plen]}
 	it.off += size
 	it.left--
@@ -412,7 +416,10 @@ func (c *Consumer) Release(b *Buffer) error {
 	return nil
 }
 
-// Source returns entry i of the source table.
+// Source returns entry i of the source table. An entry names the source
+// of the records that refer to it while the buffers holding them are not
+// released; a full table may give it to another source afterwards
+// (Config.SourceIdle, Record.SourceGen).
 func (c *Consumer) Source(i uint16) (Source, bool) {
 	if c.closed {
 		return Source{}, false

@@ -98,7 +98,7 @@ struct fb_ingest_record {
 	uint16_t source; /* < source_count */
 	uint64_t rx_ns;
 	uint32_t seq; /* per source, counting drops at the bridge */
-	uint32_t reserved;
+	uint32_t source_gen; /* changes when the source entry goes to another source; seq restarts */
 	/* payload_len bytes of UDP payload follow, 8-byte aligned */
 };
 

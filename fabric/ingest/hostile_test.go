@@ -216,7 +216,7 @@ int main(void) {
 	P(fb_ingest_source, addr); P(fb_ingest_source, src_port); P(fb_ingest_source, dst_port);
 	P(fb_ingest_source, flags); P(fb_ingest_source, first_ns);
 	P(fb_ingest_record, size); P(fb_ingest_record, payload_len); P(fb_ingest_record, source);
-	P(fb_ingest_record, rx_ns); P(fb_ingest_record, seq);
+	P(fb_ingest_record, rx_ns); P(fb_ingest_record, seq); P(fb_ingest_record, source_gen);
 	printf("magic %u\nversion %u\nrecord_header %u\nhuge %d\nlocked %d\naligned %d\n",
 		FB_INGEST_MAGIC, FB_INGEST_VERSION, FB_INGEST_RECORD_HEADER,
 		FB_INGEST_HUGETLB, FB_INGEST_LOCKED, FB_INGEST_ALIGNED_WINDOWS);
@@ -256,7 +256,7 @@ int main(void) {
 		"fb_ingest_source.addr": sAddr, "fb_ingest_source.src_port": sSrcPort, "fb_ingest_source.dst_port": sDstPort,
 		"fb_ingest_source.flags": sFlags, "fb_ingest_source.first_ns": sFirstNs,
 		"fb_ingest_record.size": rSize, "fb_ingest_record.payload_len": rPayloadLen, "fb_ingest_record.source": rSource,
-		"fb_ingest_record.rx_ns": rRxNs, "fb_ingest_record.seq": rSeq,
+		"fb_ingest_record.rx_ns": rRxNs, "fb_ingest_record.seq": rSeq, "fb_ingest_record.source_gen": rSourceGen,
 		"magic": uint64(Magic), "version": uint64(Version), "record_header": RecordHeader,
 		"huge": FlagHugetlb, "locked": FlagLocked, "aligned": FlagAlignedWindows,
 	}

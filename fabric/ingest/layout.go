@@ -33,7 +33,6 @@ const (
 	maxBuffers     = 1 << 16
 	minBufferSize  = pageSize
 	maxBufferSize  = 1 << 30
-	maxSourcesCap  = 1 << 16
 	maxRegionBytes = 1 << 40
 )
 
@@ -55,7 +54,7 @@ const (
 //	72   u32  buffer_id       the ingest rule's buffer (stream) id
 //	producer's line (the producer writes, the consumer reads):
 //	128  u64  published       buffers published so far (the next sequence number)
-//	136  u32  source_count    valid entries in the source table
+//	136  u32  source_count    valid entries in the source table (never decreases)
 //	140  u32  producer_state  sideOpen, sideClosed
 //	144  u64  records         records written (informational)
 //	152  u64  dropped         datagrams dropped (informational)
@@ -161,7 +160,8 @@ const (
 //	                      socket's stamp on the AF_PACKET path)
 //	16  u32  seq          per-source sequence: every datagram of the source that
 //	                      reached the producer, stored or dropped
-//	20  u32  reserved, 0
+//	20  u32  source_gen   the source entry's generation: how many sources held
+//	                      the entry before this one (a change restarts seq)
 //	24  payload, 8-byte aligned
 const (
 	rSize       = 0
@@ -169,7 +169,7 @@ const (
 	rSource     = 6
 	rRxNs       = 8
 	rSeq        = 16
-	rReserved   = 20
+	rSourceGen  = 20
 )
 
 // Producer and consumer states in the header.
@@ -190,6 +190,13 @@ var (
 	ErrClosed     = errors.New("ingest: closed")
 	ErrBusy       = errors.New("ingest: another consumer is attached")
 	ErrReleased   = errors.New("ingest: buffer already released")
+)
+
+// Defaults of the source table (Config.MaxSources, Config.SourceIdle).
+const (
+	DefaultMaxSources = 256
+	MaxSourcesCap     = 1 << 16 // the most Config.MaxSources may be
+	DefaultSourceIdle = time.Second
 )
 
 // Config sizes a ring. Zero fields take defaults.
@@ -213,9 +220,20 @@ type Config struct {
 	// exactly one window of all sources (split over several buffers,
 	// flagged BufContinued, if it does not fit one).
 	AlignWindows bool
-	// MaxSources bounds the source table, 1..65536; default 256.
-	// Datagrams from further sources are dropped and counted.
+	// MaxSources bounds the source table, 1..65536; default 256. A new
+	// source finding the table full takes over the entry of the least
+	// recently seen source if that one may be evicted (see SourceIdle);
+	// otherwise its datagram is dropped and counted (Stats.SourceFull).
 	MaxSources int
+	// SourceIdle is how long a source must have sent nothing before its
+	// entry may go to a new source; the entry must also no longer be named
+	// by a record in a buffer the consumer holds or has yet to read, so
+	// with no consumer attached only sources none of whose datagrams
+	// were stored are evicted. An evicted source that sends again is a new
+	// source: it gets an entry (maybe another one), its sequence starts
+	// again at 0, and the entry's generation (Record.SourceGen) changes.
+	// Default 1 s; negative: never evict, the table fills for good.
+	SourceIdle time.Duration
 	// BufferID is the ingest buffer (the rule's Stream id) this ring
 	// serves; informational, for consumers and metrics.
 	BufferID uint32
@@ -234,7 +252,10 @@ func (c Config) withDefaults() Config {
 		c.Window = 100 * time.Microsecond
 	}
 	if c.MaxSources == 0 {
-		c.MaxSources = 256
+		c.MaxSources = DefaultMaxSources
+	}
+	if c.SourceIdle == 0 {
+		c.SourceIdle = DefaultSourceIdle
 	}
 	return c
 }
@@ -253,8 +274,8 @@ func (c Config) validate() error {
 	if c.Window < time.Microsecond {
 		errs = append(errs, fmt.Errorf("window %v under 1µs", c.Window))
 	}
-	if c.MaxSources < 1 || c.MaxSources > maxSourcesCap {
-		errs = append(errs, fmt.Errorf("max sources %d outside 1..%d", c.MaxSources, maxSourcesCap))
+	if c.MaxSources < 1 || c.MaxSources > MaxSourcesCap {
+		errs = append(errs, fmt.Errorf("max sources %d outside 1..%d", c.MaxSources, MaxSourcesCap))
 	}
 	if err := errors.Join(errs...); err != nil {
 		return fmt.Errorf("%w: %w", ErrBadConfig, err)
@@ -354,7 +375,7 @@ func readHeader(mem []byte) (layout, error) {
 		return bad("%d buffers", l.buffers)
 	case l.bufferSize < minBufferSize || l.bufferSize > maxBufferSize || l.bufferSize%RecordAlign != 0:
 		return bad("buffer size %d", l.bufferSize)
-	case l.maxSources < 1 || l.maxSources > maxSourcesCap:
+	case l.maxSources < 1 || l.maxSources > MaxSourcesCap:
 		return bad("%d sources", l.maxSources)
 	case l.descOff < headerLen || l.descOff%descSize != 0 || l.descOff+uint64(l.buffers)*descSize > size:
 		return bad("descriptors at %d", l.descOff)

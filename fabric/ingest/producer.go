@@ -56,13 +56,15 @@ type Ring struct {
 	windowEnd   uint64
 	carry       bool // aligned windows: the next buffer continues this window
 	buf         []byte
-	sources     map[Source]uint16
-	srcSeq      []uint32
 	lastSrc     Source
 	lastIdx     int // index of lastSrc, -1 before the first record
+	table       sourceTable
 	st          counters
 	synced      counters // st as last copied to shared
 	syncedSrc   int
+	// released is the producer's view of the consumer: every buffer
+	// with a lower sequence number has been released (releasedBelow).
+	released uint64
 
 	shared sharedStats
 	srv    *server
@@ -73,7 +75,7 @@ type Ring struct {
 // counters are the producer's own, copied to sharedStats at each publish,
 // Tick and Flush so that the hot path does no atomic work per datagram.
 type counters struct {
-	records, bytes, published, noBuffer, tooBig, sourceFull uint64
+	records, bytes, published, noBuffer, tooBig, sourceFull, sourceEvicted uint64
 }
 
 type sharedStats struct {
@@ -89,11 +91,14 @@ type Stats struct {
 	Published  uint64 // buffers published
 	NoBuffer   uint64 // datagrams dropped: the next buffer was not released yet
 	TooBig     uint64 // datagrams dropped: larger than a buffer
-	SourceFull uint64 // datagrams dropped: the source table was full
-	Sources    int    // distinct sources seen
-	Hugetlb    bool   // backed by hugetlb pages
-	Locked     bool   // locked in memory
-	Attached   bool   // a consumer is attached: it sees every buffer published from now on
+	SourceFull uint64 // datagrams dropped: the source table was full of sources that may not be evicted yet
+	// SourceEvicted counts table entries given to a new source because
+	// their source had gone idle (Config.SourceIdle).
+	SourceEvicted uint64
+	Sources       int  // entries of the source table in use
+	Hugetlb       bool // backed by hugetlb pages
+	Locked        bool // locked in memory
+	Attached      bool // a consumer is attached: it sees every buffer published from now on
 }
 
 // Dropped is the sum of all drops.
@@ -117,8 +122,7 @@ func Create(cfg Config) (*Ring, error) {
 	}
 	r := &Ring{
 		cfg: cfg, l: l, reg: reg, mem: reg.mem, name: cfg.Name,
-		sources: make(map[Source]uint16, cfg.MaxSources),
-		srcSeq:  make([]uint32, cfg.MaxSources),
+		table:   newSourceTable(cfg.MaxSources),
 		lastIdx: -1,
 		evfd:    evfd,
 	}
@@ -158,8 +162,10 @@ func (r *Ring) Append(src Source, rxNs uint64, payload []byte) bool {
 		}
 		r.lastSrc, r.lastIdx = src, idx
 	}
-	seq := r.srcSeq[idx]
-	r.srcSeq[idx] = seq + 1
+	e := &r.table.e[idx]
+	e.lastNs = max(e.lastNs, rxNs)
+	seq := e.seq
+	e.seq = seq + 1
 	if size > r.l.bufferSize {
 		r.st.tooBig++
 		return false
@@ -188,8 +194,9 @@ func (r *Ring) Append(src Source, rxNs uint64, payload []byte) bool {
 	le.PutUint16(b[rSource:], uint16(idx))
 	le.PutUint64(b[rRxNs:], rxNs)
 	le.PutUint32(b[rSeq:], seq)
-	le.PutUint32(b[rReserved:], 0)
+	le.PutUint32(b[rSourceGen:], e.gen)
 	copy(b[RecordHeader:], payload)
+	e.lastBuf = r.seq + 1
 	r.off += size
 	r.records++
 	// Several receive queues feed one ring, a batch at a time: a record
@@ -201,17 +208,71 @@ func (r *Ring) Append(src Source, rxNs uint64, payload []byte) bool {
 	return true
 }
 
-// sourceIndex finds or registers src. A new entry is written whole before
-// the count that makes it visible is stored.
+// sourceIndex finds or registers src, taking over the entry of the least
+// recently seen source if the table is full and that source may be evicted.
+// A new entry is written whole before a record that names it is published
+// (or, for a fresh entry, before the count that makes it visible).
 func (r *Ring) sourceIndex(src Source, rxNs uint64) (int, bool) {
-	if i, ok := r.sources[src]; ok {
+	t := &r.table
+	if i, ok := t.index[src]; ok {
+		t.touch(int(i))
 		return int(i), true
 	}
-	n := len(r.sources)
-	if n >= r.l.maxSources {
+	n := len(t.index)
+	if n < r.l.maxSources {
+		r.writeSource(n, src, rxNs)
+		t.add(n, src, rxNs)
+		storeU32(r.mem, hSourceCount, uint32(n+1))
+		return n, true
+	}
+	j := t.lru()
+	if !r.evictable(j, rxNs) {
 		return 0, false
 	}
-	e := r.mem[r.l.source(n):][:sourceSize]
+	r.writeSource(j, src, rxNs)
+	t.reassign(j, src, rxNs)
+	r.st.sourceEvicted++
+	return j, true
+}
+
+// evictable reports whether entry j's source may give its entry up at
+// rxNs: it has been idle for SourceIdle, and the consumer has released
+// every buffer holding one of its records, so no record it will read can
+// name the entry's previous source.
+func (r *Ring) evictable(j int, rxNs uint64) bool {
+	if r.cfg.SourceIdle < 0 {
+		return false
+	}
+	e := &r.table.e[j]
+	if rxNs < e.lastNs || rxNs-e.lastNs < uint64(r.cfg.SourceIdle) {
+		return false
+	}
+	return e.lastBuf == 0 || e.lastBuf-1 < r.releasedBelow()
+}
+
+// releasedBelow advances and returns r.released: the consumer has
+// released every buffer with a lower sequence number. A buffer the
+// producer has filled again since was released; of the others, published
+// and not refilled, a free state word says the consumer released it.
+// Each call costs what the consumer released since the last one.
+func (r *Ring) releasedBelow() uint64 {
+	n := uint64(r.l.buffers)
+	refilled := r.seq // buffers before seq-N were refilled (seq-N too if seq is open)
+	if r.open {
+		refilled++
+	}
+	if refilled > n {
+		r.released = max(r.released, refilled-n)
+	}
+	for r.released < r.seq && loadU32(r.mem, r.l.desc(int(r.released%n))+dState) == stateFree {
+		r.released++
+	}
+	return r.released
+}
+
+// writeSource fills entry j of the shared source table.
+func (r *Ring) writeSource(j int, src Source, rxNs uint64) {
+	e := r.mem[r.l.source(j):][:sourceSize]
 	copy(e[sAddr:sAddr+16], src.Addr[:])
 	le := binary.LittleEndian
 	le.PutUint16(e[sSrcPort:], src.SrcPort)
@@ -222,9 +283,6 @@ func (r *Ring) sourceIndex(src Source, rxNs uint64) (int, bool) {
 	}
 	le.PutUint32(e[sFlags:], flags)
 	le.PutUint64(e[sFirstNs:], rxNs)
-	r.sources[src] = uint16(n)
-	storeU32(r.mem, hSourceCount, uint32(n+1))
-	return n, true
 }
 
 // acquire opens buffer seq mod N if the consumer has released it.
@@ -319,13 +377,13 @@ func (r *Ring) Flush() {
 }
 
 func (r *Ring) sync() {
-	if r.st == r.synced && r.syncedSrc == len(r.sources) {
+	if r.st == r.synced && r.syncedSrc == len(r.table.index) {
 		return
 	}
-	r.synced, r.syncedSrc = r.st, len(r.sources)
+	r.synced, r.syncedSrc = r.st, len(r.table.index)
 	r.shared.mu.Lock()
 	r.shared.c = r.st
-	r.shared.n = len(r.sources)
+	r.shared.n = len(r.table.index)
 	r.shared.mu.Unlock()
 	storeU64(r.mem, hRecords, r.st.records)
 	storeU64(r.mem, hDropped, r.st.noBuffer+r.st.tooBig+r.st.sourceFull)
@@ -339,7 +397,7 @@ func (r *Ring) Stats() Stats {
 	return Stats{
 		Records: c.records, Bytes: c.bytes, Published: c.published,
 		NoBuffer: c.noBuffer, TooBig: c.tooBig, SourceFull: c.sourceFull,
-		Sources: n,
+		SourceEvicted: c.sourceEvicted, Sources: n,
 		Hugetlb: r.l.flags&FlagHugetlb != 0, Locked: r.l.flags&FlagLocked != 0,
 		Attached: r.srv.attached(),
 	}

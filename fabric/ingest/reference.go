@@ -62,7 +62,11 @@ type SourceCounts struct {
 	SenderGaps, SenderBackwards uint64
 	// Short counts payloads too short to hold a sender sequence number.
 	Short uint64
+	// Reassigned counts the times the entry went to another source: both
+	// sequences start afresh then, and the counts above add up.
+	Reassigned uint64
 
+	gen                 uint32
 	haveSeq             bool
 	nextRing, nextSeq   uint32
 	FirstSeq, LastSeq   uint32 // sender sequence numbers, first and last seen
@@ -93,9 +97,15 @@ func (r *Reference) Process(b *Buffer) error {
 			r.Sources = append(r.Sources, SourceCounts{})
 		}
 		s := &r.Sources[rec.Source]
+		fresh := s.Records == 0
+		if !fresh && rec.SourceGen != s.gen {
+			s.Reassigned++
+			s.haveSeq, fresh = false, true
+		}
+		s.gen = rec.SourceGen
 		s.Records++
 		s.Bytes += uint64(len(rec.Payload))
-		if s.Records == 1 {
+		if fresh {
 			s.FirstRxNs = rec.RxNs
 		} else if rec.Seq != s.nextRing {
 			r.gap(rec.Source, false, s.nextRing, rec.Seq)

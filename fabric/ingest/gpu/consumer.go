@@ -495,6 +495,7 @@ func (g *Consumer) Results() (*Results, error) {
 				SenderBackwards: le.Uint64(s[sSenderBackwards:]), Short: le.Uint64(s[sShort:]),
 				FirstSeq: le.Uint32(s[sFirstSeq:]), LastSeq: le.Uint32(s[sLastSeq:]),
 				FirstRxNs: le.Uint64(s[sFirstRxNs:]), LastRxNs: le.Uint64(s[sLastRxNs:]),
+				Reassigned: le.Uint64(s[sReassigned:]),
 			}
 		}
 	}

@@ -16,13 +16,18 @@
 // headers (go generate; .ci/run checks that the committed trigger.ptx is
 // what clang makes of the source); the driver compiles the PTX for the
 // GPU at load. A block of 256 threads takes one buffer: it stages the
-// buffer in shared memory, walks and decodes its records and summarises
-// each source's records, in parallel with other blocks; then, in
+// buffer in shared memory, finds, decodes and summarises its records per
+// source (fb_block.h: pointer jumping over candidate record starts, a sort
+// by source, segmented block scans; a buffer's cost grows with the
+// logarithm of its records), in parallel with other blocks; then, in
 // publication order (a turn ticket in device memory), it applies the
 // summaries to the running per-source counts, closes the window and
 // publishes a result. Buffers of more than 1024 records, or from more than
 // 256 sources, or larger than the staging area, replay their records in
-// turn instead: the same results, slower.
+// turn instead: the same results, slower. A record whose source_gen
+// differs from its source's last starts that source afresh (the entry went
+// to another source): no gap across, both sequences begin again, and
+// ingest.SourceCounts.Reassigned counts it, as in the reference.
 //
 // # Two modes
 //

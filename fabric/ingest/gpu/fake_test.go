@@ -219,8 +219,8 @@ func (f *fakeDevice) batch(a fakeArgs, block int) {
 
 // fakeSource is struct fb_trigger_source.
 type fakeSource struct {
-	records, bytes, droppedHere, senderGaps, senderBackwards, short, firstRx, lastRx uint64
-	nextRing, nextSeq, firstSeq, lastSeq, haveSeq, gaps                              uint32
+	records, bytes, droppedHere, senderGaps, senderBackwards, short, firstRx, lastRx, reassigned uint64
+	nextRing, nextSeq, firstSeq, lastSeq, haveSeq, gaps, gen                                     uint32
 }
 
 func (f *fakeDevice) loadSource(a fakeArgs, i int) fakeSource {
@@ -228,19 +228,20 @@ func (f *fakeDevice) loadSource(a fakeArgs, i int) fakeSource {
 	le := binary.LittleEndian
 	return fakeSource{le.Uint64(b[sRecords:]), le.Uint64(b[sBytes:]), le.Uint64(b[sDroppedHere:]), le.Uint64(b[sSenderGaps:]),
 		le.Uint64(b[sSenderBackwards:]), le.Uint64(b[sShort:]), le.Uint64(b[sFirstRxNs:]), le.Uint64(b[sLastRxNs:]),
-		le.Uint32(b[sNextRing:]), le.Uint32(b[sNextSeq:]), le.Uint32(b[sFirstSeq:]), le.Uint32(b[sLastSeq:]),
-		le.Uint32(b[sHaveSeq:]), le.Uint32(b[sGaps:])}
+		le.Uint64(b[sReassigned:]), le.Uint32(b[sNextRing:]), le.Uint32(b[sNextSeq:]), le.Uint32(b[sFirstSeq:]),
+		le.Uint32(b[sLastSeq:]), le.Uint32(b[sHaveSeq:]), le.Uint32(b[sGaps:]), le.Uint32(b[sGen:])}
 }
 
 func (f *fakeDevice) storeSource(a fakeArgs, i int, s fakeSource) {
 	b := f.at(a.sources+uint64(i*sourceSize), sourceSize)
 	le := binary.LittleEndian
 	for o, v := range map[int]uint64{sRecords: s.records, sBytes: s.bytes, sDroppedHere: s.droppedHere, sSenderGaps: s.senderGaps,
-		sSenderBackwards: s.senderBackwards, sShort: s.short, sFirstRxNs: s.firstRx, sLastRxNs: s.lastRx} {
+		sSenderBackwards: s.senderBackwards, sShort: s.short, sFirstRxNs: s.firstRx, sLastRxNs: s.lastRx,
+		sReassigned: s.reassigned} {
 		le.PutUint64(b[o:], v)
 	}
 	for o, v := range map[int]uint32{sNextRing: s.nextRing, sNextSeq: s.nextSeq, sFirstSeq: s.firstSeq, sLastSeq: s.lastSeq,
-		sHaveSeq: s.haveSeq, sGaps: s.gaps} {
+		sHaveSeq: s.haveSeq, sGaps: s.gaps, sGen: s.gen} {
 		le.PutUint32(b[o:], v)
 	}
 }
@@ -258,9 +259,9 @@ func (f *fakeDevice) process(a fakeArgs, j fakeJob, desc uint64, persistent bool
 	}
 	// Walk and decode.
 	type rec struct {
-		off, ring, sender, energy uint32
-		src, plen                 uint16
-		rx                        uint64
+		off, ring, sender, energy, gen uint32
+		src, plen                      uint16
+		rx                             uint64
 	}
 	var recs []rec
 	var bad uint32
@@ -277,7 +278,8 @@ func (f *fakeDevice) process(a fakeArgs, j fakeJob, desc uint64, persistent bool
 			bad = errRecord
 			break
 		}
-		r := rec{off: off, src: src, plen: uint16(plen), ring: le.Uint32(data[off+ingRSeq:]), rx: le.Uint64(data[off+ingRRxNs:])}
+		r := rec{off: off, src: src, plen: uint16(plen), ring: le.Uint32(data[off+ingRSeq:]), rx: le.Uint64(data[off+ingRRxNs:]),
+			gen: le.Uint32(data[off+ingRSourceGen:])}
 		p := data[off+ingRecordHeader : off+ingRecordHeader+plen]
 		if plen >= 4 {
 			r.sender = binary.BigEndian.Uint32(p)
@@ -330,9 +332,15 @@ func (f *fakeDevice) process(a fakeArgs, j fakeJob, desc uint64, persistent bool
 		if !ok {
 			s = f.loadSource(a, int(r.src))
 		}
+		fresh := s.records == 0
+		if !fresh && r.gen != s.gen {
+			s.reassigned++
+			s.haveSeq, fresh = 0, true
+		}
+		s.gen = r.gen
 		s.records++
 		s.bytes += uint64(r.plen)
-		if s.records == 1 {
+		if fresh {
 			s.firstRx = r.rx
 		} else if r.ring != s.nextRing {
 			gap(&s, r.src, uint32(i), 0, s.nextRing, r.ring)

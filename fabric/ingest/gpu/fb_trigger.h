@@ -120,7 +120,9 @@ struct fb_trigger_source {
 	uint32_t last_seq;
 	uint32_t have_seq;
 	uint32_t gaps;          /* gaps of this source in the list */
-	uint64_t reserved;
+	uint64_t reassigned;    /* times the entry went to another source (a new generation) */
+	uint32_t gen;           /* the generation of its last record */
+	uint32_t reserved;
 };
 
 /* One gap, in no particular order: the host sorts by (seq, key). */

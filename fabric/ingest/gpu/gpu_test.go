@@ -120,6 +120,31 @@ func TestKernelInterface(t *testing.T) {
 	}
 }
 
+// TestBlockOnHost runs what a block does with a buffer before its turn
+// (fb_block.h: parse, decode, sort, summarise) on the host, a thread per
+// CUDA thread, against sequential code, on random buffers: quirks, new
+// generations, corrupt records and counts, payloads that look like records.
+func TestBlockOnHost(t *testing.T) {
+	cc, err := exec.LookPath("clang")
+	if err != nil {
+		t.Skip("no clang to build testdata/block_host.cpp with")
+	}
+	bin := filepath.Join(t.TempDir(), "block_host")
+	if out, err := exec.Command(cc, "-x", "c++", "-std=c++17", "-O1", "-Wall", "-Werror", "-pthread",
+		fmt.Sprintf("-DFB_TRIGGER_THREADS_HOST=%d", threads), "-o", bin, "testdata/block_host.cpp").CombinedOutput(); err != nil {
+		t.Fatalf("block_host.cpp does not build: %v\n%s", err, out)
+	}
+	buffers := "22" // every kind of buffer fill makes, twice
+	if testing.Short() {
+		buffers = "11"
+	}
+	out, err := exec.Command(bin, buffers).CombinedOutput()
+	if err != nil {
+		t.Fatalf("%v\n%s", err, out)
+	}
+	t.Logf("%s", bytes.TrimSpace(out))
+}
+
 // TestLayout compiles fb_trigger.h (and through it fb_ingest.h) with the
 // system C compiler and compares every offset and size with the Go side.
 func TestLayout(t *testing.T) {
@@ -164,6 +189,7 @@ func TestLayout(t *testing.T) {
 		"fb_trigger_source.next_ring": sNextRing, "fb_trigger_source.next_seq": sNextSeq,
 		"fb_trigger_source.first_seq": sFirstSeq, "fb_trigger_source.last_seq": sLastSeq,
 		"fb_trigger_source.have_seq": sHaveSeq, "fb_trigger_source.gaps": sGaps,
+		"fb_trigger_source.reassigned": sReassigned, "fb_trigger_source.gen": sGen,
 		"fb_trigger_gap.seq": gSeq, "fb_trigger_gap.key": gKey, "fb_trigger_gap.source": gSource,
 		"fb_trigger_gap.sender": gSender, "fb_trigger_gap.want": gWant, "fb_trigger_gap.got": gGot,
 		"sizeof fb_ingest_header": ingHeaderLen, "sizeof fb_ingest_desc": ingDescSize, "sizeof fb_ingest_record": ingRecordHeader,
@@ -177,7 +203,8 @@ func TestLayout(t *testing.T) {
 		"fb_ingest_desc.last_ns": ingDLastNs, "fb_ingest_desc.publish_ns": ingDPublishNs,
 		"fb_ingest_record.size": ingRSize, "fb_ingest_record.payload_len": ingRPayloadLen,
 		"fb_ingest_record.source": ingRSource, "fb_ingest_record.rx_ns": ingRRxNs, "fb_ingest_record.seq": ingRSeq,
-		"FB_INGEST_READY": ingStateReady, "FB_INGEST_FREE": ingStateFree, "FB_INGEST_BUF_CONTINUED": ingBufContinued,
+		"fb_ingest_record.source_gen": ingRSourceGen,
+		"FB_INGEST_READY":             ingStateReady, "FB_INGEST_FREE": ingStateFree, "FB_INGEST_BUF_CONTINUED": ingBufContinued,
 	}
 	var prog strings.Builder
 	prog.WriteString("#include <stdio.h>\n#include <stddef.h>\n#include \"fb_trigger.h\"\nint main(void) {\n")

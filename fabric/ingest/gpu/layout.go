@@ -6,7 +6,7 @@ package gpu
 const (
 	threads      = 256   // FB_TRIGGER_THREADS
 	chunk        = 1024  // FB_TRIGGER_CHUNK
-	staticShared = 29064 // the kernels' block_shared, as the PTX declares it
+	staticShared = 62120 // the kernels' block_shared, as the PTX declares it
 	maxGaps      = 64    // FB_TRIGGER_MAX_GAPS, ingest.MaxGaps
 
 	argsSize   = 128
@@ -14,7 +14,7 @@ const (
 	jobSize    = 64
 	resultSize = 64
 	stateSize  = 64
-	sourceSize = 96
+	sourceSize = 104
 	gapSize    = 24
 )
 
@@ -115,6 +115,8 @@ const (
 	sLastSeq         = 76
 	sHaveSeq         = 80
 	sGaps            = 84
+	sReassigned      = 88
+	sGen             = 96
 )
 
 // struct fb_trigger_gap
@@ -153,6 +155,7 @@ const (
 	ingRSource       = 6
 	ingRRxNs         = 8
 	ingRSeq          = 16
+	ingRSourceGen    = 20 // fb_ingest_record.source_gen, "reserved" before it had a name (REC_GEN)
 
 	ingStateFree     = 0
 	ingStateReady    = 1

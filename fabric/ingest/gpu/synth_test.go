@@ -219,12 +219,7 @@ func sameAsReference(t testing.TB, ref *ingest.Reference, refBuffers uint64, got
 	}
 	check("source slots", len(ref.Sources), len(got.Sources))
 	for i := range min(len(ref.Sources), len(got.Sources)) {
-		w, h := ref.Sources[i], got.Sources[i]
-		pub := func(s ingest.SourceCounts) string {
-			return fmt.Sprintf("records %d bytes %d dropped %d sender gaps %d backwards %d short %d seq %d..%d rx %d..%d",
-				s.Records, s.Bytes, s.DroppedHere, s.SenderGaps, s.SenderBackwards, s.Short, s.FirstSeq, s.LastSeq, s.FirstRxNs, s.LastRxNs)
-		}
-		check(fmt.Sprintf("source %d", i), pub(w), pub(h))
+		check(fmt.Sprintf("source %d", i), publicCounts(ref.Sources[i]), publicCounts(got.Sources[i]))
 	}
 	check("gaps", ref.Gaps, got.Gaps)
 	if t.Failed() {
@@ -232,4 +227,10 @@ func sameAsReference(t testing.TB, ref *ingest.Reference, refBuffers uint64, got
 	}
 	t.Logf("equal: %d buffers, %d records, %d windows (%d triggered), %d sources, %d gaps listed",
 		got.Buffers, got.Records, got.Windows, got.Triggers, len(got.Sources), len(got.Gaps))
+}
+
+// publicCounts formats the counts a consumer reports.
+func publicCounts(s ingest.SourceCounts) string {
+	return fmt.Sprintf("records %d bytes %d dropped %d sender gaps %d backwards %d short %d seq %d..%d rx %d..%d reassigned %d",
+		s.Records, s.Bytes, s.DroppedHere, s.SenderGaps, s.SenderBackwards, s.Short, s.FirstSeq, s.LastSeq, s.FirstRxNs, s.LastRxNs, s.Reassigned)
 }

@@ -5,11 +5,10 @@
 // (see gen.go); the driver compiles the PTX for the GPU at load.
 //
 // Each buffer goes through a block of FB_TRIGGER_THREADS threads in two
-// stages. Stage A runs in parallel across blocks: stage the buffer in
-// shared memory, walk its records (one thread: a record's size says where
-// the next starts), decode them (all threads: source, sequences,
-// energies) and summarise each source's records (a thread per source).
-// Stage B is the reference's sequential fold, taken in publication order
+// stages. Stage A runs in parallel across blocks, and within the block in
+// parallel over the buffer's slots and records (fb_block.h): stage the
+// buffer in shared memory, find its records, decode them and summarise
+// each source's. Stage B is the reference's sequential fold, taken in publication order
 // through a turn ticket in device memory: each source's summary is applied
 // to its running counts, so per-source counts and gaps come out exactly as
 // the CPU's; thread 0 closes the window, passes the turn on and publishes
@@ -79,6 +78,15 @@ static __device__ __forceinline__ uint64_t ld_cg64(const void *p)
 	asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(v) : "l"(p));
 	return v;
 }
+// ld_volatile_desc reads a descriptor as eight words: state|records, seq,
+// bytes|flags, first_ns, last_ns, window_ns, publish_ns, reserved.
+static __device__ __forceinline__ void ld_volatile_desc(const void *p, uint64_t w[8])
+{
+	asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(w[0]), "=l"(w[1]) : "l"(p));
+	asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2+16];" : "=l"(w[2]), "=l"(w[3]) : "l"(p));
+	asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2+32];" : "=l"(w[4]), "=l"(w[5]) : "l"(p));
+	asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2+48];" : "=l"(w[6]), "=l"(w[7]) : "l"(p));
+}
 static __device__ __forceinline__ uint32_t ld_volatile32(const void *p)
 {
 	return *(const volatile uint32_t *)p;
@@ -115,54 +123,21 @@ static __device__ __forceinline__ void backoff(uint32_t *ns, uint32_t cap)
 		*ns *= 2;
 }
 
-static __device__ __forceinline__ uint32_t be32(const uint8_t *p)
+static __device__ __forceinline__ uint32_t popc32(uint32_t v) { return (uint32_t)__builtin_popcount(v); }
+static __device__ __forceinline__ void block_sync() { __syncthreads(); }
+static __device__ __forceinline__ void warp_sync() { __nvvm_bar_warp_sync(0xffffffffu); }
+static __device__ __forceinline__ uint32_t shfl_up32(uint32_t v, uint32_t d)
 {
-	return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+	return (uint32_t)__nvvm_shfl_sync_up_i32(0xffffffffu, (int)v, (int)d, 0);
+}
+static __device__ __forceinline__ uint32_t match_any32(uint32_t key)
+{
+	return __nvvm_match_any_sync_i32(0xffffffffu, (int)key);
 }
 
-#define NONE 0xffff
-#define LOCAL_GAPS 256
-
-// A gap found before the turn, kept in shared memory until the fold knows
-// whether it can be among the first FB_TRIGGER_MAX_GAPS.
-struct local_gap {
-	uint32_t key;
-	uint16_t source;
-	uint16_t sender;
-	uint32_t want;
-	uint32_t got;
-	uint32_t rank; // gaps of its source before it in this buffer
-};
-
-// One block's view of the buffer in hand.
-struct block_shared {
-	struct fb_trigger_job job;
-	const uint8_t *data; // staged copy, or the buffer where it lies
-	uint32_t go;         // persistent mode: 1 to go on, 0 to stop
-	uint32_t n;          // records decoded in this chunk
-	uint32_t bad;        // an fb_trigger_errors code, 0 none
-	uint32_t bad_record;
-	uint32_t next_off;   // where the next chunk starts
-	uint32_t gaps;       // gaps found in this buffer
-	uint32_t gaps_before;
-	uint32_t max_source;
-	uint64_t energy;
-	uint32_t fast;       // the buffer takes the fast path (see process)
-	uint32_t nlocal;     // entries in local
-	uint32_t overflow;   // local overflowed: every source replays
-	uint64_t results_read; // the host's, as last read
-	uint16_t head[FB_TRIGGER_THREADS]; // per source: its first record, or NONE
-	uint16_t tail[FB_TRIGGER_THREADS];
-	uint16_t next[FB_TRIGGER_CHUNK];   // the source's next record, or NONE
-	uint8_t replay[FB_TRIGGER_THREADS]; // the source's local gaps are void
-	struct local_gap local[LOCAL_GAPS];
-	uint32_t off[FB_TRIGGER_CHUNK];
-	uint32_t ring[FB_TRIGGER_CHUNK];
-	uint32_t sender[FB_TRIGGER_CHUNK];
-	uint32_t energy_of[FB_TRIGGER_CHUNK];
-	uint16_t src[FB_TRIGGER_CHUNK];
-	uint16_t plen[FB_TRIGGER_CHUNK];
-};
+#define FB_DEV static __device__ __forceinline__
+#define FB_DEV_MEMBER __device__
+#include "fb_block.h"
 
 static __device__ __forceinline__ void fail(const struct fb_trigger_args *a, uint32_t code, uint64_t seq, uint32_t record)
 {
@@ -193,10 +168,17 @@ static __device__ __forceinline__ int wait_ready(const struct fb_trigger_args *a
 	const uint8_t *region = (const uint8_t *)a->region;
 	const struct fb_ingest_desc *d =
 		(const struct fb_ingest_desc *)(region + a->desc_off) + (uint32_t)(seq % a->buffer_count);
-	uint32_t ns = 32;
+	const struct fb_ingest_header *h = (const struct fb_ingest_header *)region;
+	uint64_t w[8];
+	uint32_t sources, ns = 32;
 	for (uint32_t n = 0;; n++) {
 		if (ld_acquire_sys32(&d->state) == FB_INGEST_READY) {
-			uint64_t got = *(const volatile uint64_t *)&d->seq;
+			// The whole descriptor and the source count at once: each
+			// read over the bus costs its latency, which they share.
+			// The acquire orders them after the producer's writes.
+			ld_volatile_desc(d, w);
+			sources = ld_volatile32(&h->source_count);
+			uint64_t got = w[1];
 			if (got == seq)
 				break;
 			if (got > seq) {
@@ -208,16 +190,13 @@ static __device__ __forceinline__ int wait_ready(const struct fb_trigger_args *a
 			return 0;
 		backoff(&ns, 1024);
 	}
-	const volatile struct fb_ingest_desc *v = d;
 	struct fb_trigger_job *j = &sh->job;
 	j->seq = seq;
-	j->records = v->records;
-	j->bytes = v->bytes;
-	j->flags = v->flags;
-	j->publish_ns = v->publish_ns;
-	uint64_t first = v->first_ns, last = v->last_ns;
-	const struct fb_ingest_header *h = (const struct fb_ingest_header *)region;
-	uint32_t sources = ld_acquire_sys32(&h->source_count);
+	j->records = (uint32_t)(w[0] >> 32);
+	j->bytes = (uint32_t)w[2];
+	j->flags = (uint32_t)(w[2] >> 32);
+	j->publish_ns = w[6];
+	uint64_t first = w[3], last = w[4];
 	j->sources = sources < a->max_sources ? sources : a->max_sources;
 	j->data = (uint64_t)(region + a->buffers_off + (uint64_t)(seq % a->buffer_count) * a->buffer_size);
 	if (j->bytes > a->buffer_size || j->records < 1 || j->records > j->bytes / FB_INGEST_RECORD_HEADER ||
@@ -228,9 +207,30 @@ static __device__ __forceinline__ int wait_ready(const struct fb_trigger_args *a
 	return 1;
 }
 
+// copy_batched copies wide 16-byte words with all threads, each thread's
+// reads of a batch of B in flight before it stores any.
+template <uint32_t B> static __device__ __forceinline__ void copy_batched(u32x4 *dst, const uint8_t *src, uint32_t wide)
+{
+	for (uint32_t i = tid(); i < wide; i += B * FB_TRIGGER_THREADS) {
+		u32x4 v[B];
+#pragma unroll
+		for (uint32_t k = 0; k < B; k++)
+			if (i + k * FB_TRIGGER_THREADS < wide)
+				v[k] = ld_cg128(src + 16 * (i + k * FB_TRIGGER_THREADS));
+#pragma unroll
+		for (uint32_t k = 0; k < B; k++)
+			if (i + k * FB_TRIGGER_THREADS < wide)
+				dst[i + k * FB_TRIGGER_THREADS] = v[k];
+	}
+}
+
 // stage copies the buffer into shared memory with all threads, 16 bytes at
-// a time: over the bus, wide reads in flight together are what is fast.
-static __device__ __forceinline__ void stage(const struct fb_trigger_args *a, struct block_shared *sh, uint8_t *smem)
+// a time. burst: sixteen reads per thread in flight, 64 KiB for the cost of
+// one read's latency over the bus, which a lone block wants; many blocks
+// at once that deep swamp the bus (on an H200, 64 blocks drained the ring
+// at half the rate of one read each in flight), so they read one at a time.
+static __device__ __forceinline__ void stage(const struct fb_trigger_args *a, struct block_shared *sh, uint8_t *smem,
+					     int burst)
 {
 	uint32_t bytes = sh->job.bytes;
 	const uint8_t *src = (const uint8_t *)sh->job.data;
@@ -240,81 +240,15 @@ static __device__ __forceinline__ void stage(const struct fb_trigger_args *a, st
 		return;
 	}
 	uint32_t wide = bytes / 16;
-	u32x4 *d16 = (u32x4 *)smem;
-	for (uint32_t i = tid(); i < wide; i += FB_TRIGGER_THREADS)
-		d16[i] = ld_cg128(src + 16 * i);
+	if (burst)
+		copy_batched<16>((u32x4 *)smem, src, wide);
+	else
+		copy_batched<1>((u32x4 *)smem, src, wide);
 	if (tid() == 0) {
 		if (bytes % 16)
 			*(uint64_t *)(smem + wide * 16) = ld_cg64(src + wide * 16);
 		sh->data = smem;
 	}
-}
-
-// walk (thread 0) finds up to a chunk of records from off, checking each
-// as ingest.RecordIter does.
-static __device__ __forceinline__ void walk(struct block_shared *sh, uint32_t first, uint32_t off)
-{
-	const uint8_t *data = sh->data;
-	uint32_t bytes = sh->job.bytes, left = sh->job.records - first, n = 0;
-	sh->bad = 0;
-	while (n < FB_TRIGGER_CHUNK && n < left) {
-		if (bytes - off < FB_INGEST_RECORD_HEADER) {
-			sh->bad = FB_TRIGGER_ERECORD;
-			break;
-		}
-		uint64_t w = *(const uint64_t *)(data + off);
-		uint32_t size = (uint32_t)w, plen = (uint32_t)(w >> 32) & 0xffff, src = (uint32_t)(w >> 48);
-		if (size < FB_INGEST_RECORD_HEADER || size % FB_INGEST_RECORD_ALIGN != 0 || size > bytes - off ||
-		    plen > size - FB_INGEST_RECORD_HEADER || src >= sh->job.sources) {
-			sh->bad = FB_TRIGGER_ERECORD;
-			break;
-		}
-		if (sh->fast) {
-			if (sh->head[src] == NONE)
-				sh->head[src] = n;
-			else
-				sh->next[sh->tail[src]] = n;
-			sh->tail[src] = n;
-			sh->next[n] = NONE;
-		}
-		sh->off[n++] = off;
-		off += size;
-	}
-	if (!sh->bad && n == left && off != bytes)
-		sh->bad = FB_TRIGGER_ETRAILER;
-	sh->bad_record = first + n;
-	sh->n = n;
-	sh->next_off = off;
-}
-
-// decode (all threads) reads each record of the chunk: its source and
-// sequences, and its hit energies summed.
-static __device__ __forceinline__ void decode(struct block_shared *sh)
-{
-	uint64_t energy = 0;
-	uint32_t maxsrc = 0;
-	for (uint32_t i = tid(); i < sh->n; i += FB_TRIGGER_THREADS) {
-		const uint8_t *r = sh->data + sh->off[i];
-		const struct fb_ingest_record *h = (const struct fb_ingest_record *)r;
-		uint32_t plen = h->payload_len, e = 0, seq = 0;
-		const uint8_t *p = r + FB_INGEST_RECORD_HEADER;
-		if (plen >= 4) {
-			seq = be32(p);
-			for (uint32_t k = 4; k + 2 <= plen; k += 2)
-				e += (uint32_t)p[k] << 8 | p[k + 1];
-		}
-		sh->src[i] = h->source;
-		sh->plen[i] = plen;
-		sh->ring[i] = h->seq;
-		sh->sender[i] = seq;
-		sh->energy_of[i] = e;
-		energy += e;
-		maxsrc = h->source > maxsrc ? h->source : maxsrc;
-	}
-	if (energy)
-		atomic_add64(&sh->energy, energy);
-	if (sh->n)
-		atomic_max32(&sh->max_source, maxsrc);
 }
 
 // emit appends a gap to the list the host sorts.
@@ -353,6 +287,14 @@ static __device__ __forceinline__ void note_gap(const struct fb_trigger_args *a,
 	(*rank)++;
 }
 
+// reassigned says whether a record of generation gen starts the entry
+// afresh: it has counted records of another generation. Both sequences
+// then start again (the counts add up); no gap is counted across.
+static __device__ __forceinline__ int reassigned(const struct fb_trigger_source &v, uint32_t gen)
+{
+	return v.records != 0 && gen != v.gen;
+}
+
 // step is the reference's Process loop body: record i of the chunk, the
 // index-th of the buffer, applied to its source's counts v.
 static __device__ __forceinline__ void step(const struct fb_trigger_args *a, struct block_shared *sh,
@@ -361,9 +303,16 @@ static __device__ __forceinline__ void step(const struct fb_trigger_args *a, str
 {
 	uint32_t ring = sh->ring[i], plen = sh->plen[i];
 	uint64_t rx = *(const uint64_t *)(sh->data + sh->off[i] + 8);
+	int fresh = v.records == 0;
+	if (reassigned(v, sh->gen[i])) {
+		v.reassigned++;
+		v.have_seq = 0;
+		fresh = 1;
+	}
+	v.gen = sh->gen[i];
 	v.records++;
 	v.bytes += plen;
-	if (v.records == 1) {
+	if (fresh) {
 		v.first_rx_ns = rx;
 	} else if (ring != v.next_ring) {
 		note_gap(a, sh, v, s, index, 0, v.next_ring, ring, rank);
@@ -436,122 +385,72 @@ static __device__ __forceinline__ int take_turn(const struct fb_trigger_args *a,
 	return sh->go;
 }
 
-static __device__ __forceinline__ void local_gap(struct block_shared *sh, uint32_t s, uint32_t key, uint32_t sender,
-						 uint32_t want, uint32_t got, uint32_t rank)
-{
-	if (rank >= FB_TRIGGER_MAX_GAPS)
-		return;
-	uint32_t k = atomic_add32(&sh->nlocal, 1);
-	if (k >= LOCAL_GAPS) {
-		sh->overflow = 1;
-		return;
-	}
-	struct local_gap *g = &sh->local[k];
-	g->key = key;
-	g->source = s;
-	g->sender = sender;
-	g->want = want;
-	g->got = got;
-	g->rank = rank;
-}
-
 // fast is the fold of a buffer that is staged, one chunk, and from at most
-// FB_TRIGGER_THREADS sources. Before the turn, thread s summarises source
-// s's records in this buffer (in parallel with other blocks): all but the
-// first record's checks depend only on the buffer. The sender sequence's
+// FB_TRIGGER_THREADS sources. Before the turn, summarise (fb_block.h)
+// checks every record but each source's first against the one before it
+// of its source, in parallel with other blocks. The sender sequence's
 // state after the first non-short record is that record's (accepted: the
 // first ever, or not behind) unless it is behind, which only the turn can
-// tell; then the source replays its records in turn. In turn, each source
-// applies its summary: a few words per source, not a pass over records.
+// tell; then the source replays its records in turn, as does one that
+// summarise marked. In turn, thread s applies source s's summary: a few
+// words per source, not a pass over records.
 static __device__ __forceinline__ int fast(const struct fb_trigger_args *a, struct block_shared *sh)
 {
+	summarise(sh);
 	uint32_t s = tid();
-	int present = s < sh->job.sources && sh->head[s] != NONE;
-	uint32_t first_i = 0, ring1 = 0, prev = 0, last_i = 0, k = 0, shorts = 0, nint = 0;
-	uint32_t have_t = 0, t1 = 0, t1_i = 0, nexts = 0, last_t = 0;
-	uint64_t bytes = 0, dropped = 0, sgaps = 0, back = 0, rx1 = 0, rxk = 0;
-	if (present) {
-		first_i = sh->head[s];
-		ring1 = sh->ring[first_i];
-		for (uint32_t i = first_i; i != NONE; i = sh->next[i]) {
-			uint32_t ring = sh->ring[i], plen = sh->plen[i];
-			k++;
-			bytes += plen;
-			if (i != first_i && ring != prev + 1) {
-				local_gap(sh, s, i * 2, 0, prev + 1, ring, nint++);
-				dropped += (uint32_t)(ring - (prev + 1));
-			}
-			prev = ring;
-			last_i = i;
-			if (plen < 4) {
-				shorts++;
-				continue;
-			}
-			uint32_t t = sh->sender[i];
-			if (!have_t) {
-				have_t = 1;
-				t1 = t;
-				t1_i = i;
-				nexts = t + 1;
-			} else {
-				int32_t d = (int32_t)(t - nexts);
-				if (d == 0) {
-					nexts++;
-				} else if (d > 0) {
-					local_gap(sh, s, i * 2 + 1, 1, nexts, t, nint++);
-					sgaps += (uint64_t)d;
-					nexts = t + 1;
-				} else {
-					back++;
-				}
-			}
-			last_t = t;
-		}
-		rx1 = *(const uint64_t *)(sh->data + sh->off[first_i] + 8);
-		rxk = *(const uint64_t *)(sh->data + sh->off[last_i] + 8);
-	}
+	uint32_t count = sh->seg_count[s], start = sh->seg_start[s];
+	int present = s < sh->job.sources && count != 0;
 	if (!take_turn(a, sh))
 		return 0;
 	if (present) {
 		struct fb_trigger_source *e = (struct fb_trigger_source *)a->sources + s;
 		struct fb_trigger_source v = *e;
-		uint32_t rank = 0;
-		if (sh->overflow || (have_t && v.have_seq && (int32_t)(t1 - v.next_seq) < 0)) {
+		const struct source_summary *m = &sh->u.sum.sum[s];
+		uint32_t rank = 0, first_i = sh->sorted[start], last_i = sh->sorted[start + count - 1];
+		uint32_t gen = sh->gen[first_i];
+		int fresh = reassigned(v, gen);
+		if (sh->overflow || sh->replay[s] || (m->have_t && v.have_seq && !fresh && (int32_t)(m->t1 - v.next_seq) < 0)) {
 			sh->replay[s] = 1;
-			for (uint32_t i = first_i; i != NONE; i = sh->next[i])
-				step(a, sh, v, s, i, i, &rank);
+			for (uint32_t p = start; p < start + count; p++)
+				step(a, sh, v, s, sh->sorted[p], sh->sorted[p], &rank);
 		} else {
-			if (v.records == 0) {
-				v.first_rx_ns = rx1;
+			uint32_t ring1 = sh->ring[first_i];
+			if (fresh) {
+				v.reassigned++;
+				v.have_seq = 0;
+			}
+			if (v.records == 0 || fresh) {
+				v.first_rx_ns = *(const uint64_t *)(sh->data + sh->off[first_i] + 8);
 			} else if (ring1 != v.next_ring) {
 				note_gap(a, sh, v, s, first_i, 0, v.next_ring, ring1, &rank);
 				v.dropped_here += (uint32_t)(ring1 - v.next_ring);
 			}
-			v.records += k;
-			v.bytes += bytes;
-			v.dropped_here += dropped;
-			v.next_ring = prev + 1;
-			v.last_rx_ns = rxk;
-			v.short_payloads += shorts;
-			if (have_t) {
+			v.gen = gen;
+			v.records += count;
+			v.bytes += m->bytes;
+			v.dropped_here += m->dropped;
+			v.next_ring = sh->ring[last_i] + 1;
+			v.last_rx_ns = *(const uint64_t *)(sh->data + sh->off[last_i] + 8);
+			v.short_payloads += m->shorts;
+			if (m->have_t) {
 				if (!v.have_seq) {
-					v.first_seq = t1;
+					v.first_seq = m->t1;
 					v.have_seq = 1;
 				} else {
-					int32_t d = (int32_t)(t1 - v.next_seq);
+					int32_t d = (int32_t)(m->t1 - v.next_seq);
 					if (d > 0) {
 						rank = 0;
-						note_gap(a, sh, v, s, t1_i, 1, v.next_seq, t1, &rank);
+						note_gap(a, sh, v, s, m->t1_i, 1, v.next_seq, m->t1, &rank);
 						v.sender_gaps += (uint64_t)d;
 					}
 				}
-				v.sender_gaps += sgaps;
-				v.sender_backwards += back;
-				v.next_seq = nexts;
-				v.last_seq = last_t;
+				v.sender_gaps += m->sgaps;
+				v.sender_backwards += m->back;
+				v.next_seq = m->nexts;
+				v.last_seq = m->last_t;
 			}
-			if (nint)
-				atomic_add32(&sh->gaps, nint);
+			if (m->gaps)
+				atomic_add32(&sh->gaps, m->gaps);
 		}
 		*e = v;
 	}
@@ -625,10 +524,14 @@ static __device__ __forceinline__ void finish(const struct fb_trigger_args *a, s
 	st_release_sys64((void *)&r->seq1, seq + 1);
 }
 
+// Persistent kernels of up to this many blocks stage in bursts (see stage).
+#define BURST_BLOCKS 16
+
 // process runs one buffer through both stages; 0 when the block must stop.
-// release, in persistent mode, is the descriptor to hand back.
+// release, in persistent mode, is the descriptor to hand back; burst is
+// stage's.
 static __device__ __forceinline__ int process(const struct fb_trigger_args *a, struct block_shared *sh, uint8_t *smem,
-					      struct fb_ingest_desc *release)
+					      struct fb_ingest_desc *release, int burst)
 {
 	if (tid() == 0) {
 		sh->energy = 0;
@@ -637,22 +540,23 @@ static __device__ __forceinline__ int process(const struct fb_trigger_args *a, s
 		sh->nlocal = 0;
 		sh->overflow = 0;
 	}
-	for (uint32_t i = tid(); i < FB_TRIGGER_THREADS; i += FB_TRIGGER_THREADS) {
-		sh->head[i] = NONE;
-		sh->replay[i] = 0;
-	}
-	stage(a, sh, smem);
+	sh->replay[tid()] = 0;
+	stage(a, sh, smem, burst);
 	__syncthreads();
 	// A staged buffer is ours in shared memory: the producer may have it
 	// back at once. The barrier ordered every thread's reads before this.
 	int staged = sh->data == smem;
+	int fast_path = staged && sh->job.records <= FB_TRIGGER_CHUNK && sh->job.sources <= FB_TRIGGER_THREADS;
 	if (tid() == 0) {
 		if (release && staged)
 			st_release_sys32(&release->state, FB_INGEST_FREE);
-		sh->fast = staged && sh->job.records <= FB_TRIGGER_CHUNK && sh->job.sources <= FB_TRIGGER_THREADS;
-		walk(sh, 0, 0);
+		sh->fast = fast_path;
 	}
-	__syncthreads();
+	if (!(fast_path && sh->job.bytes <= 8 * PAR_SLOTS && parse(sh))) {
+		if (tid() == 0)
+			walk(sh, 0, 0);
+		__syncthreads();
+	}
 	decode(sh);
 	__syncthreads();
 	uint32_t first = 0;
@@ -702,7 +606,7 @@ extern "C" __global__ void __launch_bounds__(FB_TRIGGER_THREADS) fb_trigger_pers
 		if (!sh.go)
 			return;
 		struct fb_ingest_desc *d = (struct fb_ingest_desc *)(region + a->desc_off) + (uint32_t)(seq % a->buffer_count);
-		if (!process(a, &sh, (uint8_t *)stage_mem, d))
+		if (!process(a, &sh, (uint8_t *)stage_mem, d, nblocks() <= BURST_BLOCKS))
 			return;
 		struct fb_trigger_state *st = (struct fb_trigger_state *)a->state;
 		if (ld_volatile32(&st->failed))
@@ -733,5 +637,5 @@ extern "C" __global__ void __launch_bounds__(FB_TRIGGER_THREADS) fb_trigger_batc
 	}
 	__syncthreads();
 	if (sh.go)
-		process(a, &sh, (uint8_t *)stage_mem, 0);
+		process(a, &sh, (uint8_t *)stage_mem, 0, 1); // device memory: bursts are cheap
 }

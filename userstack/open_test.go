@@ -31,6 +31,7 @@ type world struct {
 	fb   *fakebridge.Bridge
 	cfg  control.Config
 	srv  *control.Server
+	ln   *net.UnixListener // srv's
 	path string
 }
 
@@ -70,7 +71,15 @@ func (w *world) serve(t *testing.T, path string) *control.Server {
 	}
 	go srv.ServeLocal(l)
 	t.Cleanup(func() { srv.Close() })
+	w.ln = l
 	return srv
+}
+
+// stop closes the server and its socket, which the server would leave
+// behind if it had not yet begun to serve it.
+func (w *world) stop() {
+	w.srv.Close()
+	w.ln.Close()
 }
 
 func (w *world) open(t *testing.T, app string) *Stack {

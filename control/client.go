@@ -390,6 +390,23 @@ func (c *Client) Connect(ctx context.Context, proto string, local netip.Addr, re
 	return Claim{ID: rep.Claim, Addr: rep.Addr, Port: rep.Port}, nil
 }
 
+// Reclaim asks again for a listener (remote invalid) or flow that this
+// application held under an earlier lease, before the bridge restarted:
+// exactly proto, addr and port (for a flow: local address addr and port
+// to remote), ports of the reserved range included. A port another
+// application took meanwhile is refused with ErrPortInUse.
+func (c *Client) Reclaim(ctx context.Context, proto string, addr netip.Addr, port uint16, remote netip.AddrPort) (Claim, error) {
+	op := OpListen
+	if remote.IsValid() {
+		op = OpConnect
+	}
+	rep, err := c.call(ctx, &Request{Op: op, Proto: proto, Addr: addr, Port: port, Remote: remote, Reclaim: true})
+	if err != nil {
+		return Claim{}, err
+	}
+	return Claim{ID: rep.Claim, Addr: rep.Addr, Port: rep.Port}, nil
+}
+
 // Release gives a claim back.
 func (c *Client) Release(ctx context.Context, id uint64) error {
 	_, err := c.call(ctx, &Request{Op: OpRelease, Claim: id})

@@ -49,6 +49,10 @@ type Request struct {
 	Addr   netip.Addr     `json:"addr,omitzero"`
 	Port   uint16         `json:"port,omitempty"`
 	Remote netip.AddrPort `json:"remote,omitzero"`
+	// Reclaim asks again for what this application held under its lease
+	// with a bridge that has since restarted: exactly Port (for connect,
+	// from Addr to Remote), a port of the reserved range included.
+	Reclaim bool `json:"reclaim,omitempty"`
 	// release
 	Claim uint64 `json:"claim,omitempty"`
 }

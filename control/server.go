@@ -410,7 +410,11 @@ func (ss *session) handle(req *Request) (Reply, []int, error) {
 		if req.Addr.Is4In6() {
 			return Reply{}, nil, fmt.Errorf("%w: write IPv4 addresses in dotted form", ErrBadRequest)
 		}
-		c, err := ss.srv.reg.listen(ss.app, proto, req.Addr, req.Port)
+		listen := ss.srv.reg.listen
+		if req.Reclaim {
+			listen = ss.srv.reg.reclaimListener
+		}
+		c, err := listen(ss.app, proto, req.Addr, req.Port)
 		if err != nil {
 			return Reply{}, nil, err
 		}
@@ -420,7 +424,12 @@ func (ss *session) handle(req *Request) (Reply, []int, error) {
 		if err != nil {
 			return Reply{}, nil, err
 		}
-		c, err := ss.srv.reg.connect(ss.app, proto, req.Addr, req.Remote)
+		var c *claim
+		if req.Reclaim {
+			c, err = ss.srv.reg.reclaimFlow(ss.app, proto, req.Addr, req.Port, req.Remote)
+		} else {
+			c, err = ss.srv.reg.connect(ss.app, proto, req.Addr, req.Remote)
+		}
 		if err != nil {
 			return Reply{}, nil, err
 		}

@@ -59,9 +59,10 @@ type e2e struct {
 	wire     *topology.Veth
 	b        *bridge.Bridge
 	srv      *control.Server
-	path     string       // control socket
-	ctlAddr  string       // control TCP address (remote)
-	appNS    *topology.NS // remote application host
+	cfg      control.Config // srv's, for a restart
+	path     string         // control socket
+	ctlAddr  string         // control TCP address (remote)
+	appNS    *topology.NS   // remote application host
 	secret   []byte
 	local4   netip.Addr // the bridge host's addresses on the wire
 	local6   netip.Addr
@@ -111,7 +112,7 @@ func newE2E(t testing.TB) *e2e {
 	}
 	t.Cleanup(func() { e.b.Close() })
 	t.Cleanup(func() { remote.Close() })
-	srv, err := control.NewServer(control.Config{
+	e.cfg = control.Config{
 		Dataplane: &bridgePlane{b: e.b},
 		Addrs:     []netip.Addr{e.local4, e.local6},
 		Ephemeral: e2ePorts,
@@ -119,7 +120,8 @@ func newE2E(t testing.TB) *e2e {
 		Secret:    e.secret,
 		Remote:    remote,
 		Logger:    log,
-	})
+	}
+	srv, err := control.NewServer(e.cfg)
 	if err != nil {
 		t.Fatal(err)
 	}

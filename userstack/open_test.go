@@ -29,7 +29,9 @@ import (
 // address sets configured.
 type world struct {
 	fb   *fakebridge.Bridge
+	cfg  control.Config
 	srv  *control.Server
+	ln   *net.UnixListener // srv's
 	path string
 }
 
@@ -44,25 +46,40 @@ func newWorld(t *testing.T) *world {
 func newWorldStreams(t *testing.T, sc fabric.Config) *world {
 	t.Helper()
 	fb := fakebridge.New()
-	srv, err := control.NewServer(control.Config{
+	w := &world{fb: fb, path: filepath.Join(t.TempDir(), "control.sock"), cfg: control.Config{
 		Dataplane: fb,
 		Addrs:     addrA,
 		Ephemeral: ephemeral,
 		Stream:    sc,
 		Apps:      map[string]control.Policy{"a": {Addrs: addrA}, "b": {Addrs: addrB}},
 		Logger:    slog.New(slog.NewTextHandler(io.Discard, nil)),
-	})
+	}}
+	w.srv = w.serve(t, w.path)
+	return w
+}
+
+// serve starts a control server of w's configuration on path.
+func (w *world) serve(t *testing.T, path string) *control.Server {
+	t.Helper()
+	srv, err := control.NewServer(w.cfg)
 	if err != nil {
 		t.Fatal(err)
 	}
-	path := filepath.Join(t.TempDir(), "control.sock")
 	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
 	if err != nil {
 		t.Fatal(err)
 	}
 	go srv.ServeLocal(l)
 	t.Cleanup(func() { srv.Close() })
-	return &world{fb: fb, srv: srv, path: path}
+	w.ln = l
+	return srv
+}
+
+// stop closes the server and its socket, which the server would leave
+// behind if it had not yet begun to serve it.
+func (w *world) stop() {
+	w.srv.Close()
+	w.ln.Close()
 }
 
 func (w *world) open(t *testing.T, app string) *Stack {
@@ -356,8 +373,9 @@ func TestOpenErrors(t *testing.T) {
 		t.Error("listen on b's address from a accepted")
 	}
 	w.srv.Close()
-	if _, err := s.Listen("tcp", ":80"); !errors.Is(err, control.ErrBridgeGone) {
-		t.Errorf("listen after the bridge went: %v", err)
+	// The stack waits for a bridge to come back, within the context.
+	if _, err := s.Dial(testCtx(t, 300*time.Millisecond), "tcp", "198.18.0.2:80"); !errors.Is(err, ErrBridgeUnavailable) || !errors.Is(err, control.ErrBridgeGone) {
+		t.Errorf("dial after the bridge went: %v", err)
 	}
 	_ = netip.Addr{}
 }

@@ -7,12 +7,14 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"runtime"
 	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/vishvananda/netns"
 	"gvisor.dev/gvisor/pkg/tcpip"
 	"gvisor.dev/gvisor/pkg/tcpip/network/ipv4"
 	"gvisor.dev/gvisor/pkg/tcpip/network/ipv6"
@@ -49,6 +51,10 @@ type Options struct {
 	// costs more than the wake-up it saves (docs/performance.md#the-receive-loop).
 	// Give a few tens of µs when the application has cores to itself.
 	Spin time.Duration
+	// Events, if set, is told when the bridge goes away and when it is
+	// back (see EventKind). It is called from one goroutine, in order,
+	// and should return quickly: reattaching waits for it.
+	Events func(Event)
 }
 
 // RemoteOptions reach a bridge on another node.
@@ -103,88 +109,165 @@ type Stack struct {
 }
 
 // Open connects to the bridge, registers the application, attaches its
-// stream and starts a stack on it.
+// stream and starts a stack on it. The stack outlives the bridge: when the
+// control connection or the stream ends, it registers again under the same
+// name, with backoff, asks the new bridge for its listeners and the flows
+// of its open connections again, and carries on over the new stream (see
+// EventKind for what the stack does meanwhile).
 func Open(ctx context.Context, opts Options) (*Stack, error) {
 	if (opts.Control == "") == (opts.Remote == nil) {
 		return nil, errors.New("userstack: set exactly one of Options.Control and Options.Remote")
 	}
+	dial, closeTransport, backoff := localDialer(opts), func() error { return nil }, backoffMaxLocal
 	if opts.Remote != nil {
-		return openRemote(ctx, opts)
+		rd := &remoteDialer{opts: opts}
+		dial, closeTransport, backoff = rd.dial, rd.close, backoffMaxRemote
 	}
-	c, err := control.DialLocal(ctx, opts.Control, opts.App)
+	a, first, err := newAttachment(ctx, dial, backoff, opts.Events)
 	if err != nil {
+		closeTransport()
 		return nil, err
 	}
-	reg, st, err := c.RegisterLocal(ctx, opts.RxSlots, opts.TxSlots)
-	if err != nil {
-		c.Close()
-		return nil, err
-	}
-	st.SetRecvSpin(opts.Spin)
 	// The ring the bridge made, whatever was asked: windows must fit it.
-	cfg := LinkConfig{MTU: mtuOf(reg.MTU, opts.MTU, st.MaxPayload()), MaxPacket: st.MaxPayload(), NoGRO: opts.NoGRO, RxDepth: st.RecvDepth()}
-	s, err := newStack(st, cfg, reg.Addrs, c, c.Close, st.Close)
+	cfg := LinkConfig{MTU: mtuOf(first.reg.MTU, opts.MTU, first.maxPacket), MaxPacket: first.maxPacket, NoGRO: opts.NoGRO, RxDepth: first.rxDepth}
+	s, err := newStack(a.link, cfg, first.reg.Addrs, a, a.Close, a.link.Close, closeTransport)
 	if err != nil {
-		st.Close()
-		c.Close()
+		a.Close()
+		a.link.Close()
+		closeTransport()
 		return nil, err
 	}
 	return s, nil
 }
 
-func openRemote(ctx context.Context, opts Options) (*Stack, error) {
-	ro := opts.Remote
-	var d net.Dialer
-	conn, err := d.DialContext(ctx, "tcp", ro.Control)
+// localDialer registers with the bridge on this host and attaches its
+// shared-memory stream.
+func localDialer(opts Options) func(context.Context) (attached, error) {
+	return func(ctx context.Context) (attached, error) {
+		c, err := control.DialLocal(ctx, opts.Control, opts.App)
+		if err != nil {
+			return attached{}, err
+		}
+		reg, st, err := c.RegisterLocal(ctx, opts.RxSlots, opts.TxSlots)
+		if err != nil {
+			c.Close()
+			return attached{}, err
+		}
+		st.SetRecvSpin(opts.Spin)
+		return attached{client: c, link: st, closeLink: st.Close, reg: reg, maxPacket: st.MaxPayload(), rxDepth: st.RecvDepth()}, nil
+	}
+}
+
+// remoteDialer registers with a bridge on another node. Its GENEVE
+// endpoint is made at the first registration and serves every later one.
+type remoteDialer struct {
+	opts Options
+	r    *fabric.Remote
+	// ns is the network namespace of the thread that called Open. Later
+	// registrations dial from a goroutine of their own, whose thread may
+	// be in another (an application that opened its stack inside
+	// netns.Set, as the tests' remote hosts do).
+	ns netns.NsHandle
+}
+
+func (d *remoteDialer) dial(ctx context.Context) (at attached, err error) {
+	if d.r == nil {
+		if d.ns, err = netns.Get(); err != nil {
+			d.ns = netns.None()
+		}
+		return d.dialHere(ctx)
+	}
+	if nerr := inNetns(d.ns, func() { at, err = d.dialHere(ctx) }); nerr != nil {
+		return attached{}, fmt.Errorf("%w: the application's network namespace: %v", control.ErrBridgeGone, nerr)
+	}
+	return at, err
+}
+
+// inNetns runs fn on a thread in ns (none: wherever it runs).
+func inNetns(ns netns.NsHandle, fn func()) error {
+	if !ns.IsOpen() {
+		fn()
+		return nil
+	}
+	runtime.LockOSThread()
+	orig, err := netns.Get()
 	if err != nil {
-		return nil, control.Unreachable(ro.Control, err)
+		runtime.UnlockOSThread()
+		return err
+	}
+	defer orig.Close()
+	if orig.Equal(ns) {
+		runtime.UnlockOSThread()
+		fn()
+		return nil
+	}
+	if err := netns.Set(ns); err != nil {
+		runtime.UnlockOSThread()
+		return err
+	}
+	fn()
+	if err := netns.Set(orig); err != nil {
+		return err // the thread stays locked and ends with its goroutine
+	}
+	runtime.UnlockOSThread()
+	return nil
+}
+
+func (d *remoteDialer) dialHere(ctx context.Context) (attached, error) {
+	ro := d.opts.Remote
+	var nd net.Dialer
+	conn, err := nd.DialContext(ctx, "tcp", ro.Control)
+	if err != nil {
+		return attached{}, control.Unreachable(ro.Control, err)
 	}
 	if ro.TLS != nil {
 		tc := tls.Client(conn, ro.TLS)
 		if err := tc.HandshakeContext(ctx); err != nil {
 			conn.Close()
-			return nil, fmt.Errorf("userstack: TLS to the bridge: %w", err)
+			return attached{}, fmt.Errorf("userstack: TLS to the bridge: %w", err)
 		}
 		conn = tc
 	}
-	c, err := control.DialRemoteConn(ctx, conn, opts.App, ro.Secret)
+	c, err := control.DialRemoteConn(ctx, conn, d.opts.App, ro.Secret)
 	if err != nil {
-		return nil, err
+		return attached{}, err
 	}
-	local := ro.Local
-	if !local.IsValid() {
-		ta, ok := c.LocalAddr().(*net.TCPAddr)
-		if !ok {
-			c.Close()
-			return nil, fmt.Errorf("userstack: control connection's local address %v is not TCP", c.LocalAddr())
+	fail := func(err error) (attached, error) {
+		c.Close()
+		return attached{}, err
+	}
+	if d.r == nil {
+		local := ro.Local
+		if !local.IsValid() {
+			ta, ok := c.LocalAddr().(*net.TCPAddr)
+			if !ok {
+				return fail(fmt.Errorf("userstack: control connection's local address %v is not TCP", c.LocalAddr()))
+			}
+			local = netip.AddrPortFrom(ta.AddrPort().Addr().Unmap(), 0)
 		}
-		local = netip.AddrPortFrom(ta.AddrPort().Addr().Unmap(), 0)
+		if d.r, err = fabric.ListenRemote(local, ro.Transport); err != nil {
+			return fail(err)
+		}
 	}
-	r, err := fabric.ListenRemote(local, ro.Transport)
-	if err != nil {
-		c.Close()
-		return nil, err
-	}
-	fail := func(err error) (*Stack, error) {
-		r.Close()
-		c.Close()
-		return nil, err
-	}
-	reg, err := c.RegisterRemote(ctx, r.LocalAddr())
+	reg, err := c.RegisterRemote(ctx, d.r.LocalAddr())
 	if err != nil {
 		return fail(err)
 	}
-	rs, err := r.Register(reg.Stream, reg.Geneve)
+	rs, err := d.r.Register(reg.Stream, reg.Geneve)
 	if err != nil {
 		return fail(err)
 	}
-	maxPacket := rs.MaxPayload()
-	cfg := LinkConfig{MTU: mtuOf(reg.MTU, opts.MTU, maxPacket), MaxPacket: maxPacket, NoGRO: opts.NoGRO}
-	s, err := newStack(rs, cfg, reg.Addrs, c, c.Close, r.Close)
-	if err != nil {
-		return fail(err)
+	return attached{client: c, link: rs, closeLink: rs.Close, reg: reg, maxPacket: rs.MaxPayload()}, nil
+}
+
+func (d *remoteDialer) close() error {
+	if d.ns.IsOpen() {
+		d.ns.Close()
 	}
-	return s, nil
+	if d.r == nil {
+		return nil
+	}
+	return d.r.Close()
 }
 
 // mtuOf is the smallest positive of the bridge's MTU, the caller's cap and

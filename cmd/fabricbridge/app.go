@@ -29,6 +29,7 @@ type appOptions struct {
 	kind, name, listen string
 	stack              userstack.Options
 	size               int
+	rateMbit           float64
 	udp                bool
 	every              time.Duration
 
@@ -54,7 +55,7 @@ the bridge out and for benchmarks; or the consumer of an ingest ring.`,
 	}
 	app.AddCommand(
 		newServeCommand("http", ":80", "Serve HTTP on a user-space stack",
-			"Serves HTTP: GET / answers --size bytes, GET /bytes/N answers N bytes."),
+			"Serves HTTP: GET / answers --size bytes, GET /bytes/N answers N bytes\n(at --rate Mbit/s at most, if given)."),
 		newServeCommand("echo", ":7", "Echo TCP (and UDP) on a user-space stack",
 			"Echoes TCP connections, and UDP datagrams with --udp."),
 		newServeCommand("sink", ":9", "Discard TCP (and UDP) on a user-space stack, printing the rate",
@@ -99,6 +100,7 @@ auth: tls, a client certificate), and serves on its own user-space stack.`,
 	switch kind {
 	case "http":
 		fs.IntVar(&o.size, "size", 4096, "bytes of the answer to GET /")
+		fs.Float64Var(&o.rateMbit, "rate", 0, "pace answers to GET /bytes/N to this many Mbit/s (0: no limit)")
 	case "echo":
 		fs.BoolVar(&o.udp, "udp", false, "serve UDP on the same port too")
 	case "sink":
@@ -111,8 +113,8 @@ auth: tls, a client certificate), and serves on its own user-space stack.`,
 // resolve checks the flags and finds the bridge: over TCP, by its control
 // socket, or by the socket its configuration names.
 func (o *appOptions) resolve() error {
-	if o.size < 0 || o.stack.MTU < 0 || (o.kind == "sink" && o.every <= 0) {
-		return fmt.Errorf("app %s: --size and --mtu must not be negative, --every must be positive", o.kind)
+	if o.size < 0 || o.stack.MTU < 0 || o.rateMbit < 0 || (o.kind == "sink" && o.every <= 0) {
+		return fmt.Errorf("app %s: --size, --mtu and --rate must not be negative, --every must be positive", o.kind)
 	}
 	o.stack.App = o.name
 	if o.remote == "" && (o.secretFile != "" || o.tls != clientTLSFiles{}) {
@@ -190,6 +192,7 @@ func (f clientTLSFiles) config(remote string) (*tls.Config, error) {
 
 // serveApp runs the application until ctx ends.
 func serveApp(ctx context.Context, o appOptions, stdout io.Writer) error {
+	o.stack.Events = func(e userstack.Event) { logBridgeEvent(stdout, o.kind, e) }
 	st, err := userstack.Open(ctx, o.stack)
 	if err != nil {
 		return fmt.Errorf("app %s: %w", o.kind, err)
@@ -198,11 +201,24 @@ func serveApp(ctx context.Context, o appOptions, stdout io.Writer) error {
 	fmt.Fprintf(stdout, "%s: application %q on a user-space stack, addresses %v\n", o.kind, o.name, st.Addrs())
 	switch o.kind {
 	case "http":
-		return serveHTTP(ctx, st, o.listen, o.size, stdout, nil)
+		return serveHTTP(ctx, st, o.listen, o.size, o.rateMbit*1e6/8, stdout, nil)
 	case "echo":
 		return serveEcho(ctx, st, o.listen, o.udp, stdout)
 	default:
 		return serveSink(ctx, st, o.listen, o.udp, o.every, stdout)
+	}
+}
+
+// logBridgeEvent tells the operator that the bridge went away or came
+// back, or that a claim did not survive its absence.
+func logBridgeEvent(w io.Writer, kind string, e userstack.Event) {
+	switch e.Kind {
+	case userstack.BridgeLost:
+		fmt.Fprintf(w, "%s: bridge lost, reconnecting (connections wait): %v\n", kind, e.Err)
+	case userstack.BridgeBack:
+		fmt.Fprintf(w, "%s: bridge back after %v\n", kind, e.Down.Round(time.Millisecond))
+	default:
+		fmt.Fprintf(w, "%s: %v\n", kind, e)
 	}
 }
 
@@ -212,7 +228,12 @@ type httpCounters struct {
 }
 
 // httpHandler answers GET / with size bytes and GET /bytes/N with N.
-func httpHandler(size int, c *httpCounters) http.Handler {
+func httpHandler(size int, c *httpCounters) http.Handler { return httpHandlerPaced(size, 0, c) }
+
+// httpHandlerPaced is httpHandler sending /bytes/N at rate bytes a second
+// at most (0: as fast as the connection takes them), so that a download
+// can be made to last.
+func httpHandlerPaced(size int, rate float64, c *httpCounters) http.Handler {
 	body := []byte(strings.Repeat("fabricbridge ", size/13+1)[:size])
 	mux := http.NewServeMux()
 	mux.HandleFunc("GET /{$}", func(w http.ResponseWriter, r *http.Request) {
@@ -228,12 +249,15 @@ func httpHandler(size int, c *httpCounters) http.Handler {
 		}
 		w.Header().Set("Content-Length", strconv.Itoa(n))
 		chunk := []byte(strings.Repeat("x", 64<<10))
-		sent := 0
+		sent, start := 0, time.Now()
 		for sent < n {
 			k, err := w.Write(chunk[:min(len(chunk), n-sent)])
 			sent += k
 			if err != nil {
 				break
+			}
+			if rate > 0 {
+				time.Sleep(time.Duration(float64(sent)/rate*float64(time.Second)) - time.Since(start))
 			}
 		}
 		c.Requests.Add(1)
@@ -242,8 +266,9 @@ func httpHandler(size int, c *httpCounters) http.Handler {
 	return mux
 }
 
-// serveHTTP serves until ctx ends; counters, if not nil, count what it served.
-func serveHTTP(ctx context.Context, st *userstack.Stack, listen string, size int, log io.Writer, counters *httpCounters) error {
+// serveHTTP serves until ctx ends, /bytes/N at rate bytes a second at most
+// (0: no limit); counters, if not nil, count what it served.
+func serveHTTP(ctx context.Context, st *userstack.Stack, listen string, size int, rate float64, log io.Writer, counters *httpCounters) error {
 	ln, err := st.Listen("tcp", listen)
 	if err != nil {
 		return fmt.Errorf("http: listen %s: %w", listen, err)
@@ -251,7 +276,7 @@ func serveHTTP(ctx context.Context, st *userstack.Stack, listen string, size int
 	if counters == nil {
 		counters = &httpCounters{}
 	}
-	srv := &http.Server{Handler: httpHandler(size, counters), ReadHeaderTimeout: 10 * time.Second}
+	srv := &http.Server{Handler: httpHandlerPaced(size, rate, counters), ReadHeaderTimeout: 10 * time.Second}
 	go func() {
 		<-ctx.Done()
 		srv.Close()

@@ -154,6 +154,29 @@ func (x *transfer) survived(t *testing.T, dial func(context.Context, string, str
 	}
 }
 
+// pacedTransfer opens stacks a and b, b serving a 16 MiB paced body on
+// :9000, and starts a's download of it; listener and connection close
+// with the test.
+func (w *world) pacedTransfer(t *testing.T) (a, b *Stack, aEvents, bEvents *bridgeEvents, x *transfer) {
+	t.Helper()
+	a, aEvents = w.openWithEvents(t, "a")
+	b, bEvents = w.openWithEvents(t, "b")
+	w.explainFailure(t, map[string]*Stack{"a": a, "b": b}, map[string]*bridgeEvents{"a": aEvents, "b": bEvents})
+	l, err := b.Listen("tcp", ":9000")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	want := body(16 << 20)
+	go servePaced(l, want)
+	c, err := a.Dial(testCtx(t, 10*time.Second), "tcp", "198.18.0.2:9000")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return a, b, aEvents, bEvents, transferStarted(t, c, want, true)
+}
+
 // TestStacksOutliveTheirBridge restarts the control server under two
 // stacks with a transfer running between them, through a's flow and b's
 // listener: the transfer completes byte-exact over the new streams, a
@@ -161,23 +184,7 @@ func (x *transfer) survived(t *testing.T, dial func(context.Context, string, str
 // listener accepts new connections.
 func TestStacksOutliveTheirBridge(t *testing.T) {
 	w := newWorld(t)
-	a, aEvents := w.openWithEvents(t, "a")
-	b, bEvents := w.openWithEvents(t, "b")
-	w.explainFailure(t, map[string]*Stack{"a": a, "b": b}, map[string]*bridgeEvents{"a": aEvents, "b": bEvents})
-	l, err := b.Listen("tcp", ":9000")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	want := body(16 << 20)
-	go servePaced(l, want)
-
-	c, err := a.Dial(testCtx(t, 10*time.Second), "tcp", "198.18.0.2:9000")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	x := transferStarted(t, c, want, true)
+	a, _, aEvents, bEvents, x := w.pacedTransfer(t)
 
 	w.stop()
 	aEvents.await(t, BridgeLost, 1)
@@ -304,22 +311,7 @@ func TestARefusingBridgeIsReported(t *testing.T) {
 // byte-exact and no claim is lost.
 func TestStacksOutliveRepeatedRestarts(t *testing.T) {
 	w := newWorld(t)
-	a, aEvents := w.openWithEvents(t, "a")
-	b, bEvents := w.openWithEvents(t, "b")
-	w.explainFailure(t, map[string]*Stack{"a": a, "b": b}, map[string]*bridgeEvents{"a": aEvents, "b": bEvents})
-	l, err := b.Listen("tcp", ":9000")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	want := body(16 << 20)
-	go servePaced(l, want)
-	c, err := a.Dial(testCtx(t, 10*time.Second), "tcp", "198.18.0.2:9000")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	x := transferStarted(t, c, want, true)
+	a, _, aEvents, bEvents, x := w.pacedTransfer(t)
 	const restarts = 5
 	for i := range restarts {
 		w.stop()

@@ -21,9 +21,10 @@ type ingestPlane struct {
 }
 
 type ingestRing struct {
-	name string // as configured
-	id   uint32
-	ring *ingest.Ring
+	name   string // as configured
+	id     uint32
+	ring   *ingest.Ring
+	budget time.Duration // ingest[].latency_budget
 }
 
 // IngestPath is where consumers open the named ring of a configuration: a
@@ -61,7 +62,7 @@ func openIngest(cfg *config.Config, b *bridge.Bridge, log *slog.Logger) (_ *inge
 		if err != nil {
 			return nil, cfg.Errorf(fmt.Sprintf("ingest[%d]", i), "%v", err)
 		}
-		p.rings = append(p.rings, &ingestRing{name: g.Name, id: cfg.IngestID(g.Name), ring: r})
+		p.rings = append(p.rings, &ingestRing{name: g.Name, id: cfg.IngestID(g.Name), ring: r, budget: time.Duration(g.LatencyBudget)})
 		st := r.Stats()
 		log.Info("ingest ring", "name", g.Name, "buffer_id", cfg.IngestID(g.Name), "socket", path,
 			"bytes", r.Size(), "hugetlb", st.Hugetlb, "locked", st.Locked, "lock_error", r.LockError())
@@ -95,13 +96,19 @@ func (p *ingestPlane) Close() error {
 }
 
 var (
-	famIngestRecords   = metrics.Family{Name: "fabricbridge_ingest_records_total", Type: metrics.Counter, Help: "Datagrams written into each ingest ring."}
-	famIngestBytes     = metrics.Family{Name: "fabricbridge_ingest_bytes_total", Type: metrics.Counter, Help: "Payload bytes written into each ingest ring."}
-	famIngestPublished = metrics.Family{Name: "fabricbridge_ingest_buffers_published_total", Type: metrics.Counter, Help: "Buffers each ingest ring published to its consumer."}
-	famIngestDrops     = metrics.Family{Name: "fabricbridge_ingest_drops_total", Type: metrics.Counter, Help: "Datagrams an ingest ring dropped, by reason (no_buffer: the consumer holds every buffer; too_big; source_full: no source-table entry was free or idle)."}
-	famIngestSources   = metrics.Family{Name: "fabricbridge_ingest_sources", Type: metrics.Gauge, Help: "Entries of an ingest ring's source table in use."}
-	famIngestEvicted   = metrics.Family{Name: "fabricbridge_ingest_source_evictions_total", Type: metrics.Counter, Help: "Source-table entries an ingest ring gave to a new source because their source had gone idle."}
-	famIngestConsumer  = metrics.Family{Name: "fabricbridge_ingest_consumer_attached", Type: metrics.Gauge, Help: "1 when a consumer is attached to the ingest ring."}
+	famIngestRecords       = metrics.Family{Name: "fabricbridge_ingest_records_total", Type: metrics.Counter, Help: "Datagrams written into each ingest ring."}
+	famIngestBytes         = metrics.Family{Name: "fabricbridge_ingest_bytes_total", Type: metrics.Counter, Help: "Payload bytes written into each ingest ring."}
+	famIngestPublished     = metrics.Family{Name: "fabricbridge_ingest_buffers_published_total", Type: metrics.Counter, Help: "Buffers each ingest ring published to its consumer."}
+	famIngestDrops         = metrics.Family{Name: "fabricbridge_ingest_drops_total", Type: metrics.Counter, Help: "Datagrams an ingest ring dropped, by reason (no_buffer: the consumer holds every buffer; too_big; source_full: no source-table entry was free or idle)."}
+	famIngestSources       = metrics.Family{Name: "fabricbridge_ingest_sources", Type: metrics.Gauge, Help: "Entries of an ingest ring's source table in use."}
+	famIngestEvicted       = metrics.Family{Name: "fabricbridge_ingest_source_evictions_total", Type: metrics.Counter, Help: "Source-table entries an ingest ring gave to a new source because their source had gone idle."}
+	famIngestConsumer      = metrics.Family{Name: "fabricbridge_ingest_consumer_attached", Type: metrics.Gauge, Help: "1 when a consumer is attached to the ingest ring."}
+	famIngestWireToPublish = metrics.Family{Name: "fabricbridge_ingest_wire_to_publish_seconds", Type: metrics.Histogram,
+		Help: "Per buffer of an ingest ring, from its earliest datagram's receive timestamp to its publication to the consumer (the window wait included)."}
+	famIngestPublishToRelease = metrics.Family{Name: "fabricbridge_ingest_publish_to_release_seconds", Type: metrics.Histogram,
+		Help: "Per buffer of an ingest ring, from its publication until the daemon saw the consumer release it (seen at the daemon's next check, so late by up to the ring's window or a tick)."}
+	famIngestBudget = metrics.Family{Name: "fabricbridge_ingest_latency_budget_seconds", Type: metrics.Gauge,
+		Help: "An ingest ring's configured wire-to-consumer latency budget (ingest[].latency_budget)."}
 	famEngine          = metrics.Family{Name: "fabricbridge_ingest_engine_frames_total", Type: metrics.Counter, Help: "Frames the ingest engine handled, by outcome (received, appended, dropped, no_ring, malformed, refused: judged malformed on the AF_PACKET path, kernel_drop)."}
 	famEngineFillEmpty = metrics.Family{Name: "fabricbridge_ingest_engine_fill_ring_empty_total", Type: metrics.Counter, Help: "Times the kernel found an ingest socket's fill ring empty."}
 )
@@ -129,6 +136,9 @@ func (p *ingestPlane) Collect(w *metrics.Writer) {
 			att = 1
 		}
 		w.Add(famIngestConsumer, att, l...)
+		w.Add(famIngestBudget, r.budget.Seconds(), l...)
+		addLatency(w, famIngestWireToPublish, st.WireToPublish, l)
+		addLatency(w, famIngestPublishToRelease, st.PublishToRelease, l)
 	}
 	es := p.offload.Stats()
 	for _, o := range []struct {
@@ -138,4 +148,22 @@ func (p *ingestPlane) Collect(w *metrics.Writer) {
 		w.AddUint(famEngine, o.n, metrics.L("outcome", o.outcome)...)
 	}
 	w.AddUint(famEngineFillEmpty, es.FillRingEmpty)
+}
+
+// addLatency writes a latency histogram in seconds, its buckets merged to
+// one per power of two: enough to compare with a budget, and a quarter of
+// the series.
+func addLatency(w *metrics.Writer, f metrics.Family, h ingest.HistogramSnapshot, labels []metrics.Label) {
+	var bounds []float64
+	var counts []uint64
+	for i, c := range h.Counts {
+		if len(counts) == 0 || i > 0 && h.Upper[i-1]&(h.Upper[i-1]-1) == 0 {
+			counts = append(counts, 0) // the bucket after a power of two opens a new one
+		}
+		counts[len(counts)-1] += c
+		if u := h.Upper[i]; u != 0 && u&(u-1) == 0 {
+			bounds = append(bounds, float64(u)/1e9)
+		}
+	}
+	w.AddHistogram(f, bounds, counts, float64(h.SumNs)/1e9, labels...)
 }

@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fabricbridge/fabricbridge/appliance/config"
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 	"github.com/fabricbridge/fabricbridge/fabric/ingest"
 	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
@@ -129,6 +130,25 @@ rules:
 	}
 	if v := value(t, s, "fabricbridge_ingest_consumer_attached", "ring", "trigger"); v != 1 {
 		t.Errorf("consumer not reported attached")
+	}
+	// Every published buffer is timed to publication; every released one
+	// to its release once the engine has looked (at least every 100ms).
+	published := value(t, s, "fabricbridge_ingest_buffers_published_total", "ring", "trigger")
+	if v := value(t, s, "fabricbridge_ingest_wire_to_publish_seconds_count", "ring", "trigger"); published == 0 || v != published {
+		t.Errorf("%v buffers timed to publication, %v published", v, published)
+	}
+	if v := value(t, s, "fabricbridge_ingest_latency_budget_seconds", "ring", "trigger"); v != config.DefaultIngestBudget.Seconds() {
+		t.Errorf("latency budget %v s, want the default", v)
+	}
+	for deadline := time.Now().Add(2 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		v := value(t, tp.scrape(t, d), "fabricbridge_ingest_publish_to_release_seconds_count", "ring", "trigger")
+		if v == published {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Errorf("%v buffers timed to release, %v published and released", v, published)
+			break
+		}
 	}
 	if v := value(t, s, "fabricbridge_rule_packets_total", "id", "2"); v != 2*perPort {
 		t.Errorf("rule 2 counted %v", v)

@@ -26,9 +26,14 @@ func StartFed() *Engine {
 	return e
 }
 
+// idleTick is how often an idle fed engine ticks its rings, as often as
+// the XDP loop's sleep wakes.
+const idleTick = 100 * time.Millisecond
+
 // windows closes the windows of a fed engine's rings: it sleeps until the
 // earliest open buffer's window ends, or, with none open, until a feeder
-// appends something.
+// appends something or idleTick passes (the rings time consumers'
+// releases at each tick, see ingest.Stats).
 func (e *Engine) windows() {
 	defer e.wg.Done()
 	t := time.NewTimer(time.Hour)
@@ -36,10 +41,13 @@ func (e *Engine) windows() {
 	for !e.stop.Load() {
 		next, open := e.tick()
 		if !open {
+			t.Reset(idleTick)
 			select {
 			case <-e.kick:
+			case <-t.C:
 			case <-e.done:
 			}
+			t.Stop()
 			continue
 		}
 		d := time.Duration(int64(next - ingest.Now()))

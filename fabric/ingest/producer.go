@@ -65,6 +65,14 @@ type Ring struct {
 	// released is the producer's view of the consumer: every buffer
 	// with a lower sequence number has been released (releasedBelow).
 	released uint64
+	// publishedNs[k] is when the buffer last published from slot k was
+	// published; unreleased[k] says its release is not yet timed.
+	publishedNs []uint64
+	unreleased  []bool
+
+	// Latency of each buffer, written by the producer goroutine only.
+	wireToPublish    Histogram
+	publishToRelease Histogram
 
 	shared sharedStats
 	srv    *server
@@ -99,6 +107,18 @@ type Stats struct {
 	Hugetlb       bool // backed by hugetlb pages
 	Locked        bool // locked in memory
 	Attached      bool // a consumer is attached: it sees every buffer published from now on
+
+	// WireToPublish holds, per published buffer, the time from its
+	// earliest record's receive timestamp to its publication: the window
+	// wait plus the engine's own delay, what a consumer cannot win back.
+	WireToPublish HistogramSnapshot
+	// PublishToRelease holds, per released buffer, the time from its
+	// publication until the producer saw the consumer release it. The
+	// producer looks when it opens a buffer and at each Tick, so a release
+	// is timed late by at most the time between those; a consumer that
+	// releases out of order has its later buffers timed when the earlier
+	// one is released or reused.
+	PublishToRelease HistogramSnapshot
 }
 
 // Dropped is the sum of all drops.
@@ -122,9 +142,11 @@ func Create(cfg Config) (*Ring, error) {
 	}
 	r := &Ring{
 		cfg: cfg, l: l, reg: reg, mem: reg.mem, name: cfg.Name,
-		table:   newSourceTable(cfg.MaxSources),
-		lastIdx: -1,
-		evfd:    evfd,
+		table:       newSourceTable(cfg.MaxSources),
+		lastIdx:     -1,
+		evfd:        evfd,
+		publishedNs: make([]uint64, l.buffers),
+		unreleased:  make([]bool, l.buffers),
 	}
 	storeU32(r.mem, hProdState, sideOpen)
 	if r.srv, err = serve(path, r); err != nil {
@@ -264,10 +286,25 @@ func (r *Ring) releasedBelow() uint64 {
 	if refilled > n {
 		r.released = max(r.released, refilled-n)
 	}
+	var now uint64
 	for r.released < r.seq && loadU32(r.mem, r.l.desc(int(r.released%n))+dState) == stateFree {
+		if now == 0 {
+			now = Now()
+		}
+		r.timeRelease(int(r.released%n), now)
 		r.released++
 	}
 	return r.released
+}
+
+// timeRelease records the release of the buffer last published from slot
+// k, seen at now, unless it was recorded already.
+func (r *Ring) timeRelease(k int, now uint64) {
+	if !r.unreleased[k] {
+		return
+	}
+	r.unreleased[k] = false
+	r.publishToRelease.Observe(now - min(now, r.publishedNs[k]))
 }
 
 // writeSource fills entry j of the shared source table.
@@ -290,6 +327,9 @@ func (r *Ring) acquire(rxNs uint64) bool {
 	k := int(r.seq % uint64(r.l.buffers))
 	if loadU32(r.mem, r.l.desc(k)+dState) != stateFree {
 		return false
+	}
+	if r.unreleased[k] {
+		r.releasedBelow() // times this buffer's release and any before it
 	}
 	r.open, r.off, r.records = true, 0, 0
 	r.firstNs, r.lastNs = rxNs, rxNs
@@ -322,7 +362,10 @@ func (r *Ring) publish(flags uint32) {
 	le.PutUint64(d[dFirstNs:], r.firstNs)
 	le.PutUint64(d[dLastNs:], r.lastNs)
 	le.PutUint64(d[dWindowNs:], r.windowStart)
-	le.PutUint64(d[dPublishNs:], Now())
+	now := Now()
+	le.PutUint64(d[dPublishNs:], now)
+	r.publishedNs[k], r.unreleased[k] = now, true
+	r.wireToPublish.Observe(now - min(now, r.firstNs))
 	storeU32(r.mem, r.l.desc(k)+dState, stateReady)
 	r.seq++
 	storeU64(r.mem, hPublished, r.seq)
@@ -346,6 +389,7 @@ func (r *Ring) Tick(now uint64) {
 		r.publish(BufWindow)
 		return
 	}
+	r.releasedBelow()
 	r.sync()
 }
 
@@ -399,7 +443,9 @@ func (r *Ring) Stats() Stats {
 		NoBuffer: c.noBuffer, TooBig: c.tooBig, SourceFull: c.sourceFull,
 		SourceEvicted: c.sourceEvicted, Sources: n,
 		Hugetlb: r.l.flags&FlagHugetlb != 0, Locked: r.l.flags&FlagLocked != 0,
-		Attached: r.srv.attached(),
+		Attached:         r.srv.attached(),
+		WireToPublish:    r.wireToPublish.Snapshot(),
+		PublishToRelease: r.publishToRelease.Snapshot(),
 	}
 }
 

@@ -210,7 +210,6 @@ func (r *registry) connectDelta(a *app, proto classifier.Protocol, local netip.A
 	c.id = a.nextClaim
 	a.claims[c.id] = c
 	pc := classifier.PortClaim{Proto: proto, Port: port}
-	widen := a.portRefs[pc] == 0 && !a.staticPorts[pc]
 	r.index(c)
 	f := a.flow(c)
 	r.mu.Unlock()
@@ -219,21 +218,33 @@ func (r *registry) connectDelta(a *app, proto classifier.Protocol, local netip.A
 		delete(a.claims, c.id)
 		r.unindex(c)
 		r.mu.Unlock()
+		r.syncPort(a, pc)
 	}
-	if widen {
-		if err := r.flowDP.OwnPort(a.stream, pc, true); err != nil {
-			undo()
-			return nil, dataplaneErr(err)
-		}
+	if err := r.syncPort(a, pc); err != nil {
+		undo()
+		return nil, dataplaneErr(err)
 	}
 	if err := r.flowDP.AddFlows([]classifier.Flow{f}); err != nil {
 		undo()
-		if widen {
-			r.flowDP.OwnPort(a.stream, pc, false)
-		}
 		return nil, dataplaneErr(err)
 	}
 	return c, nil
+}
+
+// syncPort tells the data plane whether the stream owns pc, from the
+// claims counted now: under the application's portMu, so that of two
+// changes racing for one port the later decision is the one that stays.
+// Telling it what it knows already is no error, and one atomic bit.
+func (r *registry) syncPort(a *app, pc classifier.PortClaim) error {
+	a.portMu.Lock()
+	defer a.portMu.Unlock()
+	r.mu.Lock()
+	static, held := a.staticPorts[pc], a.portRefs[pc] > 0
+	r.mu.Unlock()
+	if static {
+		return nil
+	}
+	return r.flowDP.OwnPort(a.stream, pc, held)
 }
 
 func family(a netip.Addr) int {
@@ -461,12 +472,9 @@ func (r *registry) releaseDelta(a *app, c *claim) error {
 	delete(a.claims, c.id)
 	r.unindex(c)
 	pc := classifier.PortClaim{Proto: c.proto, Port: c.port}
-	narrow := a.portRefs[pc] == 0 && !a.staticPorts[pc]
 	r.mu.Unlock()
-	if narrow {
-		if err := r.flowDP.OwnPort(a.stream, pc, false); err != nil {
-			return dataplaneErr(err)
-		}
+	if err := r.syncPort(a, pc); err != nil {
+		return dataplaneErr(err)
 	}
 	return nil
 }

@@ -6,7 +6,10 @@ import (
 	"math/rand/v2"
 	"net/netip"
 	"reflect"
+	"runtime"
 	"slices"
+	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
@@ -220,5 +223,61 @@ func TestPortsShareWithinAnApplicationOnly(t *testing.T) {
 	}
 	if len(dp.flows) != 13 {
 		t.Fatalf("%d flows installed, want 13", len(dp.flows))
+	}
+}
+
+// TestReusedPortStaysOwned: one application's connects and releases race
+// on a small range, so a port one goroutine releases is at once the one
+// another takes (the pool hands out the lowest free port). A port must be
+// owned by the stream from the moment connect returns until release is
+// called, whatever order the two reach the data plane in.
+func TestReusedPortStaysOwned(t *testing.T) {
+	dp := newFlowRecorder()
+	r, err := newRegistry(dp, classifier.PortRange{Lo: 20000, Hi: 20003}, 100, Static{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	pol := Policy{Addrs: []netip.Addr{benchLocal}, MaxClaims: 1000}
+	a, err := r.register("app", pol, func(id uint32, own classifier.Ownership) error { return dp.AddStream(id, nil, own) })
+	if err != nil {
+		t.Fatal(err)
+	}
+	owned := func(port uint16) bool {
+		dp.mu.Lock()
+		defer dp.mu.Unlock()
+		return dp.ports[a.stream][classifier.PortClaim{Proto: classifier.ProtoUDP, Port: port}]
+	}
+	var wg sync.WaitGroup
+	var lost atomic.Int64
+	for g := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range 2000 {
+				c, err := r.connect(a, classifier.ProtoUDP, benchLocal, benchRemote(g*10000+i))
+				if errors.Is(err, ErrNoPorts) {
+					continue
+				}
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				runtime.Gosched()
+				if !owned(c.port) {
+					lost.Add(1)
+				}
+				if err := r.release(a, c.id); err != nil {
+					t.Error(err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if n := lost.Load(); n != 0 {
+		t.Errorf("%d times a port held by a live claim was not owned by the stream", n)
+	}
+	if n := len(dp.ports[a.stream]); n != 0 {
+		t.Errorf("%d ports still owned after every claim was released", n)
 	}
 }

@@ -104,6 +104,11 @@ type app struct {
 	staticPorts map[classifier.PortClaim]bool
 	listeners   int                               // listener claims held
 	reuse       map[classifier.Protocol]*portRing // reserved ports its flows hold, to share when the range runs out
+	// portMu orders the delta path's ownership changes: a release that
+	// narrows a port and a claim that takes the same port again (the pool
+	// hands out the lowest free one) must reach the data plane in the
+	// order of their decisions, or the stream loses a port it holds.
+	portMu sync.Mutex
 }
 
 // claim is one listener or flow an application holds.

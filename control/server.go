@@ -12,6 +12,7 @@ import (
 	"os"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -122,6 +123,7 @@ type Server struct {
 	reg     *registry
 	log     *slog.Logger
 	refused *refusals
+	mtu     atomic.Int32 // the wire's: Config.MTU, then SetMTU's
 
 	mu        sync.Mutex
 	listeners map[net.Listener]struct{}
@@ -170,14 +172,16 @@ func NewServer(cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, fmt.Errorf("control: static rules: %w", err)
 	}
-	return &Server{
+	srv := &Server{
 		cfg:       cfg,
 		reg:       reg,
 		log:       cfg.Logger,
 		refused:   newRefusals(),
 		listeners: make(map[net.Listener]struct{}),
 		sessions:  make(map[*session]struct{}),
-	}, nil
+	}
+	srv.mtu.Store(int32(cfg.MTU))
+	return srv, nil
 }
 
 // policy returns name's policy with defaults filled in.
@@ -324,6 +328,7 @@ type session struct {
 	secret    []byte
 
 	app        *app
+	pushable   atomic.Bool          // registered: pushes may go out
 	stream     *fabric.BridgeStream // local
 	handoverFD int                  // local: the bridge's end of the handover pair until used; -1 otherwise
 	rs         *fabric.RemoteStream // remote
@@ -630,7 +635,8 @@ func (ss *session) register(req *Request) (Reply, []int, error) {
 }
 
 func (ss *session) registered(a *app, pol Policy) Reply {
-	return Reply{Stream: a.stream, Addrs: pol.Addrs, MTU: ss.srv.cfg.MTU, Ports: ss.srv.cfg.Ephemeral}
+	ss.pushable.Store(true)
+	return Reply{Stream: a.stream, Addrs: pol.Addrs, MTU: ss.srv.MTU(), Ports: ss.srv.cfg.Ephemeral}
 }
 
 // finishHandover runs fabric's handshake over the bridge's end of the pair

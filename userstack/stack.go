@@ -129,6 +129,7 @@ func Open(ctx context.Context, opts Options) (*Stack, error) {
 		c.Close()
 		return nil, err
 	}
+	s.followMTU(c, opts.MTU)
 	return s, nil
 }
 
@@ -184,6 +185,7 @@ func openRemote(ctx context.Context, opts Options) (*Stack, error) {
 	if err != nil {
 		return fail(err)
 	}
+	s.followMTU(c, opts.MTU)
 	return s, nil
 }
 

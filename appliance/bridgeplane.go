@@ -30,6 +30,7 @@ type bridgePlane struct {
 	streams map[uint32]*planeStream
 	stop    chan struct{}
 	ticker  sync.WaitGroup
+	mtu     mtuFollower // mtu.go
 }
 
 // planeStream is one application stream the bridge serves.
@@ -135,6 +136,7 @@ func (p *bridgePlane) tick() {
 			for _, e := range p.streams {
 				e.s.Tick()
 			}
+			p.mtu.check(p.b.MTU(), p.log)
 			p.mu.Unlock()
 		}
 	}

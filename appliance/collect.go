@@ -7,6 +7,7 @@ import (
 	"github.com/fabricbridge/fabricbridge/appliance/config"
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 	"github.com/fabricbridge/fabricbridge/bridge"
+	"github.com/fabricbridge/fabricbridge/control"
 	"github.com/fabricbridge/fabricbridge/fabric"
 )
 
@@ -43,6 +44,17 @@ func collectRoutes(w *metrics.Writer, st bridge.RouteCacheStats, labels ...metri
 	w.AddUint(famRouteEvictions, st.Evicted, labels...)
 	w.AddUint(famRouteLookups, st.Lookups, append(labels, metrics.Label{Name: "result", Value: "done"})...)
 	w.AddUint(famRouteLookups, st.Deferred, append(labels, metrics.Label{Name: "result", Value: "deferred"})...)
+}
+
+var famControlRefused = metrics.Family{Name: "fabricbridge_control_refusals_total", Type: metrics.Counter,
+	Help: "Control requests refused, by reason: the quota bound (quota_ports, quota_flows, quota_streams, quota_ring_bytes, quota_slots, quota_ids), unlisted (control.refuse_unlisted), or the error code (docs/control.md)."}
+
+// collectControl writes the control server's refusals, every reason
+// always, so that a rate is defined before the first refusal.
+func collectControl(w *metrics.Writer, refused map[string]uint64) {
+	for _, r := range control.RefusalReasons {
+		w.AddUint(famControlRefused, refused[r], metrics.L("reason", r)...)
+	}
 }
 
 var famConfigRefused = metrics.Family{Name: "fabricbridge_config_refusals_total", Type: metrics.Counter,
@@ -104,6 +116,9 @@ func (d *Daemon) collect(w *metrics.Writer) {
 	apps := d.Apps()
 	w.Add(famApps, float64(len(apps)))
 	d.collectAnnounce(w)
+	if d.server != nil {
+		collectControl(w, d.server.Refusals())
+	}
 	byStream := map[uint32]string{}
 	for _, a := range apps {
 		byStream[a.Stream] = a.Name

@@ -323,11 +323,22 @@ func TestQuotas(t *testing.T) {
 	if err := listen(c, 8002); !errors.Is(err, control.ErrQuota) {
 		t.Errorf("second port with ports: 1: %v", err)
 	}
-	// An application the list does not name gets default_quota.
+	// The quota is the application's, not its connection's.
+	if err := listen(dialApp(t, d, "small"), 8003); !errors.Is(err, control.ErrQuota) {
+		t.Errorf("second port with ports: 1, through a second connection: %v", err)
+	}
+	// An application the list does not name gets unlisted_quota (here
+	// default_quota's: a quarter of the reserved range).
 	other := dialApp(t, d, "other")
 	for p := range 3 {
 		if err := listen(other, uint16(8100+p)); err != nil {
 			t.Errorf("unlisted application, port %d: %v", 8100+p, err)
+		}
+	}
+	s := tp.scrape(t, d)
+	for reason, want := range map[string]float64{"quota_slots": 1, "quota_ports": 2, "quota_streams": 0} {
+		if got := value(t, s, "fabricbridge_control_refusals_total", "reason", reason); got != want {
+			t.Errorf("fabricbridge_control_refusals_total{reason=%q} = %v, want %v", reason, got, want)
 		}
 	}
 }

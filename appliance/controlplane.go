@@ -53,12 +53,18 @@ func controlConfig(cfg *config.Config, dp control.Dataplane, remote *fabric.Remo
 		Stream:         fabric.Config{RxSlots: cfg.Streams.RxSlots, TxSlots: cfg.Streams.TxSlots, SlotSize: int(cfg.Streams.SlotSize)},
 		Static:         static(cfg),
 		FirstDynamicID: config.MaxStaticID + 1,
-		Default:        control.Policy{MaxClaims: cfg.DefaultQuota.Ports, MaxSlots: cfg.DefaultQuota.MaxSlots},
+		Default:        policy(cfg.QuotaOf("")),
 		RefuseUnlisted: cfg.Control.RefuseUnlisted,
 		Apps:           map[string]control.Policy{},
 		Secrets:        map[string][]byte{},
 		Remote:         remote,
 		Logger:         log,
+	}
+	for _, w := range cfg.Warnings {
+		if log == nil {
+			break
+		}
+		log.Warn("configuration", "warning", w)
 	}
 	if f := cfg.Control.TCP.SecretFile; f != "" {
 		secret, err := readSecret(f)
@@ -71,8 +77,9 @@ func controlConfig(cfg *config.Config, dp control.Dataplane, remote *fabric.Remo
 		cc.MTU = ifc.MTU
 	}
 	for i, a := range cfg.Applications {
-		q := cfg.QuotaOf(a.Name)
-		cc.Apps[a.Name] = control.Policy{ListenPorts: portRanges(a.Ports), MaxClaims: q.Ports, MaxSlots: q.MaxSlots, UIDs: a.UIDs}
+		pol := policy(cfg.QuotaOf(a.Name))
+		pol.ListenPorts, pol.UIDs = portRanges(a.Ports), a.UIDs
+		cc.Apps[a.Name] = pol
 		if a.SecretFile == "" {
 			continue
 		}
@@ -84,6 +91,12 @@ func controlConfig(cfg *config.Config, dp control.Dataplane, remote *fabric.Remo
 		cc.Secrets[a.Name] = secret
 	}
 	return cc, nil
+}
+
+// policy is a quota in the control server's terms.
+func policy(q config.Quota) control.Policy {
+	return control.Policy{MaxPorts: q.Ports, MaxFlows: q.Flows, MaxStreams: q.Streams,
+		MaxRingBytes: int64(q.RingBytes), MaxSlots: q.MaxSlots}
 }
 
 // readSecret reads a secret file, refusing one that others may read.

@@ -141,6 +141,7 @@ func Start(cfg *config.Config, opts Options) (_ *Daemon, err error) {
 	if d.server, err = control.NewServer(cc); err != nil {
 		return nil, fmt.Errorf("install rules: %w", err)
 	}
+	bp.followMTU(d.server.SetMTU)
 	d.log.Info("rules installed", "rules", len(cc.Static.Rules), "application_entries", len(cfg.Listeners)+len(cfg.Rules)-len(cc.Static.Rules))
 	if d.unixLn, err = listenUnix(cfg); err != nil {
 		return nil, err

@@ -98,10 +98,10 @@ func benchRegistry(tb testing.TB, dp Dataplane, apps int) (*registry, []*app) {
 	if err != nil {
 		tb.Fatal(err)
 	}
-	pol := Policy{Addrs: []netip.Addr{benchLocal}, MaxClaims: 1 << 22}
+	pol := Policy{Addrs: []netip.Addr{benchLocal}, MaxFlows: 1 << 22}
 	var out []*app
 	for i := range apps {
-		a, err := r.register(fmt.Sprintf("app%d", i), pol, func(id uint32, own classifier.Ownership) error {
+		a, err := r.register(fmt.Sprintf("app%d", i), "", pol, 0, func(id uint32, own classifier.Ownership) error {
 			if _, real := dp.(realPlane); !real {
 				return dp.AddStream(id, nil, own)
 			}

@@ -22,8 +22,13 @@ func (r *registry) index(c *claim) {
 	if c.listener {
 		r.usedIDs[c.ruleID] = true
 		c.app.listeners++
+	} else {
+		c.app.use.flows++
 	}
-	c.app.portRefs[classifier.PortClaim{Proto: c.proto, Port: c.port}]++
+	pc := classifier.PortClaim{Proto: c.proto, Port: c.port}
+	if c.app.portRefs[pc]++; c.app.portRefs[pc] == 1 {
+		c.app.use.ports++
+	}
 }
 
 func (r *registry) unindex(c *claim) {
@@ -40,10 +45,13 @@ func (r *registry) unindex(c *claim) {
 	if c.listener {
 		r.usedIDs[c.ruleID] = false
 		c.app.listeners--
+	} else {
+		c.app.use.flows--
 	}
 	pc := classifier.PortClaim{Proto: c.proto, Port: c.port}
 	if c.app.portRefs[pc]--; c.app.portRefs[pc] == 0 {
 		delete(c.app.portRefs, pc)
+		c.app.use.ports--
 	}
 }
 
@@ -61,10 +69,10 @@ func overlaps(a, b netip.Addr) bool {
 // grant adds c to a and applies it: ownership first, then tables. On
 // failure everything is as before.
 func (r *registry) grant(a *app, c *claim) error {
-	if len(a.claims) >= a.policy.MaxClaims {
-		return fmt.Errorf("%w: %d listeners and connections held, the limit", ErrQuota, len(a.claims))
-	}
 	if c.listener {
+		if a.portRefs[classifier.PortClaim{Proto: c.proto, Port: c.port}] == 0 && !a.mayTakePort() {
+			return a.portQuotaErr()
+		}
 		id, ok := r.allocID()
 		if !ok {
 			return fmt.Errorf("%w: no free listener id", ErrQuota)
@@ -108,6 +116,9 @@ func (r *registry) listen(a *app, proto classifier.Protocol, addr netip.Addr, po
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if port == 0 {
+		if !a.mayTakePort() {
+			return nil, a.portQuotaErr()
+		}
 		p, err := r.freePort(proto)
 		if err != nil {
 			return nil, err
@@ -177,6 +188,9 @@ func (r *registry) connect(a *app, proto classifier.Protocol, local netip.Addr, 
 		defer r.tables.Unlock()
 		r.mu.Lock()
 		defer r.mu.Unlock()
+		if err := a.mayAddFlow(); err != nil {
+			return nil, err
+		}
 		port, err := r.flowPort(a, proto, local, remote)
 		if err != nil {
 			return nil, err
@@ -196,9 +210,9 @@ func (r *registry) connectDelta(a *app, proto classifier.Protocol, local netip.A
 	r.tables.RLock()
 	defer r.tables.RUnlock()
 	r.mu.Lock()
-	if len(a.claims) >= a.policy.MaxClaims {
+	if err := a.mayAddFlow(); err != nil {
 		r.mu.Unlock()
-		return nil, fmt.Errorf("%w: %d listeners and connections held, the limit", ErrQuota, len(a.claims))
+		return nil, err
 	}
 	port, err := r.flowPort(a, proto, local, remote)
 	if err != nil {
@@ -270,15 +284,20 @@ func (r *registry) freePort(proto classifier.Protocol) (uint16, error) {
 }
 
 // flowPort picks the local port of a's new flow from local to remote: a
-// free port of the reserved range while there is one; when the range is
-// all held, a port a's own flows hold already, towards another remote (a
-// flow is told apart by its whole tuple, and the port stays a's alone, so
-// the transmit check still isolates applications).
+// free port of the reserved range while there is one and a's ports quota
+// allows one more; else a port a's own flows hold already, towards another
+// remote (a flow is told apart by its whole tuple, and the port stays a's
+// alone, so the transmit check still isolates applications). So an
+// application at its ports quota goes on connecting within its own ports,
+// and leaves the rest of the range to the others.
 func (r *registry) flowPort(a *app, proto classifier.Protocol, local netip.Addr, remote netip.AddrPort) (uint16, error) {
 	ring := a.reusable(proto)
-	if p, ok := r.pools[proto].next(r.ephemeral.Lo, r.ephemeral.Hi); ok {
-		ring.add(p)
-		return p, nil
+	atQuota := !a.mayTakePort()
+	if !atQuota {
+		if p, ok := r.pools[proto].next(r.ephemeral.Lo, r.ephemeral.Hi); ok {
+			ring.add(p)
+			return p, nil
+		}
 	}
 	for tries := 0; tries < maxReuseTries && len(ring.ports) > 0; tries++ {
 		ring.cur = (ring.cur + 1) % len(ring.ports)
@@ -299,6 +318,9 @@ func (r *registry) flowPort(a *app, proto classifier.Protocol, local netip.Addr,
 		if !clash {
 			return q, nil
 		}
+	}
+	if atQuota {
+		return 0, a.portQuotaErr()
 	}
 	return r.freePort(proto) // for its error
 }

@@ -36,6 +36,7 @@ type Client struct {
 	fds     []int // descriptors that arrived (with the register reply)
 	err     error // why the connection ended
 	done    chan struct{}
+	onMTU   mtuHook // push.go
 }
 
 type pendingCall struct {
@@ -218,6 +219,8 @@ func (c *Client) readLoop() {
 		delete(c.pending, rep.ID)
 		c.mu.Unlock()
 		switch {
+		case p == nil && rep.ID == 0:
+			c.pushed(rep)
 		case p == nil:
 			// An answer to nothing we asked: ignore it.
 		case p.abandoned:

@@ -337,7 +337,8 @@ func TestClosingTheConnectionEndsTheLease(t *testing.T) {
 func TestExplicitErrorsChangeNothing(t *testing.T) {
 	f := newFixture(t, func(c *Config) {
 		c.Ephemeral = classifier.PortRange{Lo: 40000, Hi: 40002}
-		c.Apps["small"] = Policy{MaxClaims: 1, ListenPorts: []classifier.PortRange{{Lo: 7000, Hi: 7999}}}
+		c.Default.MaxPorts = 5 // more than port 80 and the whole range: this test runs the range out
+		c.Apps["small"] = Policy{MaxPorts: 1, ListenPorts: []classifier.PortRange{{Lo: 7000, Hi: 7999}}}
 	})
 	a, _, _ := f.register("web")
 	b, _, _ := f.register("other")

@@ -110,9 +110,9 @@ func TestDeltasKeepOwnershipAndFlows(t *testing.T) {
 	if r.flowDP == nil {
 		t.Fatal("the registry does not use the deltas")
 	}
-	pol := Policy{Addrs: []netip.Addr{benchLocal}, MaxClaims: 1000}
+	pol := Policy{Addrs: []netip.Addr{benchLocal}, MaxFlows: 1000}
 	register := func(name string) *app {
-		a, err := r.register(name, pol, func(id uint32, own classifier.Ownership) error { return dp.AddStream(id, nil, own) })
+		a, err := r.register(name, name, pol, 0, func(id uint32, own classifier.Ownership) error { return dp.AddStream(id, nil, own) })
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -186,9 +186,9 @@ func TestPortsShareWithinAnApplicationOnly(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pol := Policy{Addrs: []netip.Addr{benchLocal}, MaxClaims: 1000}
+	pol := Policy{Addrs: []netip.Addr{benchLocal}, MaxFlows: 1000}
 	reg := func(name string) *app {
-		a, err := r.register(name, pol, func(id uint32, own classifier.Ownership) error { return dp.AddStream(id, nil, own) })
+		a, err := r.register(name, name, pol, 0, func(id uint32, own classifier.Ownership) error { return dp.AddStream(id, nil, own) })
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -237,8 +237,8 @@ func TestReusedPortStaysOwned(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	pol := Policy{Addrs: []netip.Addr{benchLocal}, MaxClaims: 1000}
-	a, err := r.register("app", pol, func(id uint32, own classifier.Ownership) error { return dp.AddStream(id, nil, own) })
+	pol := Policy{Addrs: []netip.Addr{benchLocal}, MaxFlows: 1000, MaxPorts: 4}
+	a, err := r.register("app", "app", pol, 0, func(id uint32, own classifier.Ownership) error { return dp.AddStream(id, nil, own) })
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -82,6 +82,7 @@ type registry struct {
 	idCursor  uint32
 	streamCur uint32
 	pools     map[classifier.Protocol]*portPool
+	usage     map[string]*usage // by quota holder (quotaKey)
 }
 
 type portKey struct {
@@ -104,6 +105,9 @@ type app struct {
 	staticPorts map[classifier.PortClaim]bool
 	listeners   int                               // listener claims held
 	reuse       map[classifier.Protocol]*portRing // reserved ports its flows hold, to share when the range runs out
+	quotaKey    string                            // whose quota it counts against: its name, or unlistedKey
+	use         *usage                            // that holder's usage, shared by all its streams
+	ringBytes   int64                             // its stream's ring memory
 	// portMu orders the delta path's ownership changes: a release that
 	// narrows a port and a claim that takes the same port again (the pool
 	// hands out the lowest free one) must reach the data plane in the
@@ -135,6 +139,7 @@ func newRegistry(dp Dataplane, ephemeral classifier.PortRange, firstID uint32, s
 		apps:      make(map[uint32]*app),
 		byPort:    make(map[portKey][]*claim),
 		pools:     map[classifier.Protocol]*portPool{classifier.ProtoTCP: {}, classifier.ProtoUDP: {}},
+		usage:     make(map[string]*usage),
 	}
 	r.flowDP, _ = dp.(FlowDataplane)
 	if r.firstID > classifier.MaxRuleID {
@@ -155,11 +160,12 @@ func dataplaneErr(err error) error {
 	return fmt.Errorf("%w: data plane: %v", ErrInternal, err)
 }
 
-// register adds an application: it picks a stream id and a flow counter id
-// and calls attach, which creates the stream and adds it to the data
-// plane; then the static entries bound to the application's name, if any,
-// start steering to it. On any error nothing is left behind.
-func (r *registry) register(name string, pol Policy, attach func(id uint32, own classifier.Ownership) error) (*app, error) {
+// register adds an application: it checks the quota of holder key (the
+// name, or unlistedKey) for one more stream of ringBytes, picks a stream id
+// and a flow counter id and calls attach, which creates the stream and adds
+// it to the data plane; then the static entries bound to the application's
+// name, if any, start steering to it. On any error nothing is left behind.
+func (r *registry) register(name, key string, pol Policy, ringBytes int64, attach func(id uint32, own classifier.Ownership) error) (*app, error) {
 	r.tables.Lock()
 	defer r.tables.Unlock()
 	r.mu.Lock()
@@ -168,15 +174,19 @@ func (r *registry) register(name string, pol Policy, attach func(id uint32, own 
 	if holder := r.named[name]; bound && holder != nil {
 		return nil, fmt.Errorf("%w: application %q is registered already (stream %d) and holds its configured listeners", ErrNameTaken, name, holder.stream)
 	}
+	if err := r.admitStream(key, &pol, ringBytes); err != nil {
+		return nil, err
+	}
 	id, ok := r.freeStream()
 	if !ok {
-		return nil, fmt.Errorf("%w: no free stream id", ErrQuota)
+		return nil, quotaErr(ReasonQuotaIDs, "no free stream id")
 	}
 	flowID, ok := r.allocID()
 	if !ok {
-		return nil, fmt.Errorf("%w: no free counter id", ErrQuota)
+		return nil, quotaErr(ReasonQuotaIDs, "no free counter id")
 	}
 	a := newApp(name, id, pol, flowID)
+	a.quotaKey, a.ringBytes = key, ringBytes
 	if bound {
 		a.bind(r.static.Apps[name])
 	}
@@ -185,6 +195,9 @@ func (r *registry) register(name string, pol Policy, attach func(id uint32, own 
 		return nil, err
 	}
 	r.apps[id] = a
+	a.use = r.use(key)
+	a.use.streams++
+	a.use.ringBytes += ringBytes
 	if bound {
 		r.named[name] = a
 		t, err := r.compile()
@@ -193,6 +206,7 @@ func (r *registry) register(name string, pol Policy, attach func(id uint32, own 
 		}
 		if err != nil {
 			delete(r.apps, id)
+			r.dropStream(a)
 			delete(r.named, name)
 			r.usedIDs[flowID] = false
 			r.dp.RemoveStream(id)
@@ -283,6 +297,7 @@ func (r *registry) unregister(a *app) error {
 	}
 	r.mu.Lock()
 	r.usedIDs[a.flowID] = false
+	r.dropStream(a)
 	r.mu.Unlock()
 	if err := r.dp.RemoveStream(a.stream); err != nil {
 		errs = append(errs, err)

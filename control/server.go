@@ -12,6 +12,7 @@ import (
 	"os"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -30,9 +31,21 @@ type Policy struct {
 	// outside the reserved range. (Ports of the reserved range are only
 	// ever handed out by the server, for port 0 and for connect.)
 	ListenPorts []classifier.PortRange
-	// MaxClaims bounds the listeners and connections held at once.
-	// Default 4096.
-	MaxClaims int
+	// MaxPorts bounds the distinct ports (listeners' and connections')
+	// that all the application's streams hold at once. At the bound its new
+	// connections share ports its connections hold, towards other remotes.
+	// Default: a quarter of the reserved range (Config.Ephemeral), so that
+	// no application can take every reserved port.
+	MaxPorts int
+	// MaxFlows bounds the connections all its streams hold at once.
+	// Default DefaultMaxFlows.
+	MaxFlows int
+	// MaxStreams bounds its streams (registrations) at once. Default
+	// DefaultMaxStreams.
+	MaxStreams int
+	// MaxRingBytes bounds the memory of all its local streams' rings.
+	// Default DefaultMaxRingBytes.
+	MaxRingBytes int64
 	// MaxSlots bounds the depth of each of the stream's rings. Default
 	// 4096.
 	MaxSlots int
@@ -77,7 +90,9 @@ type Config struct {
 	// listeners and flows. Keep the static entries' ids below it, so that
 	// a reload adding one never finds its id taken. Default 1.
 	FirstDynamicID uint32
-	// Default applies to applications not named in Apps.
+	// Default applies to applications not named in Apps, and bounds them
+	// together: their ports, connections, streams and ring memory count
+	// against one quota, so that new names cannot multiply it.
 	Default Policy
 	// RefuseUnlisted refuses applications not named in Apps.
 	RefuseUnlisted bool
@@ -104,9 +119,11 @@ type Config struct {
 // Server is the control plane's server side. Serve it on a Unix listener
 // for local applications and on a TCP listener for remote ones.
 type Server struct {
-	cfg Config
-	reg *registry
-	log *slog.Logger
+	cfg     Config
+	reg     *registry
+	log     *slog.Logger
+	refused *refusals
+	mtu     atomic.Int32 // the wire's: Config.MTU, then SetMTU's
 
 	mu        sync.Mutex
 	listeners map[net.Listener]struct{}
@@ -155,13 +172,16 @@ func NewServer(cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, fmt.Errorf("control: static rules: %w", err)
 	}
-	return &Server{
+	srv := &Server{
 		cfg:       cfg,
 		reg:       reg,
 		log:       cfg.Logger,
+		refused:   newRefusals(),
 		listeners: make(map[net.Listener]struct{}),
 		sessions:  make(map[*session]struct{}),
-	}, nil
+	}
+	srv.mtu.Store(int32(cfg.MTU))
+	return srv, nil
 }
 
 // policy returns name's policy with defaults filled in.
@@ -174,13 +194,33 @@ func (s *Server) policy(name string) Policy {
 		p.Addrs = s.cfg.Addrs
 	}
 	p.Addrs = slices.Clone(p.Addrs)
-	if p.MaxClaims == 0 {
-		p.MaxClaims = 4096
+	if p.MaxPorts == 0 {
+		p.MaxPorts = DefaultMaxPorts
+		if e := s.cfg.Ephemeral; !e.IsAny() {
+			p.MaxPorts = max(1, (int(e.Hi)-int(e.Lo)+1)/4)
+		}
+	}
+	if p.MaxFlows == 0 {
+		p.MaxFlows = DefaultMaxFlows
+	}
+	if p.MaxStreams == 0 {
+		p.MaxStreams = DefaultMaxStreams
+	}
+	if p.MaxRingBytes == 0 {
+		p.MaxRingBytes = DefaultMaxRingBytes
 	}
 	if p.MaxSlots == 0 {
 		p.MaxSlots = 4096
 	}
 	return p
+}
+
+// quotaKey names whose quota name's streams count against.
+func (s *Server) quotaKey(name string) string {
+	if _, listed := s.cfg.Apps[name]; listed {
+		return name
+	}
+	return unlistedKey
 }
 
 // SetStatic replaces the configured classification (a reload). What
@@ -288,6 +328,7 @@ type session struct {
 	secret    []byte
 
 	app        *app
+	pushable   atomic.Bool          // registered: pushes may go out
 	stream     *fabric.BridgeStream // local
 	handoverFD int                  // local: the bridge's end of the handover pair until used; -1 otherwise
 	rs         *fabric.RemoteStream // remote
@@ -308,6 +349,7 @@ func (ss *session) run() {
 		body, err := readFrame(ss.conn, buf)
 		if err != nil {
 			if errors.Is(err, errFrameTooBig) {
+				ss.srv.refused.add(err)
 				ss.send(Reply{Error: wireError(err)}, nil)
 			}
 			if !errors.Is(err, io.EOF) && !errors.Is(err, net.ErrClosed) {
@@ -318,6 +360,7 @@ func (ss *session) run() {
 		buf = body[:0]
 		var req Request
 		if err := decodeStrict(body, &req); err != nil {
+			ss.srv.refused.add(ErrBadRequest)
 			ss.send(Reply{ID: bestEffortID(body), Error: wireError(fmt.Errorf("%w: %v", ErrBadRequest, err))}, nil)
 			if !ss.authed {
 				return // a peer that cannot say hello properly gets no second try
@@ -327,6 +370,7 @@ func (ss *session) run() {
 		rep, rights, err := ss.handle(&req)
 		rep.ID = req.ID
 		if err != nil {
+			ss.srv.refused.add(err)
 			rep = Reply{ID: req.ID, Error: wireError(err)}
 			log.Debug("control request refused", "app", ss.name, "op", req.Op, "error", err)
 		}
@@ -477,7 +521,7 @@ func (ss *session) hello(req *Request) (Reply, []int, error) {
 		return Reply{}, nil, errEnd{fmt.Errorf("%w: application name must be 1-64 characters of [A-Za-z0-9._-]", ErrBadRequest)}
 	}
 	if _, listed := ss.srv.cfg.Apps[req.App]; !listed && ss.srv.cfg.RefuseUnlisted {
-		return Reply{}, nil, errEnd{fmt.Errorf("%w: application %q is not configured on this bridge", ErrNotPermitted, req.App)}
+		return Reply{}, nil, errEnd{&reasonError{ReasonUnlisted, fmt.Errorf("%w: application %q is not configured on this bridge", ErrNotPermitted, req.App)}}
 	}
 	if !ss.remote {
 		if uids := ss.srv.policy(req.App).UIDs; len(uids) > 0 {
@@ -560,10 +604,16 @@ func (ss *session) register(req *Request) (Reply, []int, error) {
 		case v.asked < 0 || v.asked&(v.asked-1) != 0:
 			return Reply{}, nil, fmt.Errorf("%w: ring depth %d is not a power of two", ErrBadRequest, v.asked)
 		case v.asked > pol.MaxSlots:
-			return Reply{}, nil, fmt.Errorf("%w: ring depth %d beyond this application's %d", ErrQuota, v.asked, pol.MaxSlots)
+			return Reply{}, nil, quotaErr(ReasonQuotaSlots, "ring depth %d beyond this application's %d", v.asked, pol.MaxSlots)
 		case v.asked > 0:
 			*v.field = v.asked
 		}
+	}
+	// The quota is checked before the rings are made, so that a refused
+	// registration costs no memory; register checks it again atomically.
+	key, rings := ss.srv.quotaKey(ss.name), ringBytes(cfg)
+	if err := ss.srv.reg.admit(key, pol, rings); err != nil {
+		return Reply{}, nil, err
 	}
 	st, err := fabric.NewShm(cfg)
 	if err != nil {
@@ -574,7 +624,7 @@ func (ss *session) register(req *Request) (Reply, []int, error) {
 		st.Close()
 		return Reply{}, nil, fmt.Errorf("%w: socketpair: %v", ErrInternal, err)
 	}
-	a, err := ss.srv.reg.register(ss.name, pol, func(id uint32, own classifier.Ownership) error {
+	a, err := ss.srv.reg.register(ss.name, key, pol, rings, func(id uint32, own classifier.Ownership) error {
 		if err := ss.srv.cfg.Dataplane.AddStream(id, st, own); err != nil {
 			return dataplaneErr(err)
 		}
@@ -594,7 +644,8 @@ func (ss *session) register(req *Request) (Reply, []int, error) {
 }
 
 func (ss *session) registered(a *app, pol Policy) Reply {
-	return Reply{Stream: a.stream, Addrs: pol.Addrs, MTU: ss.srv.cfg.MTU, Ports: ss.srv.cfg.Ephemeral}
+	ss.pushable.Store(true)
+	return Reply{Stream: a.stream, Addrs: pol.Addrs, MTU: ss.srv.MTU(), Ports: ss.srv.cfg.Ephemeral}
 }
 
 // finishHandover runs fabric's handshake over the bridge's end of the pair
@@ -638,7 +689,9 @@ func (ss *session) registerRemote(req *Request, pol Policy) (Reply, []int, error
 	case pa != src:
 		return Reply{}, nil, fmt.Errorf("%w: GENEVE address %v is not this connection's source %v", ErrNotPermitted, pa, src)
 	}
-	a, err := ss.srv.reg.register(ss.name, pol, func(id uint32, own classifier.Ownership) error {
+	// A remote stream's buffers are the remote transport's, bounded by it;
+	// it counts as a stream, with no ring memory of its own here.
+	a, err := ss.srv.reg.register(ss.name, ss.srv.quotaKey(ss.name), pol, 0, func(id uint32, own classifier.Ownership) error {
 		rs, err := r.Register(id, peer)
 		if err != nil {
 			return fmt.Errorf("%w: %v", ErrInternal, err)

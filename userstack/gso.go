@@ -33,7 +33,8 @@ func (e *LinkEndpoint) writeOffload(pkt *stack.PacketBuffer) error {
 		if !ok {
 			return errMalformedOffload
 		}
-		if mss == 0 || len(p)-hdr <= mss {
+		mss = e.segmentSize(mss, hdr)
+		if len(p)-hdr <= mss {
 			finishTCP(p, l3)
 			e.tx.batch = append(e.tx.batch, p)
 			return nil
@@ -45,6 +46,9 @@ func (e *LinkEndpoint) writeOffload(pkt *stack.PacketBuffer) error {
 	}
 	whole := flatten(pkt, e.tx.gso)
 	l3, hdr, ok := tcpHeaders(whole)
+	if ok {
+		mss = e.segmentSize(mss, hdr)
+	}
 	if !ok || hdr+mss > e.maxPacket {
 		return errMalformedOffload
 	}

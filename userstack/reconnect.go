@@ -7,6 +7,7 @@ import (
 	"net/netip"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/fabricbridge/fabricbridge/control"
@@ -173,6 +174,8 @@ type attachment struct {
 	book   map[uint64]*heldClaim
 	nextID uint64
 	loss   chan uint64 // generations whose stream failed
+
+	mtu atomic.Pointer[func(int)] // the stack's MTU follower (followMTU)
 }
 
 // newAttachment registers with a bridge through dial and watches the
@@ -187,6 +190,7 @@ func newAttachment(ctx context.Context, dial func(context.Context) (attached, er
 	close(a.up)
 	a.ctx, a.cancel = context.WithCancel(context.Background())
 	a.link = newRelink(at.link, a.linkFailed)
+	a.watchMTU(at, false)
 	go a.run()
 	return a, at, nil
 }
@@ -304,6 +308,7 @@ func (a *attachment) reattach() bool {
 // the stack holds. The events go out once claims may be made again, so
 // that a handler can make some.
 func (a *attachment) resume(ctx context.Context, at attached) bool {
+	a.watchMTU(at, true) // a new bridge may have another MTU
 	events := a.reclaim(ctx, at)
 	if events == nil {
 		return false

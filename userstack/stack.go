@@ -137,6 +137,7 @@ func Open(ctx context.Context, opts Options) (*Stack, error) {
 		closeTransport()
 		return nil, err
 	}
+	s.followMTU(a, opts.MTU)
 	return s, nil
 }
 

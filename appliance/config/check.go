@@ -179,16 +179,29 @@ func uniqueName(d *decoder, names map[string]string, p, name string) {
 }
 
 func (c *Config) checkQuota(d *decoder, p string, q Quota, inherit bool) {
-	if q.Ports < 0 || (!inherit && q.Ports == 0) {
-		d.errorAt(p+".ports", "must be at least 1, not %d", q.Ports)
+	for _, f := range []struct {
+		field string
+		n     int64
+	}{{"ports", int64(q.Ports)}, {"flows", int64(q.Flows)}, {"streams", int64(q.Streams)}, {"ring_bytes", int64(q.RingBytes)}} {
+		if f.n < 0 || (!inherit && f.n == 0) {
+			d.errorAt(p+"."+f.field, "must be at least 1, not %d", f.n)
+		}
 	}
 	if !inherit || q.MaxSlots != 0 {
 		checkSlots(d, p+".max_slots", q.MaxSlots)
+	}
+	// One application must never be able to take every reserved port:
+	// the others' connections and port-0 listeners would find none.
+	if eff := q.orDefault(c.DefaultQuota); c.ReservedPorts.IsSet() && eff.Ports >= c.ReservedPorts.Len() && (!inherit || q.Ports != 0) {
+		d.errorAt(p+".ports", "%d is at least the %d ports of reserved_ports %s: one application could hold them all (a quarter of the range is the default)",
+			eff.Ports, c.ReservedPorts.Len(), c.ReservedPorts)
 	}
 }
 
 func (c *Config) checkApplications(d *decoder) {
 	c.checkQuota(d, "default_quota", c.DefaultQuota, false)
+	c.checkQuota(d, "unlisted_quota", c.UnlistedQuota, true)
+	c.checkPortsFit()
 	names := map[string]string{}
 	for i, a := range c.Applications {
 		p := fmt.Sprintf("applications[%d]", i)
@@ -202,6 +215,25 @@ func (c *Config) checkApplications(d *decoder) {
 			}
 		}
 		c.checkQuota(d, p+".quota", a.Quota, true)
+	}
+}
+
+// checkPortsFit warns when the applications' port quotas together exceed
+// the reserved range: each is bounded, but together they may find it full.
+func (c *Config) checkPortsFit() {
+	if !c.ReservedPorts.IsSet() {
+		return
+	}
+	sum := 0
+	for _, a := range c.Applications {
+		sum += c.QuotaOf(a.Name).Ports
+	}
+	if !c.Control.RefuseUnlisted {
+		sum += c.QuotaOf("").Ports
+	}
+	if sum > c.ReservedPorts.Len() {
+		c.Warnings = append(c.Warnings, fmt.Sprintf("%s: the applications' quota.ports (unlisted_quota included) add up to %d, more than the %d ports of reserved_ports %s: when all hold their quota, connections and port-0 listeners of some find no free port (no_ports)",
+			c.File, sum, c.ReservedPorts.Len(), c.ReservedPorts))
 	}
 }
 

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/fabricbridge/fabricbridge/bridge"
+	"github.com/fabricbridge/fabricbridge/control"
 	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
 )
 
@@ -34,13 +35,21 @@ type Config struct {
 	Listeners    []Listener    `yaml:"listeners"`
 	Rules        []Rule        `yaml:"rules"`
 	Applications []Application `yaml:"applications"`
-	// DefaultQuota bounds applications that the applications list does not
-	// name and fills the fields a listed application leaves unset.
-	DefaultQuota Quota   `yaml:"default_quota"`
-	Control      Control `yaml:"control"`
-	Metrics      Metrics `yaml:"metrics"`
-	Log          Log     `yaml:"log"`
-	BGP          BGP     `yaml:"bgp"`
+	// DefaultQuota fills the quota fields a listed application leaves
+	// unset.
+	DefaultQuota Quota `yaml:"default_quota"`
+	// UnlistedQuota bounds every application the applications list does
+	// not name, all of them together, so that new names cannot multiply
+	// it; fields left unset take default_quota's.
+	UnlistedQuota Quota   `yaml:"unlisted_quota"`
+	Control       Control `yaml:"control"`
+	Metrics       Metrics `yaml:"metrics"`
+	Log           Log     `yaml:"log"`
+	BGP           BGP     `yaml:"bgp"`
+
+	// Warnings are what the file allows but an operator should look at;
+	// check prints them, the daemon logs them.
+	Warnings []string `yaml:"-"`
 
 	where map[string]pos
 }
@@ -169,10 +178,18 @@ type Application struct {
 	SecretFile string `yaml:"secret_file"`
 }
 
-// Quota bounds what one application may hold.
+// Quota bounds what one application may hold, whatever number of control
+// connections it uses.
 type Quota struct {
-	// Ports is how many listeners and ephemeral ports it may hold at once.
+	// Ports is how many distinct ports (listeners' and connections') it
+	// may hold at once; at the bound its new connections share its ports.
 	Ports int `yaml:"ports"`
+	// Flows is how many connections it may hold at once.
+	Flows int `yaml:"flows"`
+	// Streams is how many streams (registrations) it may hold at once.
+	Streams int `yaml:"streams"`
+	// RingBytes bounds the memory of its local streams' rings together.
+	RingBytes Size `yaml:"ring_bytes"`
 	// MaxSlots bounds the depth of each ring of its stream.
 	MaxSlots int `yaml:"max_slots"`
 }
@@ -248,8 +265,14 @@ const (
 	DefaultIngestSources    = fingest.DefaultMaxSources
 	DefaultIngestSourceIdle = fingest.DefaultSourceIdle
 	MaxIngestSources        = fingest.MaxSourcesCap
-	DefaultQuotaPorts       = 1024
-	DefaultQuotaSlots       = 8192
+	// DefaultQuotaPorts is default_quota.ports without a reserved range;
+	// with one it is a quarter of the range, so that no application can
+	// hold every reserved port.
+	DefaultQuotaPorts     = control.DefaultMaxPorts
+	DefaultQuotaFlows     = control.DefaultMaxFlows
+	DefaultQuotaStreams   = control.DefaultMaxStreams
+	DefaultQuotaRingBytes = control.DefaultMaxRingBytes
+	DefaultQuotaSlots     = 8192
 
 	// MaxStaticID is the largest id of a static listener or rule. The ids
 	// above it, up to classifier.MaxRuleID, are left to the control plane
@@ -263,11 +286,12 @@ func Default() *Config {
 	return &Config{
 		ReservedPorts: PortRange{DefaultReservedLo, DefaultReservedHi},
 		Streams:       Streams{RxSlots: DefaultSlots, TxSlots: DefaultSlots, SlotSize: DefaultSlotSize},
-		DefaultQuota:  Quota{Ports: DefaultQuotaPorts, MaxSlots: DefaultQuotaSlots},
-		Control:       Control{Socket: DefaultSocket, SocketMode: 0o660},
-		Metrics:       Metrics{Address: DefaultMetrics},
-		Log:           Log{Level: LogLevel(0)},
-		BGP:           defaultBGP(),
+		DefaultQuota: Quota{Flows: DefaultQuotaFlows, Streams: DefaultQuotaStreams,
+			RingBytes: DefaultQuotaRingBytes, MaxSlots: DefaultQuotaSlots},
+		Control: Control{Socket: DefaultSocket, SocketMode: 0o660},
+		Metrics: Metrics{Address: DefaultMetrics},
+		Log:     Log{Level: LogLevel(0)},
+		BGP:     defaultBGP(),
 	}
 }
 
@@ -306,6 +330,9 @@ func Parse(file string, data []byte) (*Config, error) {
 		d.where[""] = pos{root.Line, root.Column}
 		d.decode("", root, reflect.ValueOf(c).Elem())
 	}
+	if !d.written("default_quota.ports") {
+		c.DefaultQuota.Ports = c.defaultPorts()
+	}
 	if len(d.errs) == 0 {
 		c.where = d.where
 		if c.Control.AdminSocket == "" && c.Control.Socket != "" {
@@ -343,19 +370,36 @@ func (c *Config) App(name string) *Application {
 	return nil
 }
 
-// QuotaOf is the quota of an application: its own fields where set, the
-// default quota's elsewhere. An unlisted application gets the default quota.
-func (c *Config) QuotaOf(name string) Quota {
-	q := c.DefaultQuota
-	if a := c.App(name); a != nil {
-		if a.Quota.Ports != 0 {
-			q.Ports = a.Quota.Ports
-		}
-		if a.Quota.MaxSlots != 0 {
-			q.MaxSlots = a.Quota.MaxSlots
-		}
+// defaultPorts is default_quota.ports when the file does not set it: a
+// quarter of the reserved range.
+func (c *Config) defaultPorts() int {
+	if !c.ReservedPorts.IsSet() {
+		return DefaultQuotaPorts
 	}
-	return q
+	return max(1, c.ReservedPorts.Len()/4)
+}
+
+// QuotaOf is the quota of an application: its own fields where set, the
+// default quota's elsewhere. An unlisted application gets the unlisted
+// quota, which all unlisted applications share.
+func (c *Config) QuotaOf(name string) Quota {
+	own := c.UnlistedQuota
+	if a := c.App(name); a != nil {
+		own = a.Quota
+	}
+	return own.orDefault(c.DefaultQuota)
+}
+
+// orDefault is q with its unset fields taken from def.
+func (q Quota) orDefault(def Quota) Quota {
+	pick := func(own, def int) int {
+		if own != 0 {
+			return own
+		}
+		return def
+	}
+	return Quota{Ports: pick(q.Ports, def.Ports), Flows: pick(q.Flows, def.Flows), Streams: pick(q.Streams, def.Streams),
+		RingBytes: Size(pick(int(q.RingBytes), int(def.RingBytes))), MaxSlots: pick(q.MaxSlots, def.MaxSlots)}
 }
 
 // IngestID is the buffer id of the named ingest ring (its position in the

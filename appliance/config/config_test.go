@@ -26,7 +26,7 @@ func TestErrorsArePrecise(t *testing.T) {
 		{"syntax", base + "rules: [\n", []string{"t.yaml:3: invalid YAML: did not find expected node content"}},
 		{"tab", base + "log:\n\tlevel: info\n", []string{"t.yaml:4: invalid YAML: found character that cannot start any token"}},
 		{"top-level not a mapping", "- a\n", []string{"t.yaml:1:1: want a mapping of fields, got a list"}},
-		{"unknown field", base + "metrix: {address: 127.0.0.1}\n", []string{`t.yaml:3:1: metrix: unknown field (did you mean "metrics"?); known fields here: interfaces, addresses, reserved_ports, streams, ingest, listeners, rules, applications, default_quota, control, metrics, log, bgp`}},
+		{"unknown field", base + "metrix: {address: 127.0.0.1}\n", []string{`t.yaml:3:1: metrix: unknown field (did you mean "metrics"?); known fields here: interfaces, addresses, reserved_ports, streams, ingest, listeners, rules, applications, default_quota, unlisted_quota, control, metrics, log, bgp`}},
 		{"unknown nested field", base + "log:\n  levle: info\n", []string{`t.yaml:4:3: log.levle: unknown field (did you mean "level"?); known fields here: level, format`}},
 		{"duplicate field", base + "log: {level: info, level: debug}\n", []string{"t.yaml:3:20: log.level: set twice (first on line 3)"}},
 		{"missing interfaces", "addresses: [198.18.0.1]\n", []string{"t.yaml:1:1: interfaces: at least one interface is required"}},
@@ -344,5 +344,47 @@ rules:
 	}
 	if c.Rules[1].Match != c.Rules[0].Match {
 		t.Errorf("alias not followed: %+v vs %+v", c.Rules[1].Match, c.Rules[0].Match)
+	}
+}
+
+// TestQuotaBounds: by default no application can hold the whole reserved
+// range (its ports quota is a quarter of it, following the range); a quota
+// of the whole range or more is an error; quotas that together exceed the
+// range are a warning; unlisted applications share unlisted_quota, whose
+// unset fields are default_quota's.
+func TestQuotaBounds(t *testing.T) {
+	c, err := Parse("t.yaml", []byte(base+"reserved_ports: 20000-20399\napplications: [{name: web}]\nunlisted_quota: {streams: 2}\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := Quota{Ports: 100, Flows: DefaultQuotaFlows, Streams: DefaultQuotaStreams, RingBytes: DefaultQuotaRingBytes, MaxSlots: DefaultQuotaSlots}
+	if q := c.QuotaOf("web"); q != want {
+		t.Errorf("quota of a listed application: %+v, want %+v", q, want)
+	}
+	want.Streams = 2
+	if q := c.QuotaOf("stranger"); q != want {
+		t.Errorf("quota of unlisted applications: %+v, want %+v", q, want)
+	}
+	if len(c.Warnings) != 0 {
+		t.Errorf("warnings: %q", c.Warnings)
+	}
+
+	for _, tc := range []struct{ name, yaml, want string }{
+		{"default", "default_quota: {ports: 1000}\n", "t.yaml:3:17: default_quota.ports: 1000 is at least the 1000 ports of reserved_ports 61000-61999: one application could hold them all (a quarter of the range is the default)"},
+		{"application", "applications: [{name: web, quota: {ports: 5000}}]\n", "t.yaml:3:36: applications[0].quota.ports: 5000 is at least the 1000 ports of reserved_ports 61000-61999: one application could hold them all (a quarter of the range is the default)"},
+		{"flows", "default_quota: {flows: -1}\n", "t.yaml:3:17: default_quota.flows: must be at least 1, not -1"},
+	} {
+		_, err := Parse("t.yaml", []byte(base+tc.yaml))
+		if err == nil || err.Error() != tc.want {
+			t.Errorf("%s: %v\nwant %s", tc.name, err, tc.want)
+		}
+	}
+
+	c, err = Parse("t.yaml", []byte(base+"applications: [{name: a, quota: {ports: 600}}, {name: b, quota: {ports: 600}}]\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(c.Warnings) != 1 || !strings.Contains(c.Warnings[0], "add up to 1450, more than the 1000 ports") {
+		t.Errorf("warnings for quotas past the range: %q", c.Warnings)
 	}
 }

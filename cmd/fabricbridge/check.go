@@ -42,6 +42,9 @@ func checkConfig(path string, stdout, stderr io.Writer) error {
 		}
 		return fmt.Errorf("check: %w", err)
 	}
+	for _, w := range c.Warnings {
+		fmt.Fprintln(stderr, "warning:", w)
+	}
 	fmt.Fprintf(stdout, "%s: ok: %d interface(s), %d address(es), %d listener(s), %d rule(s), %d ingest ring(s), %d application(s)\n",
 		path, len(c.Interfaces), len(c.Addresses), len(c.Listeners), len(c.Rules), len(c.Ingest), len(c.Applications))
 	return nil

@@ -231,7 +231,23 @@ func TestImage(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	dir := t.TempDir()
+	// Not t.TempDir: buildah's storage can still be settling when the test
+	// ends (its unlinks race the removal, "directory not empty"); removed
+	// here with retries, and only logged if it cannot be.
+	dir, err := os.MkdirTemp("", "fbimage")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		var err error
+		for range 20 {
+			if err = os.RemoveAll(dir); err == nil {
+				return
+			}
+			time.Sleep(100 * time.Millisecond)
+		}
+		t.Logf("could not remove %s: %v", dir, err)
+	})
 	build := filepath.Join(dir, "context")
 	if err := os.MkdirAll(filepath.Join(build, "configs"), 0o755); err != nil {
 		t.Fatal(err)

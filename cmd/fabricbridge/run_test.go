@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"net"
@@ -12,7 +11,6 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -34,28 +32,10 @@ func TestMain(m *testing.M) {
 	os.Exit(m.Run())
 }
 
-// lockedBuffer collects a child's output while it runs.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
-
 // daemonProc is `fabricbridge run` in a namespace.
 type daemonProc struct {
 	cmd  *exec.Cmd
-	out  *lockedBuffer
+	out  *testenv.Output
 	done chan error
 }
 
@@ -65,7 +45,7 @@ func startDaemon(t *testing.T, ns *topology.NS, args ...string) *daemonProc {
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := &daemonProc{out: &lockedBuffer{}, done: make(chan error, 1)}
+	p := &daemonProc{out: &testenv.Output{}, done: make(chan error, 1)}
 	p.cmd = exec.Command("ip", append([]string{"netns", "exec", ns.Name, self}, args...)...)
 	p.cmd.Env = append(os.Environ(), "FB_TEST_MAIN=1")
 	p.cmd.Stdout, p.cmd.Stderr = p.out, p.out

@@ -73,7 +73,7 @@ func profileOnSignal(spec string) {
 type servingProc struct {
 	name string
 	cmd  *exec.Cmd
-	out  *lockedBuffer
+	out  *testenv.Output
 }
 
 func startServing(tb testing.TB, ns *topology.NS, name string, env []string, args ...string) *servingProc {
@@ -82,7 +82,7 @@ func startServing(tb testing.TB, ns *topology.NS, name string, env []string, arg
 	if err != nil {
 		tb.Fatal(err)
 	}
-	p := &servingProc{name: name, out: &lockedBuffer{}}
+	p := &servingProc{name: name, out: &testenv.Output{}}
 	// ip netns exec execs the command: the pid is the server's.
 	p.cmd = exec.Command("ip", append([]string{"netns", "exec", ns.Name, self}, args...)...)
 	p.cmd.Env = append(os.Environ(), env...)

@@ -4,7 +4,6 @@
 package birdtest
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"net"
@@ -14,7 +13,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -50,7 +48,7 @@ type Config struct {
 type Router struct {
 	NS   *topology.NS
 	sock string
-	log  *lockedBuffer
+	log  *testenv.Output
 }
 
 // Require returns the path of bird, or skips tb (fails it where privileged
@@ -113,7 +111,7 @@ func Start(tb testing.TB, bird string, ns *topology.NS, cfg Config) *Router {
 	if err := os.WriteFile(confPath, []byte(conf.String()), 0o644); err != nil {
 		tb.Fatal(err)
 	}
-	r := &Router{NS: ns, sock: filepath.Join(dir, "bird.ctl"), log: &lockedBuffer{}}
+	r := &Router{NS: ns, sock: filepath.Join(dir, "bird.ctl"), log: &testenv.Output{}}
 	cmd := exec.Command("ip", "netns", "exec", ns.Name, bird, "-f", "-c", confPath, "-s", r.sock, "-P", filepath.Join(dir, "bird.pid"))
 	cmd.SysProcAttr = DieWithTest()
 	cmd.Stdout, cmd.Stderr = r.log, r.log
@@ -221,21 +219,4 @@ func (r *Router) WaitHops(tb testing.TB, within time.Duration, what string, want
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-}
-
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }

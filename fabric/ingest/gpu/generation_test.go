@@ -31,10 +31,11 @@ var genScript = [][]genRecord{
 // feedGenerations appends genScript, a buffer per line, writing each
 // record's ring sequence and generation itself before the buffer is
 // published, as a producer that hands entries on does. It returns the RX
-// time of each record, by line and position.
-func feedGenerations(t testing.TB, r *ingest.Ring, c *ingest.Consumer) [][]uint64 {
+// time of each record, by line and position. region is the consumer's
+// mapping, taken before the consumer started: InPlace reads the consumer's
+// position, which its own goroutine moves.
+func feedGenerations(t testing.TB, r *ingest.Ring, region []byte) [][]uint64 {
 	t.Helper()
-	region, _ := c.InPlace()
 	le := binary.LittleEndian
 	bufOff, size := le.Uint64(region[ingBuffersOff:]), uint64(le.Uint32(region[ingBufferSize:]))
 	count := uint64(le.Uint32(region[ingBufferCount:]))
@@ -99,8 +100,9 @@ func checkGenerations(t *testing.T, got *Results, rx [][]uint64) {
 // genRun runs the generations script through a GPU consumer on dev.
 func genRun(t *testing.T, dev device, opts Options) {
 	r, c := newRing(t, ingest.Config{Buffers: 4, BufferSize: 4096, Window: time.Second, MaxSources: 4}, ingest.ConsumerOptions{})
+	region, _ := c.InPlace()
 	g, done := startGPU(t, dev, c, opts)
-	rx := feedGenerations(t, r, c)
+	rx := feedGenerations(t, r, region)
 	r.Close()
 	if err := <-done; err != nil {
 		t.Fatal(err)

@@ -184,18 +184,25 @@ func us(d time.Duration) float64 { return float64(d) / 1e3 }
 func gpuLatency(t *testing.T, dev device, sc scale, opts Options, n int) latencies {
 	r, c := newRing(t, ringConfig(64), ingest.ConsumerOptions{})
 	samples := make([]uint64, 0, sc.latency)
-	opts.OnResult = func(res Result) { samples = append(samples, res.SeenNs-res.PublishNs) }
+	short := 0
+	opts.OnResult = func(res Result) {
+		samples = append(samples, res.SeenNs-res.PublishNs)
+		if res.Records != n {
+			short++
+		}
+	}
 	g, done := startGPU(t, dev, c, opts)
 	payload := make([]byte, ingest.TriggerSeqLen+2*measureHits)
 	energies := make([]uint16, measureHits)
 	next := ingest.Now()
+	giveUp := time.Now().Add(runLimit) // a stuck consumer: Run says why
 	for b := range sc.latency {
 		for ingest.Now() < next {
 		}
 		next += uint64(latencyInterval)
 		for i := range n {
 			ingest.PutTriggerPayload(payload, uint32(b*n+i), energies)
-			for !r.Writable() {
+			for !r.Writable() && time.Now().Before(giveUp) {
 			}
 			r.Append(source(0), ingest.Now(), payload)
 		}
@@ -205,8 +212,8 @@ func gpuLatency(t *testing.T, dev device, sc scale, opts Options, n int) latenci
 	if err := <-done; err != nil {
 		t.Fatal(err)
 	}
-	if len(samples) != sc.latency {
-		t.Fatalf("%d results for %d buffers", len(samples), sc.latency)
+	if len(samples) != sc.latency || short != 0 {
+		t.Fatalf("%d results for %d buffers, %d of them not of %d records", len(samples), sc.latency, short, n)
 	}
 	slices.Sort(samples)
 	return latencies{fmt.Sprintf("GPU %s, %d records/buffer", opts.Mode, n), samples, profile(t, g)}

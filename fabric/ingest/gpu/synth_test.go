@@ -30,9 +30,16 @@ func source(i int) ingest.Source {
 	return ingest.SourceOf(netip.AddrFrom4([4]byte{198, 18, byte(i >> 8), byte(i)}), uint16(20000+i), 4000)
 }
 
+// runLimit bounds a GPU consumer's Run in a test and a producer's wait for
+// a free buffer: a kernel that stops making progress fails its own case
+// (Run aborts it), and the cases after it still run.
+var runLimit = time.Minute
+
 // feed appends the script to r; with wait it never drops for want of a
-// free buffer.
+// free buffer, unless it waited runLimit in all (the consumer is stuck:
+// it stops short, and the consumer's Run says why).
 func (s script) feed(r *ingest.Ring, bufferSize int, wait bool) {
+	giveUp := time.Now().Add(runLimit)
 	payload := make([]byte, ingest.TriggerSeqLen+2*s.maxHits)
 	tooBig := make([]byte, bufferSize)
 	energies := make([]uint16, s.maxHits)
@@ -70,6 +77,9 @@ func (s script) feed(r *ingest.Ring, bufferSize int, wait bool) {
 			}
 		}
 		for wait && !r.Writable() {
+			if time.Now().After(giveUp) {
+				return
+			}
 			runtime.Gosched()
 		}
 		r.Append(source(src), rx, payload[:n])
@@ -181,14 +191,14 @@ func startGPU(t testing.TB, dev device, c *ingest.Consumer, opts Options) (*Cons
 }
 
 // openGPU opens a GPU consumer over c, released when t ends, and the
-// context its Run gets: a minute.
+// context its Run gets: runLimit.
 func openGPU(t testing.TB, dev device, c *ingest.Consumer, opts Options) (*Consumer, context.Context) {
 	t.Helper()
 	g, err := open(dev, c, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), runLimit)
 	t.Cleanup(func() {
 		cancel()
 		if err := g.release(); err != nil {

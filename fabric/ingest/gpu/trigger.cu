@@ -190,14 +190,15 @@ static __device__ __forceinline__ int stopped(const struct fb_trigger_args *a, u
 	return seq >= ld_acquire_sys64(&c->stop_seq) || ld_volatile32(&st->failed) != 0;
 }
 
-// The job is checked as ingest.Consumer checks a descriptor. While the previous occupant (seq - N) is still held by another
-// block, the state reads ready with the older sequence number: not ours yet.
 static __device__ __forceinline__ int offered(const struct fb_trigger_args *a, struct block_shared *sh);
 
 // wait_ready (thread 0, persistent mode) polls descriptor seq mod N until it
-// holds buffer seq, then fills the job from it: 1. Under
-// FB_TRIGGER_STAGE_SHARED it also looks for another block's offer between
-// polls: 2, with the offer in sh, when there are slices to copy. 0: stop.
+// holds buffer seq, then fills the job from it, checked as ingest.Consumer
+// checks it: 1. While the previous occupant (seq - N) is still held by
+// another block, the state reads ready with the older sequence number: not
+// ours yet. Under FB_TRIGGER_STAGE_SHARED it also looks for another block's
+// offer between polls: 2, with the offer in sh, when it has slices left to
+// copy. 0: stop.
 static __device__ __forceinline__ int wait_ready(const struct fb_trigger_args *a, uint64_t seq, struct block_shared *sh)
 {
 	const uint8_t *region = (const uint8_t *)a->region;
@@ -448,7 +449,7 @@ static __device__ __forceinline__ void help(const struct fb_trigger_args *a, str
 		if (sh->help_count == 0)
 			break;
 		uint32_t wide = sh->help_bytes / 16, from = sh->help_from * per;
-		uint32_t n = per < wide - from ? per : wide - from;
+		uint32_t n = from >= wide ? 0 : per < wide - from ? per : wide - from;
 		copy_batched<4>(dst + from, src + 16 * from, n);
 		fence_gpu();
 		__syncthreads();

@@ -401,15 +401,22 @@ func TestGPUMatchesReference(t *testing.T) {
 		for _, mode := range []Mode{Persistent, HostDriven} {
 			for _, blocks := range []int{1, 8} {
 				t.Run(fmt.Sprintf("%s/%s/%d", rc.name, mode, blocks), func(t *testing.T) {
-					got, _, seen, _ := gpuRun(t, dev, rc, Options{Mode: mode, Threshold: rc.threshold, Blocks: blocks})
-					sameAsReference(t, ref, refBuffers, got)
-					for i, r := range seen {
-						if r.Seq != uint64(i) {
-							t.Fatalf("result %d is buffer %d", i, r.Seq)
-						}
-					}
+					gpuMatches(t, dev, rc, ref, refBuffers, Options{Mode: mode, Threshold: rc.threshold, Blocks: blocks})
 				})
 			}
+		}
+	}
+}
+
+// gpuMatches consumes rc's script on dev and fails t where the results
+// differ from the reference's or come out of order.
+func gpuMatches(t *testing.T, dev device, rc ringCase, ref *ingest.Reference, refBuffers uint64, opts Options) {
+	t.Helper()
+	got, _, seen, _ := gpuRun(t, dev, rc, opts)
+	sameAsReference(t, ref, refBuffers, got)
+	for i, r := range seen {
+		if r.Seq != uint64(i) {
+			t.Fatalf("result %d is buffer %d", i, r.Seq)
 		}
 	}
 }

@@ -119,13 +119,7 @@ func weighStaging(t *testing.T, dev device, sc scale, reps int) string {
 				ok := t.Run(name, func(t *testing.T) {
 					opts := sc.opts
 					opts.Threshold, opts.Blocks = rc.threshold, blocks
-					got, _, seen, _ := gpuRun(t, dev, rc, opts)
-					sameAsReference(t, ref, refBuffers, got)
-					for i, r := range seen {
-						if r.Seq != uint64(i) {
-							t.Fatalf("result %d is buffer %d", i, r.Seq)
-						}
-					}
+					gpuMatches(t, dev, rc, ref, refBuffers, opts)
 				})
 				if !ok {
 					res[i].correct = append(res[i].correct, fmt.Sprintf("%s/%d", rc.name, blocks))
@@ -161,11 +155,7 @@ func weighStaging(t *testing.T, dev device, sc scale, reps int) string {
 		})
 		t.Run("drain/"+cand.name, func(t *testing.T) {
 			res[i].failedCases++
-			for k := range 3 {
-				if q := gpuThroughput(t, dev, sc, cand.opts); k == 0 || q.faster(res[i].drain) {
-					res[i].drain = q
-				}
-			}
+			res[i].drain = bestThroughput(t, dev, sc, cand.opts)
 			res[i].failedCases--
 			t.Logf("%s: %v", cand.name, res[i].drain)
 		})
@@ -176,12 +166,7 @@ func weighStaging(t *testing.T, dev device, sc scale, reps int) string {
 	for _, blocks := range []int{64, 128} {
 		for _, st := range []Staging{StagingBurst, StagingShared} {
 			t.Run(fmt.Sprintf("drain/%v/%d", st, blocks), func(t *testing.T) {
-				var best throughput
-				for k := range 3 {
-					if q := gpuThroughput(t, dev, sc, Options{Staging: st, Blocks: blocks}); k == 0 || q.faster(best) {
-						best = q
-					}
-				}
+				best := bestThroughput(t, dev, sc, Options{Staging: st, Blocks: blocks})
 				fmt.Fprintf(&drains, "STAGING: drain, %-6v %3d blocks: %.1f M records/s\n", st, blocks,
 					float64(best.records)/best.elapsed.Seconds()/1e6)
 			})

@@ -11,9 +11,11 @@
 // Every step is parallel over the buffer's 8-byte slots or its records:
 // a buffer's cost grows with the logarithm of its records, not with them.
 //
-//   parse      a slot is a candidate record if its header is plausible and
-//              a plausible header points at it; pointer jumping over the
-//              candidates ranks the chain from slot 0 (log2 records rounds)
+//   parse      a buffer of records of one size is checked in one pass;
+//              otherwise a slot is a candidate record if its header is
+//              plausible and a plausible header points at it, and pointer
+//              jumping over the candidates ranks the chain from slot 0
+//              (log2 records rounds)
 //   decode     a thread per record: header, sender sequence, hit energies
 //              (8 bytes at a time), a block reduction of the energies
 //   sort       records by source, stably (per-warp histograms, match.any)
@@ -174,6 +176,46 @@ FB_DEV void walk(struct block_shared *sh, uint32_t first, uint32_t off)
 	sh->next_off = off;
 }
 
+// parse_uniform (all threads) is parse for the common buffer whose records
+// all have the first one's size, as a sender of fixed-size trigger
+// primitives makes them: record i is then at i times that size, so one
+// pass that checks each header where it must be (as walk would) stands in
+// for ranking the chain. 0, with nothing of parse's done, for any other
+// buffer: parse ranks it. sh->bad carries the verdict between barriers;
+// parse and the success path both set it afterwards.
+FB_DEV int parse_uniform(struct block_shared *sh)
+{
+	uint32_t bytes = sh->job.bytes, records = sh->job.records, next;
+	uint32_t size = *(const uint32_t *)sh->data, step = size / 8;
+	int fits = records > 0 && size >= FB_INGEST_RECORD_HEADER && size % 8 == 0 && (uint64_t)size * records == bytes;
+	if (tid() == 0)
+		sh->bad = !fits;
+	block_sync();
+	if (fits)
+		for (uint32_t i = tid(); i < records; i += FB_TRIGGER_THREADS) {
+			uint32_t j = i * step;
+			if (!slot_valid(sh, j, &next) || next != j + step) {
+				sh->bad = 1; // any thread that finds one: the same store
+				break;
+			}
+			sh->off[i] = 8 * j;
+		}
+	block_sync();
+	uint32_t other = sh->bad;
+	block_sync(); // everyone has read the verdict before it is overwritten
+	if (other)
+		return 0;
+	if (tid() == 0) {
+		sh->n = records;
+		sh->bad = 0;
+		sh->bad_record = records;
+		sh->next_off = 0;
+		sh->ncand = 0;
+	}
+	block_sync();
+	return 1;
+}
+
 // parse (all threads) is walk over a whole staged buffer of at most
 // FB_TRIGGER_CHUNK records and PAR_SLOTS slots, in parallel: the same
 // n, off, bad and bad_record. The chain of records from slot 0 runs through
@@ -183,6 +225,8 @@ FB_DEV void walk(struct block_shared *sh, uint32_t first, uint32_t off)
 // unranked. 0 when there are more than PAR_NODES candidates: walk then.
 FB_DEV int parse(struct block_shared *sh)
 {
+	if (parse_uniform(sh))
+		return 1;
 	uint32_t t = tid(), bytes = sh->job.bytes, slots = bytes / 8, records = sh->job.records, next;
 	uint16_t *cid = sh->u.parse.cid, *slot = sh->u.parse.slot, *rank = sh->u.parse.rank;
 	// Each slot's header is checked once; the jump tables are free until

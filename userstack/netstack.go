@@ -85,6 +85,19 @@ func newNetstack(ep *LinkEndpoint, addrs []netip.Addr, rcvMax int) (*stack.Stack
 		// found it, once in about 40 runs on a loaded machine.
 		func() *tcpip.CongestionControlOption { v := tcpip.CongestionControlOption("cubic"); return &v }(),
 		func() *tcpip.TCPDelayEnabled { v := tcpip.TCPDelayEnabled(false); return &v }(),
+		// Loss recovery by duplicate ACKs and SACK (RFC 6675), not RACK.
+		// gVisor's RACK turns a retransmission timeout after the loss of a
+		// whole window (a bridge restart, a ring overflow) into one
+		// segment per timeout: once the RTO's retransmission is ACKed,
+		// RACK marks the rest lost and re-enters fast recovery, whose
+		// retransmission loop stops at the send pointer the RTO rewound,
+		// while the pipe, counted from the (empty) SACK scoreboard, keeps
+		// every lost segment in flight and so closes the window to new
+		// sends. A 16 MiB transfer across a restart crawled for over a
+		// minute (TestStacksOutliveTheirBridge, about 1 run in 4 under
+		// -race). Without RACK, the RTO's slow start sends everything
+		// again at once.
+		func() *tcpip.TCPRecovery { v := tcpip.TCPRecovery(0); return &v }(),
 		func() *tcpip.TCPTimeWaitReuseOption { v := tcpip.TCPTimeWaitReuseGlobal; return &v }(),
 	}
 	for _, o := range opts {

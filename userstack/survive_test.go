@@ -183,7 +183,13 @@ func (w *world) pacedTransfer(t *testing.T) (a, b *Stack, aEvents, bEvents *brid
 // Dial made while the bridge is away completes once it is back, and b's
 // listener accepts new connections.
 func TestStacksOutliveTheirBridge(t *testing.T) {
+	tcps := watchTCP(t)
 	w := newWorld(t)
+	t.Cleanup(func() {
+		if t.Failed() {
+			tcps.log(t)
+		}
+	})
 	a, _, aEvents, bEvents, x := w.pacedTransfer(t)
 
 	w.stop()

@@ -59,14 +59,21 @@ var _ FlowDataplane = realPlane{}
 // (bridge.PathAuto: XDP; bridge.PathAFPacket: the nftables path).
 func openRealPlane(tb testing.TB, path bridge.Path) realPlane {
 	tb.Helper()
-	testenv.RequirePrivileged(tb)
-	br, _, v := topology.Pair(tb, topology.VethOptions{})
 	capacity := fbebpf.DefaultFlowCapacity
 	for _, n := range benchSizes(tb) {
 		for capacity < n+n/4 {
 			capacity *= 2
 		}
 	}
+	return openRealPlaneSized(tb, path, capacity)
+}
+
+// openRealPlaneSized is openRealPlane with an XDP flow table of capacity
+// flows.
+func openRealPlaneSized(tb testing.TB, path bridge.Path, capacity int) realPlane {
+	tb.Helper()
+	testenv.RequirePrivileged(tb)
+	br, _, v := topology.Pair(tb, topology.VethOptions{})
 	cfg := bridge.Config{Interface: v.A.Name, Path: path, FrameCount: 256, FlowCapacity: capacity,
 		Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))}
 	if path != bridge.PathAuto {

@@ -1,0 +1,92 @@
+package control
+
+import (
+	"os"
+	"runtime"
+	"runtime/metrics"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/fabricbridge/fabricbridge/bridge"
+	"github.com/fabricbridge/fabricbridge/classifier"
+	fbebpf "github.com/fabricbridge/fabricbridge/ebpf"
+)
+
+// BenchmarkMillionFlows is issue 17's scale on one box: 200 applications
+// registered at once, 100 of them holding 1,000,000 flows between them
+// (FB_MILLION_FLOWS replaces the number), on the XDP data plane with its
+// flow table sized as interfaces[].flow_capacity: 1048576 sizes it. An op
+// is one more claim and its release. Besides the op's time it reports what
+// holding the flows costs the daemon's Go heap (bytes and objects a flow)
+// and its garbage collector: a forced full collection's time with the
+// flows held (the mark work every cycle repeats), the longest
+// stop-the-world pause seen, and the collector's share of the CPU while
+// the ops run.
+func BenchmarkMillionFlows(b *testing.B) {
+	n := 1_000_000
+	if s := os.Getenv("FB_MILLION_FLOWS"); s != "" {
+		var err error
+		if n, err = strconv.Atoi(s); err != nil {
+			b.Fatalf("FB_MILLION_FLOWS: %v", err)
+		}
+	}
+	const capacity = 1 << 20
+	var before, held runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	dp := openRealPlaneSized(b, bridge.PathAuto, capacity)
+	r, apps := benchRegistry(b, dp, 200)
+	start := time.Now()
+	fillFlows(b, r, apps[:100], n)
+	fill := time.Since(start)
+	runtime.GC()
+	runtime.ReadMemStats(&held)
+	heap := float64(held.HeapAlloc) - float64(before.HeapAlloc)
+	objects := float64(held.HeapObjects) - float64(before.HeapObjects)
+	var gc time.Duration
+	const collections = 3
+	for range collections {
+		start := time.Now()
+		runtime.GC()
+		gc += time.Since(start)
+	}
+	gc /= collections
+
+	a := apps[0]
+	remote := benchRemote(n + 1)
+	gcCPU := []metrics.Sample{{Name: "/cpu/classes/gc/total:cpu-seconds"}, {Name: "/cpu/classes/total:cpu-seconds"}}
+	metrics.Read(gcCPU)
+	gc0, all0 := gcCPU[0].Value.Float64(), gcCPU[1].Value.Float64()
+	b.ReportAllocs()
+	b.ResetTimer()
+	for b.Loop() {
+		c, err := r.connect(a, classifier.ProtoTCP, benchLocal, remote)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if err := r.release(a, c.id); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.StopTimer()
+	metrics.Read(gcCPU)
+	var pause uint64
+	var stats runtime.MemStats
+	runtime.ReadMemStats(&stats)
+	for _, p := range stats.PauseNs {
+		pause = max(pause, p)
+	}
+	share := 0.0
+	if all := gcCPU[1].Value.Float64() - all0; all > 0 {
+		share = 100 * (gcCPU[0].Value.Float64() - gc0) / all
+	}
+	b.ReportMetric(heap/float64(n), "heap-B/flow")
+	b.ReportMetric(objects/float64(n), "heap-objects/flow")
+	b.ReportMetric(float64(gc.Microseconds())/1000, "full-gc-ms")
+	b.ReportMetric(float64(pause)/1000, "max-pause-µs")
+	b.ReportMetric(share, "gc-cpu-%")
+	b.Logf("%d flows of 100 applications (200 registered) filled in %v; Go heap %.0f MiB for them (%.0f B, %.1f objects a flow); a full collection %v, longest pause %v; XDP flow table of %d: %d MiB of kernel memory",
+		n, fill.Round(time.Millisecond), heap/(1<<20), heap/float64(n), objects/float64(n), gc.Round(time.Millisecond),
+		time.Duration(pause), capacity, capacity*fbebpf.FlowEntryBytes>>20)
+}

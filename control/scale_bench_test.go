@@ -4,6 +4,7 @@ import (
 	"os"
 	"runtime"
 	"runtime/metrics"
+	"runtime/pprof"
 	"strconv"
 	"testing"
 	"time"
@@ -16,7 +17,9 @@ import (
 // BenchmarkMillionFlows is issue 17's scale on one box: 200 applications
 // registered at once, 100 of them holding 1,000,000 flows between them
 // (FB_MILLION_FLOWS replaces the number), on the XDP data plane with its
-// flow table sized as interfaces[].flow_capacity: 1048576 sizes it. An op
+// flow table sized as interfaces[].flow_capacity: 1048576 sizes it
+// (FB_MILLION_HEAP_PROFILE names a file for a heap profile with the flows
+// held). An op
 // is one more claim and its release. Besides the op's time it reports what
 // holding the flows costs the daemon's Go heap (bytes and objects a flow)
 // and its garbage collector: a forced full collection's time with the
@@ -42,6 +45,9 @@ func BenchmarkMillionFlows(b *testing.B) {
 	fill := time.Since(start)
 	runtime.GC()
 	runtime.ReadMemStats(&held)
+	if path := os.Getenv("FB_MILLION_HEAP_PROFILE"); path != "" {
+		writeHeapProfile(b, path) // what holds the flows
+	}
 	heap := float64(held.HeapAlloc) - float64(before.HeapAlloc)
 	objects := float64(held.HeapObjects) - float64(before.HeapObjects)
 	var gc time.Duration
@@ -98,4 +104,15 @@ func BenchmarkMillionFlows(b *testing.B) {
 	b.Logf("%d flows of 100 applications (200 registered) filled in %v; Go heap %.0f MiB for them (%.0f B, %.1f objects a flow); a full collection %v, longest pause %v; XDP flow table of %d: %d MiB of kernel memory",
 		n, fill.Round(time.Millisecond), heap/(1<<20), heap/float64(n), objects/float64(n), gc.Round(time.Millisecond),
 		time.Duration(pause), capacity, capacity*fbebpf.FlowEntryBytes>>20)
+}
+
+func writeHeapProfile(tb testing.TB, path string) {
+	f, err := os.Create(path)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	defer f.Close()
+	if err := pprof.WriteHeapProfile(f); err != nil {
+		tb.Fatal(err)
+	}
 }

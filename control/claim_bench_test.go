@@ -163,20 +163,24 @@ func BenchmarkClaim(b *testing.B) {
 			b.Run(fmt.Sprintf("plane=%s/flows=%d", pl.name, n), func(b *testing.B) {
 				r, apps := benchRegistry(b, pl.open(b), 10)
 				fillFlows(b, r, apps, n)
-				a := apps[0]
-				remote := benchRemote(n + 1)
 				b.ReportAllocs()
 				b.ResetTimer()
-				for b.Loop() {
-					c, err := r.connect(a, classifier.ProtoTCP, benchLocal, remote)
-					if err != nil {
-						b.Fatal(err)
-					}
-					if err := r.release(a, c.id); err != nil {
-						b.Fatal(err)
-					}
-				}
+				claimLoop(b, r, apps[0], benchRemote(n+1))
 			})
+		}
+	}
+}
+
+// claimLoop is the benchmark's op: a's claim of a flow to remote and its
+// release.
+func claimLoop(b *testing.B, r *registry, a *app, remote netip.AddrPort) {
+	for b.Loop() {
+		c, err := r.connect(a, classifier.ProtoTCP, benchLocal, remote)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if err := r.release(a, c.id); err != nil {
+			b.Fatal(err)
 		}
 	}
 }

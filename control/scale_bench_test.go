@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/fabricbridge/fabricbridge/bridge"
-	"github.com/fabricbridge/fabricbridge/classifier"
 	fbebpf "github.com/fabricbridge/fabricbridge/ebpf"
 )
 
@@ -59,8 +58,6 @@ func BenchmarkMillionFlows(b *testing.B) {
 	}
 	gc /= collections
 
-	a := apps[0]
-	remote := benchRemote(n + 1)
 	// The collector's own work: idle-time marking is left out, as it
 	// takes only CPU that nothing else wanted.
 	cpu := []metrics.Sample{
@@ -75,15 +72,7 @@ func BenchmarkMillionFlows(b *testing.B) {
 	gc0, busy0 := read()
 	b.ReportAllocs()
 	b.ResetTimer()
-	for b.Loop() {
-		c, err := r.connect(a, classifier.ProtoTCP, benchLocal, remote)
-		if err != nil {
-			b.Fatal(err)
-		}
-		if err := r.release(a, c.id); err != nil {
-			b.Fatal(err)
-		}
-	}
+	claimLoop(b, r, apps[0], benchRemote(n+1))
 	b.StopTimer()
 	gc1, busy1 := read()
 	var pause uint64

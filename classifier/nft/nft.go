@@ -230,25 +230,10 @@ func transaction(table, ifname string, prev *installed, t *classifier.Tables, in
 		b.WriteString("\t\tjump rules\n\t}\n}\n")
 		prev = &installed{}
 	}
-	flowDiff := map[string][2][]string{} // by set: deleted, added
-	for k := range prev.flows {
-		if _, ok := next.flows[k]; !ok {
-			set, e := flowElement(k)
-			d := flowDiff[set]
-			d[0] = append(d[0], e)
-			flowDiff[set] = d
-		}
-	}
-	for k := range next.flows {
-		if _, ok := prev.flows[k]; !ok {
-			set, e := flowElement(k)
-			d := flowDiff[set]
-			d[1] = append(d[1], e)
-			flowDiff[set] = d
-		}
-	}
+	// Only the flows that change are written out.
+	deleted, added := flowsMissing(prev.flows, next.flows), flowsMissing(next.flows, prev.flows)
 	for _, st := range setTypes {
-		del, add := flowDiff[st.name][0], flowDiff[st.name][1]
+		del, add := deleted[st.name], added[st.name]
 		for e := range prev.sets[st.name] {
 			if _, ok := next.sets[st.name][e]; !ok {
 				del = append(del, e)
@@ -273,6 +258,19 @@ func transaction(table, ifname string, prev *installed, t *classifier.Tables, in
 		fmt.Fprintf(&b, "add rule netdev %s rules %s\n", table, ruleBody(r, ingestFed))
 	}
 	return b.String(), next
+}
+
+// flowsMissing is the elements, by set, of the flows of from that to
+// lacks.
+func flowsMissing(from, to map[classifier.FlowKey]struct{}) map[string][]string {
+	out := map[string][]string{}
+	for k := range from {
+		if _, ok := to[k]; !ok {
+			set, e := flowElement(k)
+			out[set] = append(out[set], e)
+		}
+	}
+	return out
 }
 
 // findNft finds the nft binary.

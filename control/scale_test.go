@@ -105,3 +105,28 @@ func writeHeapProfile(tb testing.TB, path string) {
 		tb.Fatal(err)
 	}
 }
+
+// TestTwoHundredApplications: 200 applications registered at once on the
+// XDP plane, half of them holding flows, keep every realisation of the
+// tables equal to a compile from scratch; when they all go, nothing of
+// theirs is left in the kernel or the Go tables.
+func TestTwoHundredApplications(t *testing.T) {
+	dp := openRealPlaneSized(t, bridge.PathAuto, 1<<16)
+	r, apps := benchRegistry(t, dp, 200)
+	fillFlows(t, r, apps[:100], 20_000)
+	checkRealised(t, r, dp, "200 applications, 100 with flows")
+	for _, a := range apps {
+		if err := r.unregister(a); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := dp.b.Tables().NumFlows(); got != 0 {
+		t.Errorf("%d flows left in the Go tables", got)
+	}
+	if xdp, _, err := dp.b.KernelFlows(); err != nil || len(xdp) != 0 {
+		t.Errorf("%d flows left in the XDP map (%v)", len(xdp), err)
+	}
+	if n := len(r.snapshot()); n != 0 {
+		t.Errorf("%d applications left", n)
+	}
+}

@@ -66,6 +66,8 @@ func bridgeConfig(in config.Interface, log *slog.Logger) (bridge.Config, error) 
 		CPUs:       in.CPUs,
 		RouteCache: in.RouteCache,
 		Logger:     log,
+		// The AF_PACKET path has no flow table to size.
+		FlowCapacity: in.FlowCapacity,
 	}
 	if bc.Spin == 0 {
 		bc.Spin = -1 // the bridge's zero is its default; the file's is "sleep at once"

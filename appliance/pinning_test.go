@@ -12,19 +12,21 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/fabricbridge/fabricbridge/appliance/config"
+	"github.com/fabricbridge/fabricbridge/ebpf"
 )
 
-// The file's spin and cpus reach the bridge; 0s means what it says (sleep
-// at once), not the bridge's default.
+// The file's spin, cpus and flow_capacity reach the bridge; 0s means what
+// it says (sleep at once), not the bridge's default.
 func TestBridgeConfigSpinAndCPUs(t *testing.T) {
 	for _, tc := range []struct {
 		iface string
 		spin  time.Duration
 		cpus  []int
+		flows int
 	}{
-		{"", 20 * time.Microsecond, nil},
-		{", spin: 0s", -1, nil},
-		{", spin: 150us, cpus: [1, 0]", 150 * time.Microsecond, []int{1, 0}},
+		{"", 20 * time.Microsecond, nil, ebpf.DefaultFlowCapacity},
+		{", spin: 0s", -1, nil, ebpf.DefaultFlowCapacity},
+		{", spin: 150us, cpus: [1, 0], flow_capacity: 1048576", 150 * time.Microsecond, []int{1, 0}, 1 << 20},
 	} {
 		c, err := config.Parse("t.yaml", []byte("interfaces: [{name: eth1"+tc.iface+"}]\naddresses: [198.18.0.1]\n"))
 		if err != nil {
@@ -34,8 +36,8 @@ func TestBridgeConfigSpinAndCPUs(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		if bc.Spin != tc.spin || !slices.Equal(bc.CPUs, tc.cpus) {
-			t.Errorf("%q: bridge spin %v cpus %v, want %v %v", tc.iface, bc.Spin, bc.CPUs, tc.spin, tc.cpus)
+		if bc.Spin != tc.spin || !slices.Equal(bc.CPUs, tc.cpus) || bc.FlowCapacity != tc.flows {
+			t.Errorf("%q: bridge spin %v cpus %v flow capacity %d, want %v %v %d", tc.iface, bc.Spin, bc.CPUs, bc.FlowCapacity, tc.spin, tc.cpus, tc.flows)
 		}
 	}
 }

@@ -59,14 +59,21 @@ var _ FlowDataplane = realPlane{}
 // (bridge.PathAuto: XDP; bridge.PathAFPacket: the nftables path).
 func openRealPlane(tb testing.TB, path bridge.Path) realPlane {
 	tb.Helper()
-	testenv.RequirePrivileged(tb)
-	br, _, v := topology.Pair(tb, topology.VethOptions{})
 	capacity := fbebpf.DefaultFlowCapacity
 	for _, n := range benchSizes(tb) {
 		for capacity < n+n/4 {
 			capacity *= 2
 		}
 	}
+	return openRealPlaneSized(tb, path, capacity)
+}
+
+// openRealPlaneSized is openRealPlane with an XDP flow table of capacity
+// flows.
+func openRealPlaneSized(tb testing.TB, path bridge.Path, capacity int) realPlane {
+	tb.Helper()
+	testenv.RequirePrivileged(tb)
+	br, _, v := topology.Pair(tb, topology.VethOptions{})
 	cfg := bridge.Config{Interface: v.A.Name, Path: path, FrameCount: 256, FlowCapacity: capacity,
 		Logger: slog.New(slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: slog.LevelError}))}
 	if path != bridge.PathAuto {
@@ -156,20 +163,24 @@ func BenchmarkClaim(b *testing.B) {
 			b.Run(fmt.Sprintf("plane=%s/flows=%d", pl.name, n), func(b *testing.B) {
 				r, apps := benchRegistry(b, pl.open(b), 10)
 				fillFlows(b, r, apps, n)
-				a := apps[0]
-				remote := benchRemote(n + 1)
 				b.ReportAllocs()
 				b.ResetTimer()
-				for b.Loop() {
-					c, err := r.connect(a, classifier.ProtoTCP, benchLocal, remote)
-					if err != nil {
-						b.Fatal(err)
-					}
-					if err := r.release(a, c.id); err != nil {
-						b.Fatal(err)
-					}
-				}
+				claimLoop(b, r, apps[0], benchRemote(n+1))
 			})
+		}
+	}
+}
+
+// claimLoop is the benchmark's op: a's claim of a flow to remote and its
+// release.
+func claimLoop(b *testing.B, r *registry, a *app, remote netip.AddrPort) {
+	for b.Loop() {
+		c, err := r.connect(a, classifier.ProtoTCP, benchLocal, remote)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if err := r.release(a, c.id); err != nil {
+			b.Fatal(err)
 		}
 	}
 }

@@ -61,9 +61,9 @@ func (s *Server) Claims(app string, after ClaimCursor, limit int) (page []ClaimI
 				continue
 			}
 			if len(h) <= limit {
-				heap.Push(&h, c)
+				heap.Push(&h, pageEntry{a, c})
 			} else if at.before(h.cursor(0)) {
-				h[0] = c
+				h[0] = pageEntry{a, c}
 				heap.Fix(&h, 0)
 			}
 		}
@@ -73,9 +73,14 @@ func (s *Server) Claims(app string, after ClaimCursor, limit int) (page []ClaimI
 		heap.Pop(&h)
 	}
 	page = make([]ClaimInfo, len(h))
-	for i, c := range h {
-		page[i] = ClaimInfo{App: c.app.name, Stream: c.app.stream, ID: c.id, Listener: c.listener, Proto: c.proto,
-			Local: netip.AddrPortFrom(c.addr, c.port), Remote: c.remote, RuleID: c.ruleID}
+	for i, e := range h {
+		c := &e.c
+		var remote netip.AddrPort
+		if !c.listener {
+			remote = c.peer()
+		}
+		page[i] = ClaimInfo{App: e.a.name, Stream: e.a.stream, ID: c.id, Listener: c.listener, Proto: c.proto,
+			Local: netip.AddrPortFrom(c.addr.ip(), c.port), Remote: remote, RuleID: c.ruleID}
 	}
 	slices.SortFunc(page, func(x, y ClaimInfo) int {
 		if (ClaimCursor{x.Stream, x.ID}).before(ClaimCursor{y.Stream, y.ID}) {
@@ -88,13 +93,19 @@ func (s *Server) Claims(app string, after ClaimCursor, limit int) (page []ClaimI
 
 // claimHeap is a max-heap of claims in cursor order: its top is the
 // largest claim kept so far, the one to give up for a smaller one.
-type claimHeap []*claim
+type claimHeap []pageEntry
 
-func (h claimHeap) cursor(i int) ClaimCursor { return ClaimCursor{h[i].app.stream, h[i].id} }
+// pageEntry is a claim kept for a page, with its application.
+type pageEntry struct {
+	a *app
+	c claim
+}
+
+func (h claimHeap) cursor(i int) ClaimCursor { return ClaimCursor{h[i].a.stream, h[i].c.id} }
 func (h claimHeap) Len() int                 { return len(h) }
 func (h claimHeap) Less(i, j int) bool       { return h.cursor(j).before(h.cursor(i)) }
 func (h claimHeap) Swap(i, j int)            { h[i], h[j] = h[j], h[i] }
-func (h *claimHeap) Push(x any)              { *h = append(*h, x.(*claim)) }
+func (h *claimHeap) Push(x any)              { *h = append(*h, x.(pageEntry)) }
 func (h *claimHeap) Pop() any {
 	old := *h
 	c := old[len(old)-1]

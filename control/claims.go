@@ -13,27 +13,29 @@ import (
 // and flows, checked against every other application's and the
 // configuration's, with ephemeral ports handed out from the reserved range.
 
-func (r *registry) index(c *claim) {
+// index counts c, a claim of a, in the registry's and a's books.
+func (r *registry) index(a *app, c *claim) {
 	k := portKey{c.proto, c.port}
-	r.byPort[k] = append(r.byPort[k], c)
+	r.byPort[k] = append(r.byPort[k], *c)
 	if r.ephemeral.Contains(c.port) && !r.ephemeral.IsAny() {
 		r.pools[c.proto].set(c.port, false)
 	}
 	if c.listener {
 		r.usedIDs[c.ruleID] = true
-		c.app.listeners++
+		a.listeners++
 	} else {
-		c.app.use.flows++
+		a.use.flows++
 	}
 	pc := classifier.PortClaim{Proto: c.proto, Port: c.port}
-	if c.app.portRefs[pc]++; c.app.portRefs[pc] == 1 {
-		c.app.use.ports++
+	if a.portRefs[pc]++; a.portRefs[pc] == 1 {
+		a.use.ports++
 	}
 }
 
-func (r *registry) unindex(c *claim) {
+// unindex takes c, a claim of a, out of the books.
+func (r *registry) unindex(a *app, c *claim) {
 	k := portKey{c.proto, c.port}
-	list := slices.DeleteFunc(r.byPort[k], func(x *claim) bool { return x == c })
+	list := slices.DeleteFunc(r.byPort[k], func(x claim) bool { return x.stream == c.stream && x.id == c.id })
 	if len(list) == 0 {
 		delete(r.byPort, k)
 		if r.ephemeral.Contains(c.port) && !r.ephemeral.IsAny() && r.staticHolder(c.proto, c.port, netip.Addr{}, nil) == "" {
@@ -44,14 +46,14 @@ func (r *registry) unindex(c *claim) {
 	}
 	if c.listener {
 		r.usedIDs[c.ruleID] = false
-		c.app.listeners--
+		a.listeners--
 	} else {
-		c.app.use.flows--
+		a.use.flows--
 	}
 	pc := classifier.PortClaim{Proto: c.proto, Port: c.port}
-	if c.app.portRefs[pc]--; c.app.portRefs[pc] == 0 {
-		delete(c.app.portRefs, pc)
-		c.app.use.ports--
+	if a.portRefs[pc]--; a.portRefs[pc] == 0 {
+		delete(a.portRefs, pc)
+		a.use.ports--
 	}
 }
 
@@ -81,12 +83,12 @@ func (r *registry) grant(a *app, c *claim) error {
 	}
 	a.nextClaim++
 	c.id = a.nextClaim
-	c.app = a
-	a.claims[c.id] = c
-	r.index(c)
+	c.stream = a.stream
+	a.claims[c.id] = *c
+	r.index(a, c)
 	undo := func() {
 		delete(a.claims, c.id)
-		r.unindex(c)
+		r.unindex(a, c)
 	}
 	t, err := r.compile()
 	if err != nil {
@@ -136,20 +138,28 @@ func (r *registry) listen(a *app, proto classifier.Protocol, addr netip.Addr, po
 			return nil, fmt.Errorf("%w: %v port %d on %v is held by application %q by configuration", ErrPortInUse, proto, port, anyAddr(addr), owner)
 		}
 		for _, c := range r.byPort[portKey{proto, port}] {
-			if c.listener && overlaps(c.addr, addr) {
-				who := fmt.Sprintf("application %q (stream %d)", c.app.name, c.app.stream)
-				if c.app == a {
+			if c.listener && overlaps(c.addr.ip(), addr) {
+				who := r.holder(c.stream)
+				if c.stream == a.stream {
 					who = "this application already"
 				}
-				return nil, fmt.Errorf("%w: %v port %d on %v is held by %s", ErrPortInUse, proto, port, anyAddr(c.addr), who)
+				return nil, fmt.Errorf("%w: %v port %d on %v is held by %s", ErrPortInUse, proto, port, anyAddr(c.addr.ip()), who)
 			}
 		}
 	}
-	c := &claim{proto: proto, listener: true, addr: addr, port: port, app: a}
+	c := &claim{proto: proto, listener: true, addr: packIP(addr), port: port}
 	if err := r.grant(a, c); err != nil {
 		return nil, err
 	}
 	return c, nil
+}
+
+// holder names the application of stream, for messages.
+func (r *registry) holder(stream uint32) string {
+	if a := r.apps[stream]; a != nil {
+		return fmt.Sprintf("application %q (stream %d)", a.name, stream)
+	}
+	return fmt.Sprintf("an application that is leaving (stream %d)", stream)
 }
 
 func anyAddr(a netip.Addr) string {
@@ -195,7 +205,7 @@ func (r *registry) connect(a *app, proto classifier.Protocol, local netip.Addr, 
 		if err != nil {
 			return nil, err
 		}
-		c := &claim{proto: proto, addr: local, port: port, remote: remote}
+		c := newFlowClaim(proto, local, port, remote)
 		if err := r.grant(a, c); err != nil {
 			return nil, err
 		}
@@ -219,18 +229,18 @@ func (r *registry) connectDelta(a *app, proto classifier.Protocol, local netip.A
 		r.mu.Unlock()
 		return nil, err
 	}
-	c := &claim{proto: proto, addr: local, port: port, remote: remote, app: a}
+	c := newFlowClaim(proto, local, port, remote)
 	a.nextClaim++
-	c.id = a.nextClaim
-	a.claims[c.id] = c
+	c.id, c.stream = a.nextClaim, a.stream
+	a.claims[c.id] = *c
 	pc := classifier.PortClaim{Proto: proto, Port: port}
-	r.index(c)
+	r.index(a, c)
 	f := a.flow(c)
 	r.mu.Unlock()
 	undo := func() {
 		r.mu.Lock()
 		delete(a.claims, c.id)
-		r.unindex(c)
+		r.unindex(a, c)
 		r.mu.Unlock()
 		r.syncPort(a, pc)
 	}
@@ -243,6 +253,11 @@ func (r *registry) connectDelta(a *app, proto classifier.Protocol, local netip.A
 		return nil, dataplaneErr(err)
 	}
 	return c, nil
+}
+
+// newFlowClaim is a flow's claim, before it is granted.
+func newFlowClaim(proto classifier.Protocol, local netip.Addr, port uint16, remote netip.AddrPort) *claim {
+	return &claim{proto: proto, addr: packIP(local), port: port, remote: packIP(remote.Addr()), rport: remote.Port()}
 }
 
 // syncPort tells the data plane whether the stream owns pc, from the
@@ -305,11 +320,11 @@ func (r *registry) flowPort(a *app, proto classifier.Protocol, local netip.Addr,
 		users := r.byPort[portKey{proto, q}]
 		mine, clash := len(users) > 0, false
 		for _, c := range users {
-			if c.app != a || c.listener {
+			if c.stream != a.stream || c.listener {
 				mine = false
 				break
 			}
-			clash = clash || c.addr == local && c.remote == remote
+			clash = clash || c.addr.ip() == local && c.peer() == remote
 		}
 		if !mine {
 			ring.drop(ring.cur)
@@ -451,11 +466,12 @@ func (r *registry) resetPools() {
 // cannot be updated the claim stays.
 func (r *registry) release(a *app, id uint64) error {
 	r.mu.Lock()
-	c := a.claims[id]
+	held, ok := a.claims[id]
 	r.mu.Unlock()
-	if c == nil {
+	if !ok {
 		return fmt.Errorf("%w: %d", ErrUnknownClaim, id)
 	}
+	c := &held
 	if r.flowDP != nil && !c.listener {
 		return r.releaseDelta(a, c)
 	}
@@ -463,8 +479,11 @@ func (r *registry) release(a *app, id uint64) error {
 	defer r.tables.Unlock()
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	if _, ok := a.claims[id]; !ok {
+		return fmt.Errorf("%w: %d", ErrUnknownClaim, id) // released meanwhile
+	}
 	delete(a.claims, id)
-	r.unindex(c)
+	r.unindex(a, c)
 	t, err := r.compile()
 	if err == nil {
 		err = r.dp.SetTables(t)
@@ -472,8 +491,8 @@ func (r *registry) release(a *app, id uint64) error {
 	if err != nil {
 		// The tables still steer the tuple: keep the claim, so that state
 		// and data plane agree. The lease's end removes it in any case.
-		a.claims[id] = c
-		r.index(c)
+		a.claims[id] = *c
+		r.index(a, c)
 		return dataplaneErr(err)
 	}
 	if err := r.dp.SetOwnership(a.stream, a.ownership()); err != nil {
@@ -492,7 +511,7 @@ func (r *registry) releaseDelta(a *app, c *claim) error {
 	}
 	r.mu.Lock()
 	delete(a.claims, c.id)
-	r.unindex(c)
+	r.unindex(a, c)
 	pc := classifier.PortClaim{Proto: c.proto, Port: c.port}
 	r.mu.Unlock()
 	if err := r.syncPort(a, pc); err != nil {

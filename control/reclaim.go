@@ -23,7 +23,7 @@ func (r *registry) reclaimListener(a *app, proto classifier.Protocol, addr netip
 	if addr.IsValid() && !addr.IsUnspecified() && !slices.Contains(a.policy.Addrs, addr) {
 		return nil, fmt.Errorf("%w: address %v is not one this application may use", ErrNotPermitted, addr)
 	}
-	return r.grantReserved(a, &claim{proto: proto, listener: true, addr: addr, port: port})
+	return r.grantReserved(a, &claim{proto: proto, listener: true, addr: packIP(addr), port: port})
 }
 
 // reclaimFlow is connect for a flow held under an earlier lease: the same
@@ -38,7 +38,7 @@ func (r *registry) reclaimFlow(a *app, proto classifier.Protocol, local netip.Ad
 	case local.Is4() != ra.Is4():
 		return nil, fmt.Errorf("%w: local %v and remote %v are of different families", ErrBadRequest, local, ra)
 	}
-	return r.grantReserved(a, &claim{proto: proto, addr: local, port: port, remote: remote})
+	return r.grantReserved(a, newFlowClaim(proto, local, port, remote))
 }
 
 // grantReserved grants a c, whose port of the reserved range it names.
@@ -62,8 +62,7 @@ func (r *registry) reservedPortFree(a *app, proto classifier.Protocol, port uint
 		return fmt.Errorf("%w: port %d is outside the reserved range %d-%d", ErrNotPermitted, port, r.ephemeral.Lo, r.ephemeral.Hi)
 	}
 	if held := r.byPort[portKey{proto, port}]; len(held) > 0 {
-		c := held[0]
-		return fmt.Errorf("%w: %v port %d was taken by application %q (stream %d) meanwhile", ErrPortInUse, proto, port, c.app.name, c.app.stream)
+		return fmt.Errorf("%w: %v port %d was taken by %s meanwhile", ErrPortInUse, proto, port, r.holder(held[0].stream))
 	}
 	if owner := r.staticHolder(proto, port, netip.Addr{}, a); owner != "" {
 		return fmt.Errorf("%w: %v port %d is held by application %q by configuration", ErrPortInUse, proto, port, owner)

@@ -76,8 +76,8 @@ type registry struct {
 	firstID   uint32 // dynamic counter ids start here
 	static    Static
 	apps      map[uint32]*app
-	named     map[string]*app // the application that holds its name's static entries
-	byPort    map[portKey][]*claim
+	named     map[string]*app                // the application that holds its name's static entries
+	byPort    map[portKey][]claim            // copies of the claims on each port
 	usedIDs   [classifier.MaxRuleID + 1]bool // listener and flow counter ids in use (static rules included)
 	idCursor  uint32
 	streamCur uint32
@@ -95,8 +95,8 @@ type app struct {
 	name      string
 	stream    uint32
 	policy    Policy
-	flowID    uint32 // the counter id all its flows share
-	claims    map[uint64]*claim
+	flowID    uint32           // the counter id all its flows share
+	claims    map[uint64]claim // by id; values, so that a million flows are no million objects for the collector
 	nextClaim uint64
 	static    *AppStatic // the configuration's entries bound to this name, while it holds them
 	// portRefs counts the claims on each port; with the static entries'
@@ -115,16 +115,50 @@ type app struct {
 	portMu sync.Mutex
 }
 
-// claim is one listener or flow an application holds.
+// claim is one listener or flow an application holds. It holds no
+// pointer (its application is named by stream, its addresses are bytes),
+// so that the collector neither scans the maps that hold claims by value
+// nor marks an object a claim.
 type claim struct {
 	id       uint64
-	app      *app
+	stream   uint32 // its application's
+	ruleID   uint32 // listeners only
+	port     uint16 // local port
+	rport    uint16 // flows only: the remote port
 	proto    classifier.Protocol
 	listener bool
-	addr     netip.Addr     // listener: zero means both families' wildcard; flow: local address
-	port     uint16         // local port
-	remote   netip.AddrPort // flows only
-	ruleID   uint32         // listeners only
+	addr     ipBytes // listener: invalid means both families' wildcard; flow: local address
+	remote   ipBytes // flows only
+}
+
+// peer is a flow's remote address and port.
+func (c *claim) peer() netip.AddrPort { return netip.AddrPortFrom(c.remote.ip(), c.rport) }
+
+// ipBytes is a netip.Addr (without zone) as bytes: a netip.Addr holds a
+// pointer.
+type ipBytes struct {
+	b   [16]byte
+	fam uint8 // 0: the invalid Addr, 4 or 6
+}
+
+func packIP(a netip.Addr) ipBytes {
+	switch {
+	case !a.IsValid():
+		return ipBytes{}
+	case a.Is4():
+		return ipBytes{b: a.As16(), fam: 4}
+	}
+	return ipBytes{b: a.As16(), fam: 6}
+}
+
+func (p ipBytes) ip() netip.Addr {
+	switch p.fam {
+	case 4:
+		return netip.AddrFrom16(p.b).Unmap()
+	case 6:
+		return netip.AddrFrom16(p.b)
+	}
+	return netip.Addr{}
 }
 
 // maxStreamID keeps stream ids inside GENEVE's 24-bit VNI.
@@ -137,7 +171,7 @@ func newRegistry(dp Dataplane, ephemeral classifier.PortRange, firstID uint32, s
 		firstID:   max(firstID, 1),
 		named:     make(map[string]*app),
 		apps:      make(map[uint32]*app),
-		byPort:    make(map[portKey][]*claim),
+		byPort:    make(map[portKey][]claim),
 		pools:     map[classifier.Protocol]*portPool{classifier.ProtoTCP: {}, classifier.ProtoUDP: {}},
 		usage:     make(map[string]*usage),
 	}
@@ -275,7 +309,7 @@ func (r *registry) unregister(a *app) error {
 		flows := make([]classifier.Flow, 0, len(a.claims)-a.listeners)
 		for _, c := range a.claims {
 			if !c.listener {
-				flows = append(flows, a.flow(c))
+				flows = append(flows, a.flow(&c))
 			}
 		}
 		if err := r.flowDP.RemoveFlows(flows); err != nil {
@@ -311,16 +345,16 @@ const releaseChunk = 1024
 
 // releaseAll forgets a's claims, a chunk at a time.
 func (r *registry) releaseAll(a *app) {
-	claims := make([]*claim, 0, len(a.claims))
+	claims := make([]claim, 0, len(a.claims))
 	for _, c := range a.claims {
 		claims = append(claims, c)
 	}
-	a.claims = map[uint64]*claim{}
+	a.claims = map[uint64]claim{}
 	for len(claims) > 0 {
 		n := min(len(claims), releaseChunk)
 		r.mu.Lock()
-		for _, c := range claims[:n] {
-			r.unindex(c)
+		for i := range claims[:n] {
+			r.unindex(a, &claims[i])
 		}
 		r.mu.Unlock()
 		claims = claims[n:]

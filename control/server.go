@@ -462,7 +462,7 @@ func (ss *session) handle(req *Request) (Reply, []int, error) {
 		if err != nil {
 			return Reply{}, nil, err
 		}
-		return Reply{Claim: c.id, Port: c.port, Addr: c.addr}, nil, nil
+		return Reply{Claim: c.id, Port: c.port, Addr: c.addr.ip()}, nil, nil
 	case OpConnect:
 		proto, err := parseProto(req.Proto)
 		if err != nil {
@@ -477,7 +477,7 @@ func (ss *session) handle(req *Request) (Reply, []int, error) {
 		if err != nil {
 			return Reply{}, nil, err
 		}
-		return Reply{Claim: c.id, Port: c.port, Addr: c.addr}, nil, nil
+		return Reply{Claim: c.id, Port: c.port, Addr: c.addr.ip()}, nil, nil
 	default: // OpRelease
 		if req.Claim == 0 {
 			return Reply{}, nil, fmt.Errorf("%w: release needs a claim", ErrBadRequest)

@@ -81,8 +81,8 @@ func (r *registry) setStatic(st Static) error {
 	for _, a := range r.apps {
 		for _, l := range st.Apps[a.name].Listeners {
 			for _, c := range r.byPort[portKey{l.Protocol, l.Port}] {
-				if c.listener && overlaps(c.addr, l.Addr) && (c.app != r.named[a.name] || r.named[a.name] == nil) {
-					return fmt.Errorf("listener id %d: %v port %d is held by application %q", l.ID, l.Protocol, l.Port, c.app.name)
+				if holder := r.named[a.name]; c.listener && overlaps(c.addr.ip(), l.Addr) && (holder == nil || c.stream != holder.stream) {
+					return fmt.Errorf("listener id %d: %v port %d is held by %s", l.ID, l.Protocol, l.Port, r.holder(c.stream))
 				}
 			}
 		}

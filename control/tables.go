@@ -43,7 +43,7 @@ func (r *registry) compile() (*classifier.Tables, error) {
 		}
 		for _, c := range a.claims {
 			if c.listener {
-				addr, need := a.uncovered(c)
+				addr, need := a.uncovered(&c)
 				if !need {
 					continue // the application's configured listener steers it
 				}
@@ -51,7 +51,7 @@ func (r *registry) compile() (*classifier.Tables, error) {
 					ID: c.ruleID, Protocol: c.proto, Addr: addr, Port: c.port, Stream: a.stream,
 				})
 			} else {
-				set.Flows = append(set.Flows, a.flow(c))
+				set.Flows = append(set.Flows, a.flow(&c))
 			}
 		}
 	}
@@ -62,13 +62,14 @@ func (r *registry) compile() (*classifier.Tables, error) {
 // own: the part that none of a's configured listeners (while a holds them)
 // already steers to a. need is false when they cover all of it, so the claim
 // shares their entries; else addr is what the claim's own entry must listen
-// on (c.addr, or one family's wildcard when a configured wildcard covers
+// on (c's address, or one family's wildcard when a configured wildcard covers
 // the other). Deciding this when the tables are compiled, not when the
 // claim is made, keeps the claim steered if a reload takes the configured
 // listener away.
 func (a *app) uncovered(c *claim) (addr netip.Addr, need bool) {
+	ca := c.addr.ip()
 	if a.static == nil {
-		return c.addr, true
+		return ca, true
 	}
 	covered := func(part netip.Addr) bool {
 		for _, l := range a.static.Listeners {
@@ -78,8 +79,8 @@ func (a *app) uncovered(c *claim) (addr netip.Addr, need bool) {
 		}
 		return false
 	}
-	if c.addr.IsValid() {
-		return c.addr, !covered(c.addr)
+	if ca.IsValid() {
+		return ca, !covered(ca)
 	}
 	v4, v6 := covered(netip.IPv4Unspecified()), covered(netip.IPv6Unspecified())
 	switch {
@@ -90,7 +91,7 @@ func (a *app) uncovered(c *claim) (addr netip.Addr, need bool) {
 	case v6:
 		return netip.IPv4Unspecified(), true
 	}
-	return c.addr, true
+	return ca, true
 }
 
 // covers reports whether a listener on l receives every packet one on addr
@@ -108,7 +109,7 @@ func covers(l, addr netip.Addr) bool {
 }
 
 func newApp(name string, stream uint32, pol Policy, flowID uint32) *app {
-	return &app{name: name, stream: stream, policy: pol, flowID: flowID, claims: make(map[uint64]*claim),
+	return &app{name: name, stream: stream, policy: pol, flowID: flowID, claims: make(map[uint64]claim),
 		portRefs: map[classifier.PortClaim]int{}, reuse: map[classifier.Protocol]*portRing{}}
 }
 
@@ -137,8 +138,8 @@ func (a *app) unbind() { a.static, a.staticPorts = nil, nil }
 
 // flow is flow claim c as the tables hold it.
 func (a *app) flow(c *claim) classifier.Flow {
-	return classifier.Flow{ID: a.flowID, Protocol: c.proto, Remote: c.remote,
-		Local: netip.AddrPortFrom(c.addr, c.port), Stream: a.stream}
+	return classifier.Flow{ID: a.flowID, Protocol: c.proto, Remote: c.peer(),
+		Local: netip.AddrPortFrom(c.addr.ip(), c.port), Stream: a.stream}
 }
 
 // ownership is what a's stream may send: its claims' ports and those of

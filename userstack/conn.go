@@ -291,6 +291,10 @@ func (s *Stack) connect(ctx context.Context, k netKind, cl control.Claim, raddr 
 	entry, ready := waiter.NewChannelEntry(waiter.WritableEvents)
 	wq.EventRegister(&entry)
 	defer wq.EventUnregister(&entry)
+	// The control plane may give a port this application's other
+	// connections hold, towards other remotes (the whole tuple tells them
+	// apart), as Linux shares a port between SO_REUSEADDR sockets.
+	ep.SocketOptions().SetReuseAddress(true)
 	if terr := ep.Bind(fullAddr(cl.Addr, cl.Port)); terr != nil {
 		ep.Close()
 		return nil, tcpipErr{terr}

@@ -71,6 +71,9 @@ func (c *Config) checkInterfaces(d *decoder) {
 		if in.RouteCache < 16 || in.RouteCache > MaxRouteCache {
 			d.errorAt(p+".route_cache", "must be from 16 to %d destinations, not %d", MaxRouteCache, in.RouteCache)
 		}
+		if in.FlowCapacity < MinFlowCapacity || in.FlowCapacity > MaxFlowCapacity {
+			d.errorAt(p+".flow_capacity", "must be from %d to %d flows, not %d", MinFlowCapacity, MaxFlowCapacity, in.FlowCapacity)
+		}
 	}
 }
 

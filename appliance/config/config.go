@@ -9,6 +9,7 @@ import (
 
 	"github.com/fabricbridge/fabricbridge/bridge"
 	"github.com/fabricbridge/fabricbridge/control"
+	"github.com/fabricbridge/fabricbridge/ebpf"
 	fingest "github.com/fabricbridge/fabricbridge/fabric/ingest"
 )
 
@@ -86,6 +87,11 @@ type Interface struct {
 	// hop of (bridge Config.RouteCache); a flood of new peer addresses
 	// evicts entries instead of growing the daemon.
 	RouteCache int `yaml:"route_cache"`
+	// FlowCapacity is how many exact flows (outgoing connections) the XDP
+	// program's flow table holds (bridge Config.FlowCapacity); a claim
+	// beyond it is refused. The table is preallocated: FlowEntryBytes of
+	// kernel memory a flow.
+	FlowCapacity int `yaml:"flow_capacity"`
 }
 
 // Streams sizes the stream an application gets when it does not ask for
@@ -281,6 +287,15 @@ const (
 	MaxStaticID = 4095
 )
 
+// interfaces[].flow_capacity: its default and bounds, and about what one
+// flow of it costs in kernel memory, preallocated.
+const (
+	DefaultFlowCapacity = ebpf.DefaultFlowCapacity
+	MinFlowCapacity     = 1024
+	MaxFlowCapacity     = 1 << 24
+	FlowEntryBytes      = ebpf.FlowEntryBytes
+)
+
 // Default returns the configuration an empty file gives.
 func Default() *Config {
 	return &Config{
@@ -299,6 +314,7 @@ func (i *Interface) setDefaults() {
 	i.FrameSize, i.Frames = DefaultFrameSize, DefaultFrames
 	i.Spin = Duration(DefaultSpin)
 	i.RouteCache = DefaultRouteCache
+	i.FlowCapacity = DefaultFlowCapacity
 }
 
 func (g *Ingest) setDefaults() {

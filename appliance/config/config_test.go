@@ -62,6 +62,12 @@ func TestErrorsArePrecise(t *testing.T) {
 		{"route cache", "interfaces: [{name: eth0, route_cache: 8}]\naddresses: [198.18.0.1]\n", []string{
 			"t.yaml:1:27: interfaces[0].route_cache: must be from 16 to 16777216 destinations, not 8",
 		}},
+		{"flow capacity", "interfaces: [{name: eth0, flow_capacity: 1000}]\naddresses: [198.18.0.1]\n", []string{
+			"t.yaml:1:27: interfaces[0].flow_capacity: must be from 1024 to 16777216 flows, not 1000",
+		}},
+		{"flow capacity huge", "interfaces: [{name: eth0, flow_capacity: 16777217}]\naddresses: [198.18.0.1]\n", []string{
+			"t.yaml:1:27: interfaces[0].flow_capacity: must be from 1024 to 16777216 flows, not 16777217",
+		}},
 		{"ingest sources", base + "ingest:\n  - {name: t, sources: 0, source_idle: 0s}\n", []string{
 			"t.yaml:4:15: ingest[0].sources: must be from 1 to 65536, not 0",
 			"t.yaml:4:27: ingest[0].source_idle: must be longer than 0",
@@ -186,7 +192,8 @@ func TestDefaults(t *testing.T) {
 	}
 	in := c.Interfaces[0]
 	if in.Attach != AttachAuto || in.Path != PathAuto || in.FrameSize != 2048 || in.Frames != 4096 || len(in.Queues) != 0 ||
-		time.Duration(in.Spin) != 20*time.Microsecond || len(in.CPUs) != 0 || in.RouteCache != 4096 {
+		time.Duration(in.Spin) != 20*time.Microsecond || len(in.CPUs) != 0 || in.RouteCache != 4096 ||
+		in.FlowCapacity != 262144 {
 		t.Errorf("interface defaults: %+v", in)
 	}
 	if c.ReservedPorts != (PortRange{61000, 61999}) || c.Streams != (Streams{1024, 1024, 2048}) {

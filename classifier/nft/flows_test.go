@@ -1,10 +1,12 @@
 package nft
 
 import (
+	"errors"
 	"math/rand/v2"
 	"net/netip"
 	"reflect"
 	"sync"
+	"syscall"
 	"testing"
 
 	vnetns "github.com/vishvananda/netns"
@@ -99,5 +101,27 @@ func TestFlowDeltas(t *testing.T) {
 	check("after a whole update")
 	if err := hide.RemoveFlows([]classifier.Flow{deltaFlow(99999)}); err != nil {
 		t.Fatalf("removing a flow never added: %v", err)
+	}
+}
+
+// TestFlowElementErrors: a change the kernel refuses comes back as its
+// errno, and the runner goes on: a flow element of a table that does not
+// exist, the delete of one the set lacks.
+func TestFlowElementErrors(t *testing.T) {
+	base, _ := classifier.Compile(&classifier.RuleSet{})
+	hide := openTable(t, base)
+	k := deltaFlow(1).Key()
+	if err := <-hide.run.submitElems("fabricbridge_nosuch", elemChange{flows: []classifier.FlowKey{k}, add: true}); !errors.Is(err, syscall.ENOENT) {
+		t.Fatalf("adding to a table that does not exist: %v, want ENOENT", err)
+	}
+	if err := <-hide.run.submitElems(hide.table, elemChange{flows: []classifier.FlowKey{k}}); !errors.Is(err, syscall.ENOENT) {
+		t.Fatalf("deleting an element the set lacks: %v, want ENOENT", err)
+	}
+	if err := hide.AddFlows([]classifier.Flow{deltaFlow(2), deltaFlow(4)}); err != nil {
+		t.Fatal(err)
+	}
+	want, _ := classifier.Compile(&classifier.RuleSet{Flows: []classifier.Flow{deltaFlow(2), deltaFlow(4)}})
+	if got, err := hide.Installed(); err != nil || !reflect.DeepEqual(got, Elements(want)) {
+		t.Fatalf("after the refusals and an add: %v %v, want %v", got, err, Elements(want))
 	}
 }

@@ -33,7 +33,9 @@
 // Changes go through the nft binary (Debian package nftables), one
 // `nft -f -` transaction per update, so every frame meets the old rules or
 // the new ones. Sets are updated by difference; the rules chain is flushed
-// and refilled in the same transaction.
+// and refilled in the same transaction. Flow deltas (AddFlows,
+// RemoveFlows) skip nft: they are set elements sent over netfilter's
+// netlink socket, also one transaction each, in order with the updates.
 package nft
 
 import (
@@ -69,8 +71,17 @@ func TableName(ifname string) string {
 	return b.String()
 }
 
-// elementSets are the element lists of the table's sets, by set name.
+// elementSets are the element lists of the table's listener sets, by set
+// name.
 type elementSets map[string]map[string]struct{}
+
+// installed is what the kernel's sets hold: the listener sets' elements as
+// nft writes them, and the flows, by key (no pointers for the collector to
+// follow however many flows there are, and no text made for a delta).
+type installed struct {
+	sets  elementSets
+	flows map[classifier.FlowKey]struct{}
+}
 
 var setTypes = [...]struct{ name, typ, match string }{
 	{"flows4", "inet_proto . ipv4_addr . inet_service . ipv4_addr . inet_service", "meta l4proto . ip saddr . th sport . ip daddr . th dport"},
@@ -107,15 +118,16 @@ func flowElement(k classifier.FlowKey) (set, elem string) {
 	return set, fmt.Sprintf("%s . %s . %d . %s . %d", protoName(k.Proto), addrOf(k.Family, k.Src), k.SrcPort, addrOf(k.Family, k.Dst), k.DstPort)
 }
 
-// elements lists the set elements that tables t needs.
+// isFlowSet says whether set name holds flows.
+func isFlowSet(name string) bool { return strings.HasPrefix(name, "flows") }
+
+// elements lists the listener set elements that tables t needs.
 func elements(t *classifier.Tables) elementSets {
 	s := elementSets{}
 	for _, st := range setTypes {
-		s[st.name] = map[string]struct{}{}
-	}
-	for k := range t.Flows() {
-		set, e := flowElement(k)
-		s[set][e] = struct{}{}
+		if !isFlowSet(st.name) {
+			s[st.name] = map[string]struct{}{}
+		}
 	}
 	for k := range t.Listeners() {
 		f := "4"
@@ -193,8 +205,11 @@ func ruleBody(r classifier.CompiledRule, ingestFed bool) string {
 // prev (nil: the table does not exist, or is a leftover to replace) to
 // tables t, and returns it with the sets it leaves. ingestFed: an ingest
 // engine takes the ingest rules' frames.
-func transaction(table, ifname string, prev elementSets, t *classifier.Tables, ingestFed bool) (string, elementSets) {
-	next := elements(t)
+func transaction(table, ifname string, prev *installed, t *classifier.Tables, ingestFed bool) (string, *installed) {
+	next := &installed{sets: elements(t), flows: make(map[classifier.FlowKey]struct{}, t.NumFlows())}
+	for k := range t.Flows() {
+		next.flows[k] = struct{}{}
+	}
 	var b strings.Builder
 	if prev == nil {
 		// "add" then "delete" removes a leftover and is no error when
@@ -213,17 +228,19 @@ func transaction(table, ifname string, prev elementSets, t *classifier.Tables, i
 			fmt.Fprintf(&b, "\t\t%s @%s drop\n", st.match, st.name)
 		}
 		b.WriteString("\t\tjump rules\n\t}\n}\n")
-		prev = elementSets{}
+		prev = &installed{}
 	}
+	// Only the flows that change are written out.
+	deleted, added := flowsMissing(prev.flows, next.flows), flowsMissing(next.flows, prev.flows)
 	for _, st := range setTypes {
-		var del, add []string
-		for e := range prev[st.name] {
-			if _, ok := next[st.name][e]; !ok {
+		del, add := deleted[st.name], added[st.name]
+		for e := range prev.sets[st.name] {
+			if _, ok := next.sets[st.name][e]; !ok {
 				del = append(del, e)
 			}
 		}
-		for e := range next[st.name] {
-			if _, ok := prev[st.name][e]; !ok {
+		for e := range next.sets[st.name] {
+			if _, ok := prev.sets[st.name][e]; !ok {
 				add = append(add, e)
 			}
 		}
@@ -243,6 +260,19 @@ func transaction(table, ifname string, prev elementSets, t *classifier.Tables, i
 	return b.String(), next
 }
 
+// flowsMissing is the elements, by set, of the flows of from that to
+// lacks.
+func flowsMissing(from, to map[classifier.FlowKey]struct{}) map[string][]string {
+	out := map[string][]string{}
+	for k := range from {
+		if _, ok := to[k]; !ok {
+			set, e := flowElement(k)
+			out[set] = append(out[set], e)
+		}
+	}
+	return out
+}
+
 // findNft finds the nft binary.
 func findNft() (string, error) {
 	if p, err := exec.LookPath("nft"); err == nil {
@@ -259,17 +289,21 @@ func findNft() (string, error) {
 // runner runs nft in one network namespace: on its own OS thread, moved
 // into the namespace once and never given back to the runtime (the thread
 // ends with the runner), so nft sees the table's interface whichever thread
-// calls. Starting nft costs milliseconds whatever the script, so requests
-// that queue up while one runs go together as one transaction (a group
-// commit); if that fails, each is run again alone, so that one request's
-// error is its own.
+// calls; the netlink socket for flow elements is opened there too. Starting
+// nft costs milliseconds whatever the script, so requests that queue up
+// while one runs go together as one transaction (a group commit), scripts
+// with scripts and element changes with element changes; if that fails,
+// each is run again alone, so that one request's error is its own.
 type runner struct {
-	path string
-	reqs chan request
+	path  string
+	elems *elemConn
+	reqs  chan request
 }
 
 type request struct {
 	script string
+	elems  *elemChange // set: a change of flow elements of table, not a script
+	table  string
 	done   chan error
 	out    *bytes.Buffer // set: the output is wanted, and the request runs alone
 }
@@ -287,9 +321,21 @@ func newRunner(ns netns.NsHandle) (*runner, error) {
 			started <- fmt.Errorf("enter the interface's network namespace: %w", err)
 			return
 		}
+		if r.elems, err = openElemConn(); err != nil {
+			started <- err
+			return
+		}
+		defer r.elems.close()
 		started <- nil
-		for req := range r.reqs {
-			r.group(req)
+		req, ok := <-r.reqs
+		for ok {
+			var batch []request
+			var led bool
+			batch, req, led = r.gather(req)
+			r.runBatch(batch)
+			if !led {
+				req, ok = <-r.reqs
+			}
 		}
 	}()
 	if err := <-started; err != nil {
@@ -298,41 +344,60 @@ func newRunner(ns netns.NsHandle) (*runner, error) {
 	return r, nil
 }
 
-// maxGroup bounds the requests run as one transaction.
-const maxGroup = 256
+// maxGroup bounds the requests run as one transaction, maxGroupFlows the
+// flow elements.
+const (
+	maxGroup      = 256
+	maxGroupFlows = 16384
+)
 
-// group runs first and whatever requests are queued behind it. A request
-// that wants nft's output runs alone, after the ones before it.
-func (r *runner) group(first request) {
-	batch := []request{first}
-	var after []request
-more:
-	for len(batch) < maxGroup && first.out == nil {
+// gather takes first and whatever requests of its kind are queued behind
+// it, and returns them with the request that ended the group and leads
+// the next (led false: none). A request that wants nft's output runs
+// alone.
+func (r *runner) gather(first request) (batch []request, next request, led bool) {
+	batch = []request{first}
+	flows := 0
+	if first.elems != nil {
+		flows = len(first.elems.flows)
+	}
+	for len(batch) < maxGroup && flows < maxGroupFlows && first.out == nil {
 		select {
-		case req, ok := <-r.reqs:
-			if !ok {
-				break more
+		case req, open := <-r.reqs:
+			if !open {
+				return batch, request{}, false
 			}
-			if req.out != nil {
-				after = append(after, req)
-				break more
+			if req.out != nil || (req.elems == nil) != (first.elems == nil) || req.table != first.table {
+				return batch, req, true
 			}
 			batch = append(batch, req)
+			if req.elems != nil {
+				flows += len(req.elems.flows)
+			}
 		default:
-			break more
+			return batch, request{}, false
 		}
 	}
-	r.runBatch(batch)
-	r.runBatch(after)
+	return batch, request{}, false
 }
 
 func (r *runner) runBatch(batch []request) {
 	if len(batch) > 1 {
-		var all strings.Builder
-		for _, req := range batch {
-			all.WriteString(req.script)
+		var err error
+		if batch[0].elems != nil {
+			changes := make([]elemChange, len(batch))
+			for i, req := range batch {
+				changes[i] = *req.elems
+			}
+			err = r.elems.apply(batch[0].table, changes)
+		} else {
+			var all strings.Builder
+			for _, req := range batch {
+				all.WriteString(req.script)
+			}
+			err = r.exec(all.String())
 		}
-		if r.exec(all.String()) == nil {
+		if err == nil {
 			for _, req := range batch {
 				req.done <- nil
 			}
@@ -340,6 +405,10 @@ func (r *runner) runBatch(batch []request) {
 		}
 	}
 	for _, req := range batch {
+		if req.elems != nil {
+			req.done <- r.elems.apply(req.table, []elemChange{*req.elems})
+			continue
+		}
 		out := req.out
 		if out == nil {
 			out = new(bytes.Buffer)
@@ -382,6 +451,14 @@ func (r *runner) submit(script string) <-chan error {
 	return done
 }
 
+// submitElems queues a change of table's flow elements, in order with
+// the transactions submitted before it.
+func (r *runner) submitElems(table string, ch elemChange) <-chan error {
+	done := make(chan error, 1)
+	r.reqs <- request{elems: &ch, table: table, done: done}
+	return done
+}
+
 func (r *runner) close() { close(r.reqs) }
 
 // Table is the nftables table that realises classification tables on one
@@ -391,8 +468,8 @@ type Table struct {
 	run    *runner
 	table  string
 	ifname string
-	mu     sync.Mutex  // sets and ingestFed; held from deciding a change to queueing it
-	sets   elementSets // what the kernel's sets hold (or will, once queued changes ran)
+	mu     sync.Mutex // sets and ingestFed; held from deciding a change to queueing it
+	sets   *installed // what the kernel's sets hold (or will, once queued changes ran)
 	// ingestFed: ingest rules drop (see the package description).
 	ingestFed bool
 }
@@ -455,17 +532,16 @@ func (h *Table) RemoveFlows(flows []classifier.Flow) error {
 }
 
 func (h *Table) changeFlows(flows []classifier.Flow, add bool) error {
-	type element struct{ set, elem string }
-	var changed []element
+	changed := make([]classifier.FlowKey, 0, len(flows))
 	h.mu.Lock()
 	for _, f := range flows {
-		set, e := flowElement(f.Key())
-		if _, ok := h.sets[set][e]; ok != add {
-			changed = append(changed, element{set, e})
+		k := f.Key()
+		if _, ok := h.sets.flows[k]; ok != add {
+			changed = append(changed, k)
 			if add {
-				h.sets[set][e] = struct{}{}
+				h.sets.flows[k] = struct{}{}
 			} else {
-				delete(h.sets[set], e)
+				delete(h.sets.flows, k)
 			}
 		}
 	}
@@ -473,23 +549,15 @@ func (h *Table) changeFlows(flows []classifier.Flow, add bool) error {
 		h.mu.Unlock()
 		return nil
 	}
-	verb := "delete"
-	if add {
-		verb = "add"
-	}
-	var b strings.Builder
-	for _, c := range changed {
-		fmt.Fprintf(&b, "%s element netdev %s %s { %s }\n", verb, h.table, c.set, c.elem)
-	}
-	done := h.run.submit(b.String()) // queued under mu: in order with Update
+	done := h.run.submitElems(h.table, elemChange{flows: changed, add: add}) // queued under mu: in order with Update
 	h.mu.Unlock()
 	if err := <-done; err != nil {
 		h.mu.Lock()
-		for _, c := range changed {
+		for _, k := range changed {
 			if add {
-				delete(h.sets[c.set], c.elem)
+				delete(h.sets.flows, k)
 			} else {
-				h.sets[c.set][c.elem] = struct{}{}
+				h.sets.flows[k] = struct{}{}
 			}
 		}
 		h.mu.Unlock()
@@ -506,6 +574,12 @@ func Elements(t *classifier.Tables) map[string][]string {
 		for e := range els {
 			out[set] = append(out[set], e)
 		}
+	}
+	for k := range t.Flows() {
+		set, e := flowElement(k)
+		out[set] = append(out[set], e)
+	}
+	for set := range out {
 		slices.Sort(out[set])
 	}
 	return out

@@ -347,6 +347,12 @@ type udpConn struct {
 }
 
 func (s *Stack) newUDPConn(wq *waiter.Queue, ep tcpip.Endpoint, l *lease) *udpConn {
+	// gVisor's default (want path MTU discovery) sets DF and leaves the
+	// IPv4 identification 0, even on the fragments of a datagram over the
+	// MTU, so that two such datagrams to one peer can reassemble into
+	// one. Without DF every datagram gets its own identification, and one
+	// over the MTU leaves in fragments, as from a kernel socket.
+	ep.SetSockOptInt(tcpip.MTUDiscoverOption, int(tcpip.PMTUDiscoveryDont))
 	s.addDatagramQueue(wq)
 	return &udpConn{UDPConn: gonet.NewUDPConn(wq, ep), s: s, wq: wq, lease: l}
 }

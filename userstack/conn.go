@@ -22,7 +22,8 @@ import (
 // most listenBacklog-1 handshakes of a listener in progress, each a whole
 // endpoint (about 3 KB) for up to about 127 s (SYN-ACKs at 1, 2, ... 64 s),
 // and answers SYNs beyond with cookies: a SYN flood costs a listener about
-// 13 MB for two minutes, however long it lasts (TestSynFloodMemoryPlateau).
+// 13 MB for two minutes, however long it lasts (TestSynFloodMemoryPlateau,
+// TestRepeatedSynFloodsPlateau; docs/userstack.md).
 const listenBacklog = 4096
 
 // bindRetries is how often Dial asks the bridge for another port when the

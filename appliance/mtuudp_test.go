@@ -23,12 +23,15 @@ import (
 )
 
 // TestMTUDropUDP: after the served interface's MTU (and its peer's) goes
-// from 1500 to 1280, an application's UDP datagrams larger than the new
-// MTU, over IPv4 and IPv6, reach a kernel peer whole, as a kernel socket's
-// would: the application's stack fragments them to the MTU the daemon
-// pushed (the sender fragments: IPv6 routers never do), and the bridge
-// passes the fragments. None is refused on transmit for its size
-// (tx_rejects{reason="mtu"}), which no application would hear of.
+// from 1500 to 1400 and then to 1280, an application's UDP datagrams
+// larger than the new MTU, over IPv4 and IPv6, reach a kernel peer whole,
+// as a kernel socket's would: once the daemon has pushed the MTU, the
+// application's stack fragments them (the sender fragments: IPv6 routers
+// never do); before, the bridge fragments what the stack sent at the old
+// MTU. None is refused on transmit for its size (tx_rejects{reason="mtu"}),
+// which the application would never hear of: before the bridge fragmented,
+// about 30 datagrams were lost so in the second after each lowering. One
+// over the largest UDP datagram fails at once with EMSGSIZE.
 func TestMTUDropUDP(t *testing.T) {
 	tp := newTopo(t)
 	log := &testenv.Output{}

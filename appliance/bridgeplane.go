@@ -324,7 +324,7 @@ var (
 	famQueueRxDrops    = metrics.Family{Name: "fabricbridge_queue_rx_drops_total", Type: metrics.Counter, Help: "Received frames that reached no stream, by reason (ring_full, no_stream, malformed)."}
 	famQueueTx         = metrics.Family{Name: "fabricbridge_queue_tx_packets_total", Type: metrics.Counter, Help: "Packets a queue sent to the wire."}
 	famQueueTxBytes    = metrics.Family{Name: "fabricbridge_queue_tx_bytes_total", Type: metrics.Counter, Help: "Bytes a queue sent to the wire."}
-	famQueueTxKernel   = metrics.Family{Name: "fabricbridge_queue_tx_via_kernel_total", Type: metrics.Counter, Help: "Packets handed to the kernel because the neighbour was not known yet."}
+	famQueueTxKernel   = metrics.Family{Name: "fabricbridge_queue_tx_via_kernel_total", Type: metrics.Counter, Help: "Packets handed to the kernel: the neighbour was not known yet, or fragments of a packet over a lowered MTU."}
 	famQueueTxRejects  = metrics.Family{Name: "fabricbridge_queue_tx_rejects_total", Type: metrics.Counter, Help: "Packets refused on transmit, by reason."}
 	famQueueFillEmpty  = metrics.Family{Name: "fabricbridge_queue_fill_ring_empty_total", Type: metrics.Counter, Help: "Times the kernel found the AF_XDP fill ring empty."}
 	famQueueSleeps     = metrics.Family{Name: "fabricbridge_queue_sleeps_total", Type: metrics.Counter, Help: "Times a queue's loop found nothing to do for its spin and slept until woken."}

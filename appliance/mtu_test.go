@@ -8,9 +8,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/vishvananda/netlink"
-
-	"github.com/fabricbridge/fabricbridge/internal/topology"
 	"github.com/fabricbridge/fabricbridge/userstack"
 )
 
@@ -63,18 +60,6 @@ func TestMTUDropDuringDownload(t *testing.T) {
 	}
 	defer c.Close()
 	c.SetDeadline(time.Now().Add(45 * time.Second))
-	setMTU := func(ns *topology.NS, name string, mtu int) {
-		t.Helper()
-		if err := ns.Do(func() error {
-			l, err := netlink.LinkByName(name)
-			if err != nil {
-				return err
-			}
-			return netlink.LinkSetMTU(l, mtu)
-		}); err != nil {
-			t.Fatal(err)
-		}
-	}
 	buf := make([]byte, 64<<10)
 	got, lowered := 0, false
 	for got < size {
@@ -86,8 +71,8 @@ func TestMTUDropDuringDownload(t *testing.T) {
 		}
 		got += n
 		if !lowered && got >= 4<<20 {
-			setMTU(tp.bridge, tp.v.A.Name, 1280)
-			setMTU(tp.outside, tp.v.B.Name, 1280)
+			setLinkMTU(t, tp.bridge, tp.v.A.Name, 1280)
+			setLinkMTU(t, tp.outside, tp.v.B.Name, 1280)
 			lowered = true
 		}
 		if err != nil {

@@ -43,7 +43,7 @@ type QueueStats struct {
 	RxPackets, RxBytes uint64 // delivered into streams
 	RxDrops            RxDrops
 	TxPackets, TxBytes uint64 // sent to the wire
-	TxViaKernel        uint64 // handed to the kernel: neighbour not known yet
+	TxViaKernel        uint64 // handed to the kernel: neighbour not known yet, or fragments of a packet over a lowered MTU
 	TxRejects          Rejects
 	// FillRingEmpty counts the times the kernel found the fill ring empty
 	// (AF_XDP); KernelRxDrops the frames the kernel dropped for want of

@@ -64,6 +64,7 @@ type txSide struct {
 	// is the smaller of it and the interface's current MTU.
 	maxPacket int
 	c         txCounters
+	fragBuf   []byte // sendFragments's, made on first use
 
 	// Commands from the control plane arrive on cmds; pending tells the
 	// loop to look (one atomic load per turn), the queue's wakefd wakes it.
@@ -185,7 +186,17 @@ func (t *txSide) serve(tok int, e *streamEntry) bool {
 	queued := false
 	for i := 0; i < got; i++ {
 		p := t.pkts[i]
-		if r := verify(p, own, mtu); r != accepted {
+		r := verify(p, own, mtu)
+		if r == rejMTU {
+			// Sent before the application heard the MTU went down.
+			if r = verify(p, own, len(p)); r == accepted {
+				if t.sendFragments(p, mtu, hook, now, &sc) {
+					continue
+				}
+				r = rejMTU
+			}
+		}
+		if r != accepted {
 			sc.rejects[r]++
 			continue
 		}
@@ -284,4 +295,23 @@ func (t *txSide) apply(c txCmd) {
 func (t *txSide) close() {
 	t.port.release()
 	t.eq.Close()
+}
+
+// sendFragments hands the kernel p, a verified packet over the MTU, in
+// fragments (see fragment.go), and counts them as sent through the
+// kernel. It reports false if p cannot be fragmented.
+func (t *txSide) sendFragments(p []byte, mtu int, hook *captureHook, now time.Time, sc *txCounters) bool {
+	if t.fragBuf == nil {
+		t.fragBuf = make([]byte, t.maxPacket)
+	}
+	return fragment(p, mtu, t.fragBuf, func(f []byte) {
+		if hook != nil {
+			hook.fn(Outbound, f, now)
+		}
+		if err := t.b.kernel.send(f); err == nil {
+			sc.kernel++
+		} else {
+			t.b.kernelErrs.Add(1)
+		}
+	})
 }

@@ -22,7 +22,8 @@ import (
 // most listenBacklog-1 handshakes of a listener in progress, each a whole
 // endpoint (about 3 KB) for up to about 127 s (SYN-ACKs at 1, 2, ... 64 s),
 // and answers SYNs beyond with cookies: a SYN flood costs a listener about
-// 13 MB for two minutes, however long it lasts (TestSynFloodMemoryPlateau).
+// 13 MB for two minutes, however long it lasts (TestSynFloodMemoryPlateau,
+// TestRepeatedSynFloodsPlateau; docs/userstack.md).
 const listenBacklog = 4096
 
 // bindRetries is how often Dial asks the bridge for another port when the
@@ -351,6 +352,12 @@ type udpConn struct {
 }
 
 func (s *Stack) newUDPConn(wq *waiter.Queue, ep tcpip.Endpoint, l *lease) *udpConn {
+	// gVisor's default (want path MTU discovery) sets DF and leaves the
+	// IPv4 identification 0, even on the fragments of a datagram over the
+	// MTU, so that two such datagrams to one peer can reassemble into
+	// one. Without DF every datagram gets its own identification, and one
+	// over the MTU leaves in fragments, as from a kernel socket.
+	ep.SetSockOptInt(tcpip.MTUDiscoverOption, int(tcpip.PMTUDiscoveryDont))
 	s.addDatagramQueue(wq)
 	return &udpConn{UDPConn: gonet.NewUDPConn(wq, ep), s: s, wq: wq, lease: l}
 }

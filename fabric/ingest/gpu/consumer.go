@@ -39,44 +39,6 @@ func (m Mode) String() string {
 	return "persistent"
 }
 
-// Staging is how a persistent block brings a buffer from the ring into
-// shared memory before it parses it.
-type Staging int
-
-const (
-	// StagingDefault is DefaultStaging.
-	StagingDefault Staging = iota
-	// StagingBurst: the block alone. Kernels of up to 16 blocks have all
-	// their threads' reads of a 64 KiB buffer in flight at once, larger
-	// ones read one 16-byte word per thread at a time (many blocks reading
-	// that deep at once swamp the bus). What one SM may have in flight
-	// bounds the copy: about 2 GB/s from host memory on an H200.
-	StagingBurst
-	// StagingShared: the blocks waiting for their own buffers each copy a
-	// slice (SliceBytes) of the buffer into device memory for its block,
-	// which copies slices itself too and reads theirs from L2, and hands
-	// the buffer back once every slice is in. With buffers paced, one
-	// block works while the others wait: many SMs read the buffer at once.
-	StagingShared
-)
-
-// DefaultStaging is the staging StagingDefault selects.
-const DefaultStaging = StagingBurst
-
-const defaultSliceBytes = 4096
-
-func (s Staging) String() string {
-	switch s {
-	case StagingDefault:
-		return "default (" + DefaultStaging.String() + ")"
-	case StagingBurst:
-		return "burst"
-	case StagingShared:
-		return "shared"
-	}
-	return fmt.Sprintf("Staging(%d)", int(s))
-}
-
 // Options tune a GPU consumer. Zero fields take defaults.
 type Options struct {
 	Mode Mode
@@ -88,14 +50,6 @@ type Options struct {
 	// multiprocessors: every block must be resident); host-driven, the
 	// most buffers one launch takes (default 32).
 	Blocks int
-	// Staging is how persistent blocks stage a buffer (default
-	// DefaultStaging); host-driven launches read device memory and always
-	// burst.
-	Staging Staging
-	// SliceBytes is StagingShared's unit, what a block copies for another
-	// at a time: a multiple of 16, default 4096. A buffer of fewer than
-	// two slices or more than 64 is staged by its block alone.
-	SliceBytes int
 	// Device is the CUDA device ordinal.
 	Device int
 	// KeepEnergies keeps every closed window's sum in Results.Energies.
@@ -176,14 +130,11 @@ type Consumer struct {
 	maxSrc    int
 	stage     int
 	blocks    int
-	staging   Staging
-	slice     int
 
 	host                                               []byte // ctrl | params | jobs | results, registered
 	hostDev                                            uint64
 	dmem                                               []uint64 // device allocations, freed at Close
 	argsDev, stateDev, sourcesDev, gapsDev, stagingDev uint64
-	coopDev                                            uint64 // StagingShared's offers and areas
 	gapCap                                             int
 
 	ran      bool
@@ -254,19 +205,6 @@ func open(dev device, c *ingest.Consumer, opts Options) (g *Consumer, err error)
 		}
 		g.blocks = min(g.blocks, (hostJobs-0)/jobSize, resultSlots)
 	}
-	g.staging, g.slice = opts.Staging, opts.SliceBytes
-	if g.staging == StagingDefault {
-		g.staging = DefaultStaging
-	}
-	if g.slice <= 0 {
-		g.slice = defaultSliceBytes
-	}
-	if g.staging != StagingBurst && g.staging != StagingShared {
-		return nil, fmt.Errorf("gpu: unknown staging %v", g.staging)
-	}
-	if g.slice%16 != 0 || g.slice > 1<<20 {
-		return nil, fmt.Errorf("gpu: slice of %d bytes: want a multiple of 16 up to 1 MiB", g.slice)
-	}
 	if g.regionDev, err = dev.register(region); err != nil {
 		return nil, err
 	}
@@ -303,15 +241,6 @@ func open(dev device, c *ingest.Consumer, opts Options) (g *Consumer, err error)
 		}
 		g.dmem = append(g.dmem, g.stagingDev)
 	}
-	if opts.Mode == Persistent && g.staging == StagingShared {
-		if g.coopDev, err = dev.alloc(coopSize(g.blocks, g.stage)); err != nil {
-			return nil, err
-		}
-		g.dmem = append(g.dmem, g.coopDev)
-		if err = dev.copyIn(g.coopDev, make([]byte, helpHead+g.blocks*helpSize)); err != nil {
-			return nil, err
-		}
-	}
 	var args [argsSize]byte
 	le.PutUint64(args[aRegion:], g.regionDev)
 	le.PutUint64(args[aCtrl:], g.hostDev)
@@ -330,11 +259,6 @@ func open(dev device, c *ingest.Consumer, opts Options) (g *Consumer, err error)
 	le.PutUint32(args[aResultSlots:], resultSlots)
 	le.PutUint32(args[aGapCapacity:], uint32(g.gapCap))
 	le.PutUint32(args[aStageBytes:], uint32(g.stage))
-	le.PutUint64(args[aCoop:], g.coopDev)
-	if g.coopDev != 0 {
-		le.PutUint32(args[aStaging:], stageShared)
-	}
-	le.PutUint32(args[aSliceBytes:], uint32(g.slice))
 	if err = dev.copyIn(g.argsDev, args[:]); err != nil {
 		return nil, err
 	}
@@ -348,14 +272,6 @@ func open(dev device, c *ingest.Consumer, opts Options) (g *Consumer, err error)
 	g.store64(cResultsRead, g.first)
 	return g, nil
 }
-
-// coopSize is StagingShared's device memory for blocks staging stage bytes
-// each (fb_trigger.h): the head, an offer per block, an area per block.
-func coopSize(blocks, stage int) int {
-	return helpHead + blocks*helpSize + blocks*coopStride(stage)
-}
-
-func coopStride(stage int) int { return (stage + helpHead - 1) / helpHead * helpHead }
 
 // The host block: the control block at 0, the kernel's parameter block at
 // hostParams-16, the job table just below hostJobs, results from hostJobs.

@@ -95,7 +95,7 @@ func (f *fakeDevice) copyInAsync(dst uint64, src []byte) error { return f.copyIn
 
 func (f *fakeDevice) launch(k kernel, blocks, stage int, params []byte) error {
 	a := f.readArgs(binary.LittleEndian.Uint64(params))
-	a.stage, a.blocks = stage, blocks
+	a.stage = stage
 	f.launches++
 	for b := range blocks {
 		f.blocks.Add(1)
@@ -124,9 +124,7 @@ func (f *fakeDevice) close() error           { return nil }
 type fakeArgs struct {
 	region, ctrl, results, jobs, state, sources, gaps, firstSeq, threshold, descOff, buffersOff uint64
 	bufferCount, bufferSize, maxSources, resultSlots, gapCapacity, stageBytes                   uint32
-	coop                                                                                        uint64
-	staging, sliceBytes                                                                         uint32
-	stage, blocks                                                                               int
+	stage                                                                                       int
 }
 
 func (f *fakeDevice) readArgs(p uint64) fakeArgs {
@@ -136,8 +134,7 @@ func (f *fakeDevice) readArgs(p uint64) fakeArgs {
 	u32 := func(o int) uint32 { return le.Uint32(b[o:]) }
 	return fakeArgs{u64(aRegion), u64(aCtrl), u64(aResults), u64(aJobs), u64(aState), u64(aSources), u64(aGaps),
 		u64(aFirstSeq), u64(aThreshold), u64(aDescOff), u64(aBuffersOff),
-		u32(aBufferCount), u32(aBufferSize), u32(aMaxSources), u32(aResultSlots), u32(aGapCapacity), u32(aStageBytes),
-		u64(aCoop), u32(aStaging), u32(aSliceBytes), 0, 0}
+		u32(aBufferCount), u32(aBufferSize), u32(aMaxSources), u32(aResultSlots), u32(aGapCapacity), u32(aStageBytes), 0}
 }
 
 func (f *fakeDevice) p32(a uint64) *uint32 { return (*uint32)(unsafe.Pointer(&f.at(a, 4)[0])) }
@@ -168,7 +165,7 @@ func (f *fakeDevice) persistent(a fakeArgs, block, blocks int) {
 			return
 		}
 		desc := a.region + a.descOff + (seq%uint64(a.bufferCount))*ingDescSize
-		f.process(a, j, desc, block)
+		f.process(a, j, desc, true)
 		if atomic.LoadUint32(f.p32(a.state+stFailed)) != 0 {
 			return
 		}
@@ -217,7 +214,7 @@ func (f *fakeDevice) batch(a fakeArgs, block int) {
 		return
 	}
 	j.data = f.at(le.Uint64(jb[jData:]), int(j.bytes))
-	f.process(a, j, 0, -1)
+	f.process(a, j, 0, false)
 }
 
 // fakeSource is struct fb_trigger_source.
@@ -249,23 +246,13 @@ func (f *fakeDevice) storeSource(a fakeArgs, i int, s fakeSource) {
 	}
 }
 
-// process is trigger.cu's process, one record at a time; block is the
-// persistent block's index, -1 in a host-driven launch.
-func (f *fakeDevice) process(a fakeArgs, j fakeJob, desc uint64, block int) {
+// process is trigger.cu's process, one record at a time.
+func (f *fakeDevice) process(a fakeArgs, j fakeJob, desc uint64, persistent bool) {
 	le := binary.LittleEndian
 	data := j.data
 	staged := int(j.bytes) <= a.stage
-	persistent := block >= 0
 	if staged {
 		data = append([]byte(nil), j.data...)
-		if slices := (j.bytes/16 + a.sliceBytes/16 - 1) / max(a.sliceBytes/16, 1); persistent &&
-			a.staging == stageShared && slices >= 2 && slices <= helpMaxSlices {
-			// Through the block's area of the cooperative staging's
-			// memory, as the helpers copy it: the host sized and passed it.
-			area := f.at(a.coop+uint64(helpHead+a.blocks*helpSize+block*coopStride(a.stage)), int(j.bytes))
-			copy(area, j.data)
-			data = append(data[:0], area...)
-		}
 		if persistent {
 			f.releaseDesc(desc, j.seq)
 		}

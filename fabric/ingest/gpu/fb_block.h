@@ -95,14 +95,6 @@ struct block_shared {
 	uint64_t results_read; // the host's, as last read
 	uint64_t prof_mark;    // thread 0's clock at the end of the last phase
 	uint64_t prof[FB_TRIGGER_PHASES];
-	// FB_TRIGGER_STAGE_SHARED (trigger.cu): as owner, the slices this
-	// block copied itself and those it claimed last; as helper, the
-	// buffer it copies a slice of, whose, and the newest offer it found
-	// with nothing left to claim.
-	uint64_t help_mine;
-	uint32_t help_from, help_count;
-	uint64_t help_seq, help_seen;
-	uint32_t help_owner, help_bytes;
 	uint8_t replay[FB_TRIGGER_THREADS]; // the source replays its records in turn
 	uint16_t seg_start[FB_TRIGGER_THREADS]; // per source: its first in sorted ...
 	uint16_t seg_count[FB_TRIGGER_THREADS]; // ... and how many

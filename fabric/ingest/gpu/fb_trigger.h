@@ -53,44 +53,7 @@ struct fb_trigger_args {
 	uint32_t result_slots;
 	uint32_t gap_capacity;
 	uint32_t stage_bytes;  /* dynamic shared memory a buffer is staged in */
-	uint64_t coop;         /* device memory for FB_TRIGGER_STAGE_SHARED (see fb_trigger_help), else 0 */
-	uint32_t staging;      /* enum fb_trigger_staging: how persistent blocks stage a buffer */
-	uint32_t slice_bytes;  /* FB_TRIGGER_STAGE_SHARED: the bytes one block copies for another at a time */
-};
-
-/* How a persistent block copies a buffer from the registered ring into
- * shared memory. Host-driven launches read device memory and always burst. */
-enum fb_trigger_staging {
-	/* The block alone: in kernels of up to 16 blocks every thread's reads
-	 * of a 64 KiB buffer in flight at once, one read at a time in larger
-	 * ones. One SM's reads in flight bound the rate (about 2 GB/s). */
-	FB_TRIGGER_STAGE_BURST = 0,
-	/* Shared with the blocks that are waiting for their buffers: the owner
-	 * posts the buffer's slices on its fb_trigger_help entry, idle blocks
-	 * claim slices and copy them to the owner's area of device memory, the
-	 * owner claims some itself (straight into shared memory) and, once
-	 * every helper has counted its slice done, reads the rest from L2 and
-	 * only then hands the buffer back. */
-	FB_TRIGGER_STAGE_SHARED = 1,
-};
-
-/* FB_TRIGGER_STAGE_SHARED's device memory (fb_trigger_args.coop): a head
- * of FB_TRIGGER_HELP_HEAD bytes whose first u64 is the sequence number last
- * posted (where idle blocks look for work), an fb_trigger_help per block,
- * then per block a staging area of stage_bytes rounded up to
- * FB_TRIGGER_HELP_HEAD. */
-#define FB_TRIGGER_HELP_HEAD 128
-#define FB_TRIGGER_HELP_MAX_SLICES 64 /* more, and the owner stages alone */
-
-/* A block's offer of its buffer's slices to the others. A claim or done
- * word is tagged with the buffer: seq << 16 in its high bits, so that a
- * block still looking at an older offer cannot take part in a newer one. */
-struct fb_trigger_help {
-	uint64_t claim; /* seq << 16 | slices << 8 | slices claimed so far */
-	uint64_t done;  /* seq << 16 | slices helpers have copied (the owner's own not counted) */
-	uint32_t bytes; /* the buffer's, stored before claim */
-	uint32_t reserved0;
-	uint64_t reserved[5];
+	uint64_t reserved[2];
 };
 
 /* The control block: host memory, mapped. */

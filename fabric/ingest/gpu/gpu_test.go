@@ -170,10 +170,6 @@ func TestLayout(t *testing.T) {
 		"fb_trigger_args.buffer_count": aBufferCount, "fb_trigger_args.buffer_size": aBufferSize,
 		"fb_trigger_args.max_sources": aMaxSources, "fb_trigger_args.result_slots": aResultSlots,
 		"fb_trigger_args.gap_capacity": aGapCapacity, "fb_trigger_args.stage_bytes": aStageBytes,
-		"fb_trigger_args.coop": aCoop, "fb_trigger_args.staging": aStaging, "fb_trigger_args.slice_bytes": aSliceBytes,
-		"FB_TRIGGER_STAGE_BURST": stageBurst, "FB_TRIGGER_STAGE_SHARED": stageShared,
-		"FB_TRIGGER_HELP_HEAD": helpHead, "FB_TRIGGER_HELP_MAX_SLICES": helpMaxSlices, "sizeof fb_trigger_help": helpSize,
-		"fb_trigger_help.claim": hClaim, "fb_trigger_help.done": hDone, "fb_trigger_help.bytes": hBytes,
 		"fb_trigger_ctrl.stop_seq": cStopSeq, "fb_trigger_ctrl.results_read": cResultsRead, "fb_trigger_ctrl.error": cError,
 		"fb_trigger_ctrl.error_record": cErrorRecord, "fb_trigger_ctrl.error_seq": cErrorSeq,
 		"fb_trigger_job.data": jData, "fb_trigger_job.seq": jSeq, "fb_trigger_job.publish_ns": jPublishNs,
@@ -326,6 +322,41 @@ func TestFakeDeviceMatchesReference(t *testing.T) {
 					t.Errorf("host-driven: the kernel released %d buffers itself", len(f.released))
 				}
 			})
+		}
+	}
+}
+
+// failingAlloc is the fake device, out of memory after left allocations.
+type failingAlloc struct {
+	*fakeDevice
+	left int
+}
+
+func (f *failingAlloc) alloc(n int) (uint64, error) {
+	if f.left--; f.left < 0 {
+		return 0, errors.New("fake device: out of memory")
+	}
+	return f.fakeDevice.alloc(n)
+}
+
+// TestFakeOpenFails: an open that fails part-way returns the error and
+// leaves nothing registered or allocated, wherever it failed.
+func TestFakeOpenFails(t *testing.T) {
+	for _, mode := range []Mode{Persistent, HostDriven} {
+		for left := range 5 { // persistent allocates 4 times, host-driven 5
+			_, c := newRing(t, ringCases[0].cfg, ingest.ConsumerOptions{})
+			f := &failingAlloc{newFake(), left}
+			g, err := open(f, c, Options{Mode: mode})
+			if err == nil {
+				g.release()
+				if mode == HostDriven || left < 4 {
+					t.Fatalf("%v, allocation %d failing: open succeeded", mode, left+1)
+				}
+				continue
+			}
+			if n := len(f.mems); n != 0 {
+				t.Errorf("%v, allocation %d failing: %d regions still registered or allocated", mode, left+1, n)
+			}
 		}
 	}
 }

@@ -8,7 +8,7 @@
 #
 # The run requires the GPU (FB_REQUIRE_GPU=1: no skipping), checks the GPU
 # against the CPU reference record for record, and measures both modes and
-# the CPU reference: well under 3 minutes.
+# the CPU reference: well under 30 seconds.
 set -euo pipefail
 case "${1:-}" in
 build)

@@ -6,7 +6,7 @@ package gpu
 const (
 	threads      = 256   // FB_TRIGGER_THREADS
 	chunk        = 1024  // FB_TRIGGER_CHUNK
-	staticShared = 62272 // the kernels' block_shared, as the PTX declares it
+	staticShared = 62232 // the kernels' block_shared, as the PTX declares it
 	maxGaps      = 64    // FB_TRIGGER_MAX_GAPS, ingest.MaxGaps
 
 	argsSize   = 128
@@ -16,7 +16,6 @@ const (
 	stateSize  = 384
 	sourceSize = 104
 	gapSize    = 24
-	helpSize   = 64
 )
 
 // struct fb_trigger_args
@@ -38,21 +37,6 @@ const (
 	aResultSlots = 100
 	aGapCapacity = 104
 	aStageBytes  = 108
-	aCoop        = 112
-	aStaging     = 120
-	aSliceBytes  = 124
-)
-
-// Staging strategies (enum fb_trigger_staging) and the cooperative one's
-// device memory (struct fb_trigger_help and what surrounds it).
-const (
-	stageBurst    = 0
-	stageShared   = 1
-	helpHead      = 128 // FB_TRIGGER_HELP_HEAD
-	helpMaxSlices = 64  // FB_TRIGGER_HELP_MAX_SLICES
-	hClaim        = 0
-	hDone         = 8
-	hBytes        = 16
 )
 
 // struct fb_trigger_ctrl

@@ -33,7 +33,7 @@ func source(i int) ingest.Source {
 // runLimit bounds a GPU consumer's Run in a test and a producer's wait for
 // a free buffer: a kernel that stops making progress fails its own case
 // (Run aborts it), and the cases after it still run.
-var runLimit = time.Minute
+const runLimit = time.Minute
 
 // feed appends the script to r; with wait it never drops for want of a
 // free buffer, unless it waited runLimit in all (the consumer is stuck:

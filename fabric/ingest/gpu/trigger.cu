@@ -119,17 +119,6 @@ static __device__ __forceinline__ void atomic_max32(uint32_t *p, uint32_t v)
 {
 	__nvvm_atom_max_gen_ui(p, v);
 }
-static __device__ __forceinline__ uint64_t atomic_cas64(uint64_t *p, uint64_t cmp, uint64_t v)
-{
-	return (uint64_t)__nvvm_atom_cas_gen_ll((long long *)p, (long long)cmp, (long long)v);
-}
-static __device__ __forceinline__ uint64_t ld_volatile64(const void *p)
-{
-	return *(const volatile uint64_t *)p;
-}
-// fence_gpu orders this thread's accesses before and after it for every
-// thread of the GPU (__threadfence).
-static __device__ __forceinline__ void fence_gpu() { __nvvm_membar_gl(); }
 
 // Back-off while polling: short at first, for latency; longer when idle,
 // so a waiting kernel does not flood the bus with reads.
@@ -190,15 +179,10 @@ static __device__ __forceinline__ int stopped(const struct fb_trigger_args *a, u
 	return seq >= ld_acquire_sys64(&c->stop_seq) || ld_volatile32(&st->failed) != 0;
 }
 
-static __device__ __forceinline__ int offered(const struct fb_trigger_args *a, struct block_shared *sh);
-
 // wait_ready (thread 0, persistent mode) polls descriptor seq mod N until it
 // holds buffer seq, then fills the job from it, checked as ingest.Consumer
-// checks it: 1. While the previous occupant (seq - N) is still held by
-// another block, the state reads ready with the older sequence number: not
-// ours yet. Under FB_TRIGGER_STAGE_SHARED it also looks for another block's
-// offer between polls: 2, with the offer in sh, when it has slices left to
-// copy. 0: stop.
+// checks it. While the previous occupant (seq - N) is still held by another
+// block, the state reads ready with the older sequence number: not ours yet.
 static __device__ __forceinline__ int wait_ready(const struct fb_trigger_args *a, uint64_t seq, struct block_shared *sh)
 {
 	const uint8_t *region = (const uint8_t *)a->region;
@@ -224,8 +208,6 @@ static __device__ __forceinline__ int wait_ready(const struct fb_trigger_args *a
 		}
 		if ((n & 15) == 15 && stopped(a, seq))
 			return 0;
-		if (a->staging == FB_TRIGGER_STAGE_SHARED && offered(a, sh))
-			return 2;
 		backoff(&ns, 512);
 	}
 	phase_done(sh, FB_TRIGGER_PH_READY);
@@ -268,12 +250,8 @@ template <uint32_t B> static __device__ __forceinline__ void copy_batched(u32x4 
 // one read's latency over the bus, which a lone block wants; many blocks
 // at once that deep swamp the bus (on an H200, 64 blocks drained the ring
 // at half the rate of one read each in flight), so they read one at a time.
-// shared: FB_TRIGGER_STAGE_SHARED (see stage_shared), where it applies.
-static __device__ __forceinline__ int stage_shared(const struct fb_trigger_args *a, struct block_shared *sh, uint8_t *smem,
-						   int burst);
-
 static __device__ __forceinline__ void stage(const struct fb_trigger_args *a, struct block_shared *sh, uint8_t *smem,
-					     int burst, int shared)
+					     int burst)
 {
 	uint32_t bytes = sh->job.bytes;
 	const uint8_t *src = (const uint8_t *)sh->job.data;
@@ -283,180 +261,14 @@ static __device__ __forceinline__ void stage(const struct fb_trigger_args *a, st
 		return;
 	}
 	uint32_t wide = bytes / 16;
-	if (!(shared && stage_shared(a, sh, smem, burst))) {
-		if (burst)
-			copy_batched<16>((u32x4 *)smem, src, wide);
-		else
-			copy_batched<1>((u32x4 *)smem, src, wide);
-	}
+	if (burst)
+		copy_batched<16>((u32x4 *)smem, src, wide);
+	else
+		copy_batched<1>((u32x4 *)smem, src, wide);
 	if (tid() == 0) {
 		if (bytes % 16)
 			*(uint64_t *)(smem + wide * 16) = ld_cg64(src + wide * 16);
 		sh->data = smem;
-	}
-}
-
-// The cooperative staging's device memory (fb_trigger.h).
-static __device__ __forceinline__ uint64_t *help_latest(const struct fb_trigger_args *a) { return (uint64_t *)a->coop; }
-static __device__ __forceinline__ struct fb_trigger_help *help_entry(const struct fb_trigger_args *a, uint32_t block)
-{
-	return (struct fb_trigger_help *)(a->coop + FB_TRIGGER_HELP_HEAD) + block;
-}
-static __device__ __forceinline__ u32x4 *help_area(const struct fb_trigger_args *a, uint32_t block)
-{
-	uint64_t stride = (a->stage_bytes + FB_TRIGGER_HELP_HEAD - 1) / FB_TRIGGER_HELP_HEAD * FB_TRIGGER_HELP_HEAD;
-	return (u32x4 *)(a->coop + FB_TRIGGER_HELP_HEAD + nblocks() * sizeof(struct fb_trigger_help) + block * stride);
-}
-#define HELP_TAG(seq) ((seq) << 16)
-#define HELP_SEQ_MASK ((1ull << 48) - 1)
-
-// claim (thread 0) takes up to want of an offer's unclaimed slices, the
-// first of them in *from; how many it took, 0 when none were left or the
-// offer is no longer tagged seq.
-static __device__ __forceinline__ uint32_t claim(struct fb_trigger_help *e, uint64_t seq, uint32_t want, uint32_t *from)
-{
-	uint64_t w = ld_acquire_gpu64(&e->claim);
-	for (;;) {
-		uint32_t slices = (uint32_t)(w >> 8) & 0xff, n = (uint32_t)w & 0xff;
-		if ((w >> 16) != (seq & HELP_SEQ_MASK) || n >= slices)
-			return 0;
-		uint32_t take = slices - n < want ? slices - n : want;
-		uint64_t old = atomic_cas64(&e->claim, w, w + take);
-		if (old == w) {
-			*from = n;
-			return take;
-		}
-		w = old;
-	}
-}
-
-// stage_shared (all threads) stages the job's buffer with the blocks that
-// wait for theirs: a single SM's reads in flight bound how fast it reads
-// host memory, so a buffer one block needs 30 µs for takes many SMs a
-// round trip or two. It posts the buffer's slices on the block's help
-// entry, claims some itself (1, 2, 4, ... at a time, so that alone it
-// still reads in a few bursts), copies those straight into shared memory,
-// waits until the helpers have counted theirs done, and reads theirs from
-// device memory. Every read of the ring is then finished: the caller may
-// hand the buffer back. 0 where the buffer is not worth sharing (the
-// caller stages it alone).
-static __device__ __forceinline__ int stage_shared(const struct fb_trigger_args *a, struct block_shared *sh, uint8_t *smem,
-						   int burst)
-{
-	uint32_t wide = sh->job.bytes / 16, per = a->slice_bytes / 16;
-	uint32_t slices = (wide + per - 1) / per;
-	if (slices < 2 || slices > FB_TRIGGER_HELP_MAX_SLICES)
-		return 0;
-	const uint8_t *src = (const uint8_t *)sh->job.data;
-	uint64_t seq = sh->job.seq;
-	struct fb_trigger_help *e = help_entry(a, bid());
-	if (tid() == 0) {
-		e->bytes = sh->job.bytes;
-		e->done = HELP_TAG(seq);
-		st_release_gpu64(&e->claim, HELP_TAG(seq) | (uint64_t)slices << 8);
-		st_release_gpu64(help_latest(a), seq);
-		sh->help_mine = 0;
-	}
-	for (uint32_t want = 1;; want *= 2) {
-		if (tid() == 0) {
-			sh->help_count = claim(e, seq, want, &sh->help_from);
-			if (sh->help_count)
-				sh->help_mine |= ((2ull << (sh->help_count - 1)) - 1) << sh->help_from;
-		}
-		__syncthreads();
-		uint32_t from = sh->help_from * per, count = sh->help_count;
-		if (count == 0)
-			break;
-		uint32_t n = count * per < wide - from ? count * per : wide - from;
-		if (burst)
-			copy_batched<16>((u32x4 *)smem + from, src + 16 * from, n);
-		else
-			copy_batched<1>((u32x4 *)smem + from, src + 16 * from, n);
-		__syncthreads(); // before thread 0 claims again
-	}
-	if (tid() == 0) {
-		uint64_t want = HELP_TAG(seq) + slices - popc32((uint32_t)sh->help_mine) - popc32((uint32_t)(sh->help_mine >> 32));
-		// Helpers never wait for anything while they hold a slice: the
-		// count comes. Stopping is checked all the same.
-		for (uint32_t n = 0; ld_acquire_gpu64(&e->done) != want; n++) {
-			if ((n & 255) == 255 && stopped(a, seq))
-				break;
-			pause(32);
-		}
-	}
-	__syncthreads();
-	uint64_t mine = sh->help_mine;
-	const u32x4 *from = help_area(a, bid());
-	for (uint32_t i = tid(); i < wide; i += 8 * FB_TRIGGER_THREADS) {
-		u32x4 v[8];
-#pragma unroll
-		for (uint32_t k = 0; k < 8; k++) {
-			uint32_t w = i + k * FB_TRIGGER_THREADS;
-			if (w < wide && !((mine >> (w / per)) & 1))
-				v[k] = ld_cg128(from + w);
-		}
-#pragma unroll
-		for (uint32_t k = 0; k < 8; k++) {
-			uint32_t w = i + k * FB_TRIGGER_THREADS;
-			if (w < wide && !((mine >> (w / per)) & 1))
-				((u32x4 *)smem)[w] = v[k];
-		}
-	}
-	return 1;
-}
-
-// offered (thread 0, waiting for its own buffer) says whether the newest
-// offer has slices left; it notes the offer in sh for help.
-static __device__ __forceinline__ int offered(const struct fb_trigger_args *a, struct block_shared *sh)
-{
-	uint64_t seq = ld_volatile64(help_latest(a));
-	if (seq == sh->help_seen)
-		return 0;
-	uint32_t owner = (uint32_t)((seq - a->first_seq) % nblocks());
-	uint64_t w = ld_acquire_gpu64(&help_entry(a, owner)->claim);
-	if ((w >> 16) != (seq & HELP_SEQ_MASK) || (uint32_t)(w & 0xff) >= (uint32_t)(w >> 8 & 0xff)) {
-		sh->help_seen = seq;
-		return 0;
-	}
-	sh->help_seq = seq;
-	sh->help_owner = owner;
-	return 1;
-}
-
-// help (all threads) copies slices of the offer wait_ready found, one at a
-// time, into its owner's area of device memory, each counted done once
-// every thread's stores are visible GPU-wide, until none is left.
-static __device__ __forceinline__ void help(const struct fb_trigger_args *a, struct block_shared *sh)
-{
-	struct fb_trigger_help *e = help_entry(a, sh->help_owner);
-	uint64_t seq = sh->help_seq;
-	uint32_t per = a->slice_bytes / 16;
-	const uint8_t *src =
-		(const uint8_t *)a->region + a->buffers_off + (uint64_t)(seq % a->buffer_count) * a->buffer_size;
-	u32x4 *dst = help_area(a, sh->help_owner);
-	for (;;) {
-		if (tid() == 0) {
-			// The owner stored bytes before the offer, which offered
-			// (or the claim before) read with acquire; a claim that
-			// succeeds was made while the offer was still seq's, so
-			// these bytes are seq's.
-			sh->help_bytes = ld_volatile32(&e->bytes);
-			sh->help_count = claim(e, seq, 1, &sh->help_from);
-			if (!sh->help_count)
-				sh->help_seen = seq;
-		}
-		__syncthreads();
-		if (sh->help_count == 0)
-			break;
-		uint32_t wide = sh->help_bytes / 16, from = sh->help_from * per;
-		uint32_t n = from >= wide ? 0 : per < wide - from ? per : wide - from;
-		copy_batched<4>(dst + from, src + 16 * from, n);
-		fence_gpu();
-		__syncthreads();
-		if (tid() == 0) {
-			fence_gpu(); // the release of every thread's stores, through the barrier
-			atomic_add64(&e->done, 1);
-		}
 	}
 }
 
@@ -767,7 +579,7 @@ static __device__ __forceinline__ int process(const struct fb_trigger_args *a, s
 		sh->overflow = 0;
 	}
 	sh->replay[tid()] = 0;
-	stage(a, sh, smem, burst, release && a->staging == FB_TRIGGER_STAGE_SHARED && a->coop);
+	stage(a, sh, smem, burst);
 	__syncthreads();
 	// A staged buffer is ours in shared memory: the producer may have it
 	// back at once. The barrier ordered every thread's reads before this.
@@ -830,20 +642,14 @@ extern "C" __global__ void __launch_bounds__(FB_TRIGGER_THREADS) fb_trigger_pers
 	uint64_t run_ns = globaltimer(), run_cycles = clock64();
 	if (tid() == 0) {
 		sh.results_read = 0;
-		sh.help_seen = ~0ull;
 		prof_start(&sh, run_cycles);
 	}
 	for (uint64_t seq = a->first_seq + bid();; seq += nblocks()) {
-		if (tid() == 0)
+		if (tid() == 0) {
 			phase_done(&sh, FB_TRIGGER_PH_PUBLISH);
-		for (;;) {
-			if (tid() == 0)
-				sh.go = wait_ready(a, seq, &sh);
-			__syncthreads();
-			if (sh.go != 2)
-				break;
-			help(a, &sh);
+			sh.go = wait_ready(a, seq, &sh);
 		}
+		__syncthreads();
 		if (!sh.go)
 			break;
 		struct fb_ingest_desc *d = (struct fb_ingest_desc *)(region + a->desc_off) + (uint32_t)(seq % a->buffer_count);

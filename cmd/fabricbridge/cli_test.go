@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
 	"github.com/spf13/cobra"
 	"github.com/spf13/pflag"
 )
@@ -306,7 +307,12 @@ printf '%s\n' "${COMPREPLY[@]}"`
 // action, and end the context of the other commands, which clean up and
 // return: stats here, waiting between scrapes.
 func TestSignals(t *testing.T) {
+	scraped := make(chan struct{}, 16)
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		select {
+		case scraped <- struct{}{}:
+		default:
+		}
 		io.WriteString(w, "fabricbridge_start_time_seconds 1\n")
 	}))
 	defer srv.Close()
@@ -330,14 +336,24 @@ func TestSignals(t *testing.T) {
 	} {
 		c := exec.Command(self, tc.args...)
 		c.Env = append(os.Environ(), "FB_TEST_MAIN=1")
-		var out bytes.Buffer
-		c.Stdout, c.Stderr = &out, &out
+		out := &testenv.Output{}
+		c.Stdout, c.Stderr = out, out
 		if err := c.Start(); err != nil {
 			t.Fatal(err)
 		}
 		done := make(chan error, 1)
 		go func() { done <- c.Wait() }()
-		time.Sleep(300 * time.Millisecond) // until it waits
+		// Signal it once it waits: check blocks reading its configuration,
+		// stats once it scrapes (a signal during the scrape stops it too).
+		if tc.args[0] == "check" {
+			defer awaitReader(t, fifo).Close()
+		} else {
+			select {
+			case <-scraped:
+			case <-time.After(20 * time.Second):
+				t.Fatalf("%v did not scrape within 20s", tc.args)
+			}
+		}
 		c.Process.Signal(tc.sig)
 		select {
 		case <-done:

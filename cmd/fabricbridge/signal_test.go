@@ -39,8 +39,7 @@ func TestStopWhileReadingConfig(t *testing.T) {
 			}
 			done := make(chan error, 1)
 			go func() { done <- p.Wait() }()
-			// Long enough for the process to reach the read.
-			time.Sleep(300 * time.Millisecond)
+			defer awaitReader(t, fifo).Close()
 			sent := time.Now()
 			p.Process.Signal(c.sig)
 			select {
@@ -59,5 +58,24 @@ func TestStopWhileReadingConfig(t *testing.T) {
 			}
 			t.Logf("%s ended %v after %v: %v", c.cmd, time.Since(sent).Round(time.Millisecond), c.sig, p.ProcessState)
 		})
+	}
+}
+
+// awaitReader returns once a process has opened fifo for reading, and
+// with it a writer that keeps the reader waiting for data: a command opens
+// its configuration after its signal handling is set up, so a signal sent
+// then tests the handling, not the Go runtime's default. Close the writer
+// when done.
+func awaitReader(t *testing.T, fifo string) *os.File {
+	t.Helper()
+	for end := time.Now().Add(20 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		// Without a reader, a non-blocking open for writing fails (ENXIO).
+		w, err := os.OpenFile(fifo, os.O_WRONLY|syscall.O_NONBLOCK, 0)
+		if err == nil {
+			return w
+		}
+		if time.Now().After(end) {
+			t.Fatalf("nothing opened %s for reading within 20s: %v", fifo, err)
+		}
 	}
 }

@@ -72,6 +72,9 @@ func showStats(ctx context.Context, o statsOptions, stdout io.Writer) error {
 	}
 	prev, err := scrape(ctx, client, target)
 	if err != nil {
+		if ctx.Err() != nil {
+			return nil // stopped (Ctrl-C) during the first scrape
+		}
 		return fmt.Errorf("stats: %w", err)
 	}
 	clear := !o.once && isTerminal(stdout)

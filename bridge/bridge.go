@@ -270,6 +270,15 @@ func Open(cfg Config) (*Bridge, error) {
 		errs = append(errs, fmt.Errorf("%v: %w", p, err))
 		b.log.Warn("bridge: path unavailable", "interface", cfg.Interface, "path", p.String(), "err", err)
 	}
+	if b.path == PathAFPacket && cfg.PinDir != "" {
+		// A program a previous bridge left pinned would go on steering
+		// (and dropping) beside the packet sockets.
+		if detached, err := fbebpf.RemovePins(cfg.PinDir); err != nil {
+			b.log.Warn("bridge: removing the XDP program a previous bridge left pinned", "interface", cfg.Interface, "err", err)
+		} else if detached {
+			b.log.Info("bridge: detached the XDP program a previous bridge left pinned: this one runs on AF_PACKET", "interface", cfg.Interface)
+		}
+	}
 	if b.path == PathAuto {
 		if b.prog != nil {
 			b.prog.Close()

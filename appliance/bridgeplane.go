@@ -93,7 +93,11 @@ func openBridge(cfg *config.Config, log *slog.Logger, pinDir string) (*bridgePla
 	}
 	// A program pinned for this daemon is adopted by the bridge; one
 	// attached otherwise is in the way.
-	if _, pinned, _ := ebpf.PinnedLink(pinDir); pinDir == "" || !pinned {
+	pinned := false
+	if pinDir != "" {
+		_, pinned, _ = ebpf.PinnedLink(pinDir)
+	}
+	if !pinned {
 		if removed, err := ebpf.DetachStale(ifc.Index); err != nil {
 			return nil, err
 		} else if removed {
@@ -272,6 +276,13 @@ func (p *bridgePlane) SetTables(t *classifier.Tables) error {
 		return err
 	}
 	return p.b.SetTables(t)
+}
+
+// steersWithoutUs reports whether the data path can go on steering after
+// a Handover: it runs an XDP program.
+func (p *bridgePlane) steersWithoutUs() bool {
+	_, xdp := p.b.Adoption()
+	return xdp
 }
 
 // releaseHeld removes the flows and listeners taken over from a previous

@@ -50,6 +50,9 @@ type Options struct {
 // within milliseconds of the control socket, remote ones within a second.
 const HoldGrace = 10 * time.Second
 
+// holdGrace is HoldGrace, shorter in tests.
+var holdGrace = HoldGrace
+
 // Daemon is a running fabricbridge.
 type Daemon struct {
 	log     *slog.Logger
@@ -332,7 +335,8 @@ func (d *Daemon) Handover() error {
 		return nil
 	}
 	d.closed = true
-	keep := d.pinDir != ""
+	bp, _ := d.plane.(*bridgePlane)
+	keep := d.pinDir != "" && bp != nil && bp.steersWithoutUs()
 	err := d.shutdown(keep)
 	if keep {
 		d.log.Info("fabricbridge stopped; its data path keeps steering for the next daemon", "pins", d.pinDir, "error", err)
@@ -357,11 +361,11 @@ func (d *Daemon) adopt(bp *bridgePlane) {
 		return
 	}
 	d.log.Info("took over the data path the previous daemon left steering", "pins", d.pinDir, "link", a.Link, "tables", a.Tables,
-		"held_flows", a.HeldFlows, "held_listeners", a.HeldListeners, "grace", HoldGrace.String())
+		"held_flows", a.HeldFlows, "held_listeners", a.HeldListeners, "grace", holdGrace.String())
 	if a.HeldFlows+a.HeldListeners == 0 {
 		return
 	}
-	d.holdTimer = time.AfterFunc(HoldGrace, func() {
+	d.holdTimer = time.AfterFunc(holdGrace, func() {
 		flows, listeners, err := bp.releaseHeld()
 		if err != nil {
 			d.log.Debug("releasing the held entries", "error", err)

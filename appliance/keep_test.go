@@ -207,17 +207,8 @@ func TestSweepPinsOfDeletedInterfaces(t *testing.T) {
 // none.
 func attachedXDP(t *testing.T, ns *topology.NS, name string) uint32 {
 	t.Helper()
-	var id uint32
-	if err := ns.Do(func() error {
-		l, err := netlink.LinkByName(name)
-		if err != nil {
-			return err
-		}
-		if x := l.Attrs().Xdp; x != nil && x.Attached {
-			id = x.ProgId
-		}
-		return nil
-	}); err != nil {
+	id, err := ns.XDPProgram(name)
+	if err != nil {
 		t.Fatal(err)
 	}
 	return id

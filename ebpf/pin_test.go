@@ -17,21 +17,12 @@ import (
 	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
-// attachedProgram is the id of the XDP program on interface ifindex in ns,
+// attachedProgram is the id of the XDP program on interface name in ns,
 // 0 if none.
-func attachedProgram(t *testing.T, ns *topology.NS, ifindex int) uint32 {
+func attachedProgram(t *testing.T, ns *topology.NS, name string) uint32 {
 	t.Helper()
-	var id uint32
-	if err := ns.Do(func() error {
-		l, err := netlink.LinkByIndex(ifindex)
-		if err != nil {
-			return err
-		}
-		if x := l.Attrs().Xdp; x != nil && x.Attached {
-			id = x.ProgId
-		}
-		return nil
-	}); err != nil {
+	id, err := ns.XDPProgram(name)
+	if err != nil {
 		t.Fatal(err)
 	}
 	return id
@@ -125,7 +116,7 @@ func TestPinnedProgramOutlivesItsOwner(t *testing.T) {
 
 	// Nobody holds the program but its pins: it still steers, and with no
 	// socket bound it drops.
-	if id := attachedProgram(t, bridge, v.A.Index); id != firstID {
+	if id := attachedProgram(t, bridge, v.A.Name); id != firstID {
 		t.Fatalf("after Leave the interface runs program %d, want %d (the one left)", id, firstID)
 	}
 	dialDropped(t, outside, listen)
@@ -146,7 +137,7 @@ func TestPinnedProgramOutlivesItsOwner(t *testing.T) {
 	if a := second.Adoption(); !a.Link {
 		t.Errorf("the pinned link was not taken over: %v", a)
 	}
-	if id := attachedProgram(t, bridge, v.A.Index); id != programID(t, second) {
+	if id := attachedProgram(t, bridge, v.A.Name); id != programID(t, second) {
 		t.Errorf("the interface runs program %d, want the second, %d", id, programID(t, second))
 	}
 	dialDropped(t, outside, listen)
@@ -196,7 +187,7 @@ func TestPinnedProgramOutlivesItsOwner(t *testing.T) {
 	if err := third.Close(); err != nil {
 		t.Fatal(err)
 	}
-	if id := attachedProgram(t, bridge, v.A.Index); id != 0 {
+	if id := attachedProgram(t, bridge, v.A.Name); id != 0 {
 		t.Errorf("program %d still attached after Close", id)
 	}
 	if _, err := os.Stat(dir); !errors.Is(err, os.ErrNotExist) {
@@ -215,7 +206,7 @@ func TestPinnedProgramOutlivesItsOwner(t *testing.T) {
 	if detached, err := RemovePins(dir); err != nil || !detached {
 		t.Fatalf("RemovePins: %v, %v", detached, err)
 	}
-	if id := attachedProgram(t, bridge, v.A.Index); id != 0 {
+	if id := attachedProgram(t, bridge, v.A.Name); id != 0 {
 		t.Errorf("program %d still attached after RemovePins", id)
 	}
 	if _, ok, _ := PinnedLink(dir); ok {

@@ -17,8 +17,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/vishvananda/netlink"
-
 	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
 	"github.com/fabricbridge/fabricbridge/internal/topology"
 	"github.com/fabricbridge/fabricbridge/internal/topology/ethtool"
@@ -126,17 +124,8 @@ func estabResets(t *testing.T, ns *topology.NS) uint64 {
 // none.
 func xdpProgram(t *testing.T, ns *topology.NS, name string) uint32 {
 	t.Helper()
-	var id uint32
-	if err := ns.Do(func() error {
-		l, err := netlink.LinkByName(name)
-		if err != nil {
-			return err
-		}
-		if x := l.Attrs().Xdp; x != nil && x.Attached {
-			id = x.ProgId
-		}
-		return nil
-	}); err != nil {
+	id, err := ns.XDPProgram(name)
+	if err != nil {
 		t.Fatal(err)
 	}
 	return id
@@ -147,8 +136,9 @@ func xdpProgram(t *testing.T, ns *topology.NS, name string) uint32 {
 // application: with the data path pinned in a bpf file system, the XDP
 // program stays attached while no daemon runs and drops the peer's
 // segments instead of letting the kernel reset them, so the upload goes on
-// byte-exact with no reset. It reports how long the application heard
-// nothing. Then the daemon stops for good and `fabricbridge release` gives
+// byte-exact with no reset. It reports how long the applications heard
+// nothing: the upload's sink, and `app echo` answering a datagram a
+// millisecond. Then the daemon stops for good and `fabricbridge release` gives
 // the interface back.
 func TestSteeringOutlivesTheDaemon(t *testing.T) {
 	testenv.RequirePrivileged(t)
@@ -203,21 +193,7 @@ func TestSteeringOutlivesTheDaemon(t *testing.T) {
 			sinkPattern(c, up)
 		}
 	}()
-	echo, err := st.ListenPacket("udp", ":7")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer echo.Close()
-	go func() {
-		buf := make([]byte, 64)
-		for {
-			n, from, err := echo.ReadFrom(buf)
-			if err != nil {
-				return
-			}
-			echo.WriteTo(buf[:n], from)
-		}
-	}()
+	runApp(t, ctx, "echo", "--control", sock, "--listen", ":7", "--udp")
 
 	resets := estabResets(t, outside)
 	var peer net.Conn

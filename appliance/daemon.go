@@ -81,6 +81,7 @@ type Daemon struct {
 	// pinDir is where the data path is pinned for the next daemon; "":
 	// nothing is kept across a restart.
 	pinDir    string
+	adopted   bool // the data path took over a predecessor's program or tables
 	holdTimer *time.Timer
 
 	reserved   *classifier.PortSet
@@ -124,7 +125,8 @@ func Start(cfg *config.Config, opts Options) (_ *Daemon, err error) {
 	}
 	defer func() {
 		if err != nil {
-			d.shutdown(false)
+			// What a predecessor left steering stays for the next try.
+			d.shutdown(d.adopted)
 		}
 	}()
 
@@ -360,6 +362,7 @@ func (d *Daemon) adopt(bp *bridgePlane) {
 	if !a.Link && !a.Tables {
 		return
 	}
+	d.adopted = true
 	d.log.Info("took over the data path the previous daemon left steering", "pins", d.pinDir, "link", a.Link, "tables", a.Tables,
 		"held_flows", a.HeldFlows, "held_listeners", a.HeldListeners, "grace", holdGrace.String())
 	if a.HeldFlows+a.HeldListeners == 0 {

@@ -3,8 +3,10 @@ package appliance
 import (
 	"context"
 	"errors"
+	"io"
 	"net"
 	"net/netip"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -111,6 +113,34 @@ func TestHandoverHoldsClaimsForTheNextDaemon(t *testing.T) {
 	}
 	if got := dialOutcome(t, tp.outside, listen); got != "dropped" {
 		t.Errorf("no daemon: a SYN to the application was %s, want dropped", got)
+	}
+
+	// A start that fails after taking the data path over leaves it
+	// steering for the next try.
+	var busy net.Listener
+	if err := tp.bridge.Do(func() (err error) {
+		busy, err = net.Listen("tcp", "127.0.0.1:0")
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	defer busy.Close()
+	text, err := os.ReadFile(cfg.File)
+	if err != nil {
+		t.Fatal(err)
+	}
+	bad := loadConfigText(t, filepath.Join(tp.dir, "busy.yaml"), strings.Replace(string(text), "127.0.0.1:0", busy.Addr().String(), 1))
+	if err := tp.bridge.Do(func() error {
+		_, err := Start(bad, Options{Log: io.Discard, BPFFS: bpffs})
+		return err
+	}); err == nil {
+		t.Fatal("a daemon started on a metrics address in use")
+	}
+	if id := attachedXDP(t, tp.bridge, tp.v.A.Name); id == 0 {
+		t.Error("a failed start detached the program its predecessor left steering")
+	}
+	if got := dialOutcome(t, tp.outside, listen); got != "dropped" {
+		t.Errorf("after a failed start: a SYN to the application was %s, want dropped", got)
 	}
 
 	log2 := &testenv.Output{}

@@ -12,8 +12,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/vishvananda/netlink"
-
 	"github.com/fabricbridge/fabricbridge/appliance/config"
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 	"github.com/fabricbridge/fabricbridge/ebpf"
@@ -98,7 +96,7 @@ func TestHandoverHoldsClaimsForTheNextDaemon(t *testing.T) {
 	if got := dialOutcome(t, tp.outside, listen); got != "connected" {
 		t.Fatalf("dial the application: %s", got)
 	}
-	prog := attachedXDP(t, tp.bridge, tp.v.A.Name)
+	prog := tp.bridge.XDPProgram(t, tp.v.A.Name)
 	if err := d1.Handover(); err != nil {
 		t.Fatal(err)
 	}
@@ -108,7 +106,7 @@ func TestHandoverHoldsClaimsForTheNextDaemon(t *testing.T) {
 	// The application does not come back.
 	cancel()
 	gone.Close()
-	if id := attachedXDP(t, tp.bridge, tp.v.A.Name); id != prog {
+	if id := tp.bridge.XDPProgram(t, tp.v.A.Name); id != prog {
 		t.Errorf("no daemon: XDP program %d attached, want %d (the one left)", id, prog)
 	}
 	if got := dialOutcome(t, tp.outside, listen); got != "dropped" {
@@ -136,7 +134,7 @@ func TestHandoverHoldsClaimsForTheNextDaemon(t *testing.T) {
 	}); err == nil {
 		t.Fatal("a daemon started on a metrics address in use")
 	}
-	if id := attachedXDP(t, tp.bridge, tp.v.A.Name); id == 0 {
+	if id := tp.bridge.XDPProgram(t, tp.v.A.Name); id == 0 {
 		t.Error("a failed start detached the program its predecessor left steering")
 	}
 	if got := dialOutcome(t, tp.outside, listen); got != "dropped" {
@@ -182,7 +180,7 @@ func TestHandoverHoldsClaimsForTheNextDaemon(t *testing.T) {
 	if err := d2.Close(); err != nil {
 		t.Fatal(err)
 	}
-	if id := attachedXDP(t, tp.bridge, tp.v.A.Name); id != 0 {
+	if id := tp.bridge.XDPProgram(t, tp.v.A.Name); id != 0 {
 		t.Errorf("XDP program %d attached after Close", id)
 	}
 	if left, _ := filepath.Glob(filepath.Join(bpffs, "fabricbridge", "*", "*")); len(left) != 0 {
@@ -212,15 +210,7 @@ func TestSweepPinsOfDeletedInterfaces(t *testing.T) {
 		}
 	}
 	t.Cleanup(func() { ebpf.RemovePins(dirs[live]) })
-	if err := dead.A.NS.Do(func() error {
-		l, err := netlink.LinkByIndex(dead.A.Index)
-		if err != nil {
-			return err
-		}
-		return netlink.LinkDel(l)
-	}); err != nil {
-		t.Fatal(err)
-	}
+	dead.A.NS.DeleteLink(t, dead.A.Name)
 	removed, err := sweepPins(root)
 	if err != nil || len(removed) != 1 || removed[0] != dirs[dead] {
 		t.Errorf("swept %v, %v; want only %s", removed, err, dirs[dead])
@@ -228,18 +218,7 @@ func TestSweepPinsOfDeletedInterfaces(t *testing.T) {
 	if _, ok, _ := ebpf.PinnedLink(dirs[live]); !ok {
 		t.Error("the live interface's pins were swept")
 	}
-	if id := attachedXDP(t, bridge, live.A.Name); id == 0 {
+	if id := bridge.XDPProgram(t, live.A.Name); id == 0 {
 		t.Error("the live interface lost its program")
 	}
-}
-
-// attachedXDP is the id of the XDP program on interface name in ns, 0 if
-// none.
-func attachedXDP(t *testing.T, ns *topology.NS, name string) uint32 {
-	t.Helper()
-	id, err := ns.XDPProgram(name)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return id
 }

@@ -10,23 +10,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/vishvananda/netlink"
-
 	"github.com/fabricbridge/fabricbridge/classifier"
 	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
 	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
-
-// attachedProgram is the id of the XDP program on interface name in ns,
-// 0 if none.
-func attachedProgram(t *testing.T, ns *topology.NS, name string) uint32 {
-	t.Helper()
-	id, err := ns.XDPProgram(name)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return id
-}
 
 func programID(t *testing.T, p *Program) uint32 {
 	t.Helper()
@@ -116,7 +103,7 @@ func TestPinnedProgramOutlivesItsOwner(t *testing.T) {
 
 	// Nobody holds the program but its pins: it still steers, and with no
 	// socket bound it drops.
-	if id := attachedProgram(t, bridge, v.A.Name); id != firstID {
+	if id := bridge.XDPProgram(t, v.A.Name); id != firstID {
 		t.Fatalf("after Leave the interface runs program %d, want %d (the one left)", id, firstID)
 	}
 	dialDropped(t, outside, listen)
@@ -137,7 +124,7 @@ func TestPinnedProgramOutlivesItsOwner(t *testing.T) {
 	if a := second.Adoption(); !a.Link {
 		t.Errorf("the pinned link was not taken over: %v", a)
 	}
-	if id := attachedProgram(t, bridge, v.A.Name); id != programID(t, second) {
+	if id := bridge.XDPProgram(t, v.A.Name); id != programID(t, second) {
 		t.Errorf("the interface runs program %d, want the second, %d", id, programID(t, second))
 	}
 	dialDropped(t, outside, listen)
@@ -187,7 +174,7 @@ func TestPinnedProgramOutlivesItsOwner(t *testing.T) {
 	if err := third.Close(); err != nil {
 		t.Fatal(err)
 	}
-	if id := attachedProgram(t, bridge, v.A.Name); id != 0 {
+	if id := bridge.XDPProgram(t, v.A.Name); id != 0 {
 		t.Errorf("program %d still attached after Close", id)
 	}
 	if _, err := os.Stat(dir); !errors.Is(err, os.ErrNotExist) {
@@ -206,7 +193,7 @@ func TestPinnedProgramOutlivesItsOwner(t *testing.T) {
 	if detached, err := RemovePins(dir); err != nil || !detached {
 		t.Fatalf("RemovePins: %v, %v", detached, err)
 	}
-	if id := attachedProgram(t, bridge, v.A.Name); id != 0 {
+	if id := bridge.XDPProgram(t, v.A.Name); id != 0 {
 		t.Errorf("program %d still attached after RemovePins", id)
 	}
 	if _, ok, _ := PinnedLink(dir); ok {
@@ -230,15 +217,7 @@ func TestPinnedLinkOfADeletedInterface(t *testing.T) {
 	if err := p.Leave(); err != nil {
 		t.Fatal(err)
 	}
-	if err := bridge.Do(func() error {
-		l, err := netlink.LinkByIndex(v.A.Index)
-		if err != nil {
-			return err
-		}
-		return netlink.LinkDel(l)
-	}); err != nil {
-		t.Fatal(err)
-	}
+	bridge.DeleteLink(t, v.A.Name)
 	if idx, ok, err := PinnedLink(dir); err != nil || !ok || idx != 0 {
 		t.Errorf("PinnedLink after the interface went: %d, %v, %v; want 0, true", idx, ok, err)
 	}

@@ -120,17 +120,6 @@ func estabResets(t *testing.T, ns *topology.NS) uint64 {
 	return n
 }
 
-// xdpProgram is the id of the XDP program on interface name in ns, 0 if
-// none.
-func xdpProgram(t *testing.T, ns *topology.NS, name string) uint32 {
-	t.Helper()
-	id, err := ns.XDPProgram(name)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return id
-}
-
 // TestSteeringOutlivesTheDaemon stops the daemon (SIGTERM, then kill -9)
 // and starts it again while a kernel peer keeps uploading to an
 // application: with the data path pinned in a bpf file system, the XDP
@@ -244,13 +233,13 @@ func TestSteeringOutlivesTheDaemon(t *testing.T) {
 		probe := startUDPProbe(t, outside, netip.AddrPortFrom(v.A.Addr4.Addr(), 7), time.Millisecond)
 		time.Sleep(50 * time.Millisecond)
 		up.stall()
-		prog := xdpProgram(t, bridge, v.A.Name)
+		prog := bridge.XDPProgram(t, v.A.Name)
 		t0 := time.Now()
 		d.signal(t, sig)
 		d.wait(t)
 		exited := time.Now()
 		// Nobody runs: the program is still attached through its pin.
-		if id := xdpProgram(t, bridge, v.A.Name); id == 0 || id != prog {
+		if id := bridge.XDPProgram(t, v.A.Name); id == 0 || id != prog {
 			t.Errorf("%v: XDP program %d on the interface while no daemon runs, want %d (the one left steering)", sig, id, prog)
 		}
 		if links, _ := filepath.Glob(filepath.Join(bpffs, "fabricbridge", "*", v.A.Name, "link")); len(links) != 1 {
@@ -311,7 +300,7 @@ func TestSteeringOutlivesTheDaemon(t *testing.T) {
 	if !strings.Contains(out.String(), "detached the XDP program") {
 		t.Errorf("release said:\n%s", out.String())
 	}
-	if id := xdpProgram(t, bridge, v.A.Name); id != 0 {
+	if id := bridge.XDPProgram(t, v.A.Name); id != 0 {
 		t.Errorf("XDP program %d still attached after release", id)
 	}
 	if left, _ := filepath.Glob(filepath.Join(bpffs, "fabricbridge", "*", "*")); len(left) != 0 {

@@ -93,11 +93,7 @@ func openBridge(cfg *config.Config, log *slog.Logger, pinDir string) (*bridgePla
 	}
 	// A program pinned for this daemon is adopted by the bridge; one
 	// attached otherwise is in the way.
-	pinned := false
-	if pinDir != "" {
-		_, pinned, _ = ebpf.PinnedLink(pinDir)
-	}
-	if !pinned {
+	if _, pinned, _ := ebpf.PinnedLink(pinDir); !pinned {
 		if removed, err := ebpf.DetachStale(ifc.Index); err != nil {
 			return nil, err
 		} else if removed {

@@ -359,11 +359,11 @@ func (d *Daemon) adopt(bp *bridgePlane) {
 	if len(a.Replaced) > 0 {
 		d.log.Warn("did not take over all of the previous daemon's data path", "pins", d.pinDir, "reason", a.Replaced)
 	}
-	if !a.Link && !a.Tables {
+	if !a.Program && !a.Link && !a.Tables {
 		return
 	}
 	d.adopted = true
-	d.log.Info("took over the data path the previous daemon left steering", "pins", d.pinDir, "link", a.Link, "tables", a.Tables,
+	d.log.Info("took over the data path the previous daemon left steering", "pins", d.pinDir, "program", a.Program, "link", a.Link, "tables", a.Tables,
 		"held_flows", a.HeldFlows, "held_listeners", a.HeldListeners, "grace", holdGrace.String())
 	if a.HeldFlows+a.HeldListeners == 0 {
 		return

@@ -359,8 +359,12 @@ func (b *Bridge) openCommon() error {
 	if err := b.chooseQueues(a.NumRxQueues); err != nil {
 		return err
 	}
-	if err := nft.RemoveLeftover(ns, b.cfg.Interface); err != nil {
-		b.log.Warn("bridge: removing a leftover nftables table", "interface", b.cfg.Interface, "err", err)
+	// A program pinned on the interface means the last bridge ran XDP,
+	// which removed any table before it: a restart need not pay for nft.
+	if idx, pinned, _ := fbebpf.PinnedLink(b.cfg.PinDir); !pinned || idx != b.ifindex {
+		if err := nft.RemoveLeftover(ns, b.cfg.Interface); err != nil {
+			b.log.Warn("bridge: removing a leftover nftables table", "interface", b.cfg.Interface, "err", err)
+		}
 	}
 	if b.kernel, err = newKernelPath(); err != nil {
 		return err

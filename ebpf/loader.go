@@ -142,6 +142,15 @@ func load(opts Options, testHooks bool) (*Program, error) {
 		heldFlows:     map[bpfFbFlowKey]struct{}{},
 		heldListeners: map[bpfFbListenKey]struct{}{},
 	}
+	build := buildID(opts, testHooks)
+	if p.pinDir != "" && p.reuse(spec, build) {
+		p.adoption.Program, p.adoption.Tables = true, true
+		if err := p.hold(); err != nil {
+			p.objs.Close()
+			return nil, err
+		}
+		return p, nil
+	}
 	var adopt map[string]*ebpf.Map
 	if p.pinDir != "" {
 		var why string
@@ -170,6 +179,9 @@ func load(opts Options, testHooks bool) (*Program, error) {
 		if err == nil && p.pinDir != "" {
 			err = p.pinTables(p.pinDir)
 		}
+	}
+	if err == nil && p.pinDir != "" {
+		err = p.pinProgram(build)
 	}
 	if err != nil {
 		p.objs.Close()

@@ -1,6 +1,7 @@
 package ebpf
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"hash/fnv"
@@ -20,6 +21,7 @@ import (
 // that directory of a bpf file system:
 //
 //	PinDir/link                  the bpf_link that attaches the program
+//	PinDir/program-BUILD         the program
 //	PinDir/tables-LAYOUT/flows   exact flows
 //	PinDir/tables-LAYOUT/listeners
 //	PinDir/tables-LAYOUT/rulesets
@@ -30,7 +32,10 @@ import (
 // program into the pinned link, so the interface is never without a
 // program. LAYOUT names the layout of the tables' keys and values: a
 // program whose structs differ finds no tables of its layout and starts
-// with empty ones.
+// with empty ones. BUILD names the object file and the load options: a
+// successor of the same build takes the program over with all its maps
+// instead of loading it, which spares it the verifier, the longest part
+// of loading.
 
 // HoldStream is the stream id adopted flows and listeners steer to until
 // their application claims them again: no stream has it (stream ids fit in
@@ -77,6 +82,9 @@ func layoutTag(vs ...any) string {
 // Adoption is what a program loaded with Options.PinDir took over from the
 // previous program pinned there.
 type Adoption struct {
+	// Program: the predecessor's program was of the same build and
+	// options, and is this one now, with its maps and counters.
+	Program bool
 	// Tables: the flows, listeners and rules were kept. Flows and listeners
 	// steer to HoldStream until claimed again (HeldFlows, HeldListeners of
 	// them are left) or ReleaseHeld removes them; the rules stay until the
@@ -129,6 +137,91 @@ func openPinnedTables(dir string, spec *ebpf.CollectionSpec) (map[string]*ebpf.M
 		}
 	}
 	return maps, ""
+}
+
+// buildID names the program that opts load: its object file and the
+// options that change it.
+func buildID(opts Options, testHooks bool) string {
+	h := fnv.New64a()
+	h.Write(_BpfBytes)
+	fmt.Fprintf(h, "|%d|%v|%v", cmp.Or(opts.FlowCapacity, DefaultFlowCapacity), opts.DropUnbound, testHooks)
+	return fmt.Sprintf("%016x", h.Sum64())[:12]
+}
+
+// reuse takes over the program pinned in the pin directory under build,
+// with its maps, if it is there and its maps fit spec; it reports whether
+// it did.
+func (p *Program) reuse(spec *ebpf.CollectionSpec, build string) bool {
+	prog, err := ebpf.LoadPinnedProgram(filepath.Join(p.pinDir, "program-"+build), nil)
+	if err != nil {
+		return false
+	}
+	byName := map[string]*ebpf.Map{}
+	ok := false
+	defer func() {
+		if !ok {
+			prog.Close()
+			for _, m := range byName {
+				m.Close()
+			}
+		}
+	}()
+	info, err := prog.Info()
+	if err != nil {
+		return false
+	}
+	ids, _ := info.MapIDs()
+	for _, id := range ids {
+		m, err := ebpf.NewMapFromID(id)
+		if err != nil {
+			return false
+		}
+		mi, err := m.Info()
+		if err != nil {
+			m.Close()
+			return false
+		}
+		byName[mi.Name] = m
+	}
+	objs := bpfObjects{bpfPrograms: bpfPrograms{Fabricbridge: prog}}
+	for name, dst := range map[string]**ebpf.Map{
+		bpfMapEventCounters: &objs.EventCounters, bpfMapFlows: &objs.Flows, bpfMapFragments: &objs.Fragments,
+		bpfMapIngestXsks: &objs.IngestXsks, bpfMapLastMeta: &objs.LastMeta, bpfMapListeners: &objs.Listeners,
+		bpfMapRuleCounters: &objs.RuleCounters, bpfMapRulesets: &objs.Rulesets,
+		bpfMapVerdictCounters: &objs.VerdictCounters, bpfMapXsks: &objs.Xsks,
+	} {
+		m := byName[kernelName(name)]
+		if m == nil || spec.Maps[name].Compatible(m) != nil {
+			return false
+		}
+		*dst = m
+		delete(byName, kernelName(name))
+	}
+	for _, m := range byName { // .rodata and the like: the program holds them
+		m.Close()
+	}
+	byName = nil
+	p.objs, ok = objs, true
+	return true
+}
+
+// pinProgram pins the program under build, in place of any other.
+func (p *Program) pinProgram(build string) error {
+	old, _ := filepath.Glob(filepath.Join(p.pinDir, "program-*"))
+	for _, o := range old {
+		if err := os.Remove(o); err != nil {
+			return fmt.Errorf("ebpf: remove pinned program: %w", err)
+		}
+	}
+	c, err := p.objs.Fabricbridge.Clone()
+	if err != nil {
+		return fmt.Errorf("ebpf: pin program: %w", err)
+	}
+	defer c.Close()
+	if err := c.Pin(filepath.Join(p.pinDir, "program-"+build)); err != nil {
+		return fmt.Errorf("ebpf: pin program: %w", err)
+	}
+	return nil
 }
 
 // pinTables pins the program's tables under dir, in place of any there.
@@ -318,8 +411,11 @@ func (p *Program) Leave() error {
 
 // PinnedLink reports the interface that the link pinned in dir attaches
 // to: 0 when it attaches to nothing any more (its interface was deleted),
-// ok false when there is none.
+// ok false when there is none (or dir is "").
 func PinnedLink(dir string) (ifindex int, ok bool, err error) {
+	if dir == "" {
+		return 0, false, nil
+	}
 	l, err := link.LoadPinnedLink(filepath.Join(dir, linkPin), nil)
 	if errors.Is(err, os.ErrNotExist) {
 		return 0, false, nil
@@ -379,6 +475,9 @@ func (a Adoption) String() string {
 	}
 	if a.Tables {
 		parts = append(parts, fmt.Sprintf("tables (%d flows, %d listeners held)", a.HeldFlows, a.HeldListeners))
+	}
+	if a.Program {
+		parts = append(parts, "program")
 	}
 	if len(parts) == 0 {
 		parts = append(parts, "nothing")

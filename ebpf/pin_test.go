@@ -45,8 +45,9 @@ func dialDropped(t *testing.T, outside *topology.NS, addr netip.AddrPort) {
 
 // TestPinnedProgramOutlivesItsOwner loads and attaches the program with a
 // pin directory, leaves it (as a daemon that exits for a restart does) and
-// has a second program adopt it: the program stays attached throughout and
-// drops steered frames instead of letting the kernel reset them, the
+// has a second load adopt it: the program stays attached throughout and
+// drops steered frames instead of letting the kernel reset them, a load
+// of the same build takes the program itself over (no verifier), the
 // adopted flows and listeners are held (steered to HoldStream) until
 // claimed again or released, the link is taken over with no moment without
 // a program, and tables of another size are replaced, not adopted.
@@ -110,8 +111,11 @@ func TestPinnedProgramOutlivesItsOwner(t *testing.T) {
 
 	second := load(opts)
 	a := second.Adoption()
-	if !a.Tables || a.HeldFlows != 1 || a.HeldListeners != 1 || a.Link {
-		t.Fatalf("second program: %v, want the tables with one flow and one listener held, the link not yet", a)
+	if !a.Program || !a.Tables || a.HeldFlows != 1 || a.HeldListeners != 1 || a.Link {
+		t.Fatalf("second program: %v, want the same program and its tables with one flow and one listener held, the link not yet", a)
+	}
+	if id := programID(t, second); id != firstID {
+		t.Errorf("the second load has program %d, want the first, %d, taken over", id, firstID)
 	}
 	flows, err := second.InstalledFlows()
 	if err != nil {
@@ -163,8 +167,11 @@ func TestPinnedProgramOutlivesItsOwner(t *testing.T) {
 	resized := opts
 	resized.FlowCapacity = 2048
 	third := load(resized)
-	if a := third.Adoption(); a.Tables || len(a.Replaced) != 1 || !strings.Contains(a.Replaced[0], "MaxEntries") {
-		t.Errorf("resized flow table: %v, want the tables replaced for their size", a)
+	if a := third.Adoption(); a.Program || a.Tables || len(a.Replaced) != 1 || !strings.Contains(a.Replaced[0], "MaxEntries") {
+		t.Errorf("resized flow table: %v, want the program loaded anew and the tables replaced for their size", a)
+	}
+	if id := programID(t, third); id == firstID {
+		t.Error("the resized program is the first one")
 	}
 	attach(third)
 	if a := third.Adoption(); !a.Link {

@@ -258,7 +258,7 @@ func TestSteeringOutlivesTheDaemon(t *testing.T) {
 		waitUpload(before+1<<20, "after the restart")
 		stall := up.stall()
 		window, lost, probes := probe.finish()
-		if !strings.Contains(d.out.String(), "took over the data path the previous daemon left steering") {
+		if !strings.Contains(d.out.String(), "took over the data path the previous daemon left steering\" pins=") || !strings.Contains(d.out.String(), "program=true link=true tables=true") {
 			t.Errorf("%v: the new daemon did not take the pinned data path over:\n%s", sig, d.out.String())
 		}
 		if sig == syscall.SIGTERM && !strings.Contains(log.String(), "its data path keeps steering for the next daemon") {

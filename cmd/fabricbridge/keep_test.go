@@ -131,6 +131,9 @@ func estabResets(t *testing.T, ns *topology.NS) uint64 {
 // the interface back.
 func TestSteeringOutlivesTheDaemon(t *testing.T) {
 	testenv.RequirePrivileged(t)
+	// Under -race a process sleeps a second before it exits (the race
+	// runtime's atexit_sleep_ms), which would count in the restart.
+	t.Setenv("GORACE", "atexit_sleep_ms=0")
 	bridge, outside, v := topology.Pair(t, topology.VethOptions{})
 	if err := ethtool.DisableTxChecksum(outside, v.B.Name); err != nil {
 		t.Fatal(err)

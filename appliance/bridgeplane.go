@@ -25,8 +25,12 @@ type bridgePlane struct {
 	b      *bridge.Bridge
 	log    *slog.Logger
 
-	mu      sync.Mutex
-	closed  bool
+	mu     sync.Mutex
+	closed bool
+	// kept: closed by Handover. The claims that sessions ending then
+	// remove stay in the XDP program's tables for the next daemon, and
+	// not removing them is no error.
+	kept    bool
 	streams map[uint32]*planeStream
 	stop    chan struct{}
 	ticker  sync.WaitGroup
@@ -80,21 +84,29 @@ func bridgeConfig(in config.Interface, log *slog.Logger) (bridge.Config, error) 
 	return bc, err
 }
 
-func openBridge(cfg *config.Config, log *slog.Logger) (*bridgePlane, error) {
+// openBridge opens the bridge on the configured interface, taking over the
+// XDP program a previous daemon left pinned in pinDir ("": pin nothing), or
+// clearing a stale one a crashed process left attached.
+func openBridge(cfg *config.Config, log *slog.Logger, pinDir string) (*bridgePlane, error) {
 	in := cfg.Interfaces[0]
 	ifc, err := net.InterfaceByName(in.Name)
 	if err != nil {
 		return nil, fmt.Errorf("interface %s: %w", in.Name, err)
 	}
-	if removed, err := ebpf.DetachStale(ifc.Index); err != nil {
-		return nil, err
-	} else if removed {
-		log.Warn("removed a stale fabricbridge XDP program left attached by a crashed process", "interface", in.Name)
+	// A program pinned for this daemon is adopted by the bridge; one
+	// attached otherwise is in the way.
+	if _, pinned, _ := ebpf.PinnedLink(pinDir); !pinned {
+		if removed, err := ebpf.DetachStale(ifc.Index); err != nil {
+			return nil, err
+		} else if removed {
+			log.Warn("removed a stale fabricbridge XDP program left attached by a crashed process", "interface", in.Name)
+		}
 	}
 	bc, err := bridgeConfig(in, log)
 	if err != nil {
 		return nil, err
 	}
+	bc.PinDir = pinDir
 	b, err := bridge.Open(bc)
 	if err != nil {
 		return nil, fmt.Errorf("interface %s (attach: %s): %w", in.Name, in.Attach, err)
@@ -201,7 +213,16 @@ func (p *bridgePlane) AddFlows(flows []classifier.Flow) error {
 }
 
 func (p *bridgePlane) RemoveFlows(flows []classifier.Flow) error {
+	if p.handedOver() {
+		return nil
+	}
 	return p.unlocked(func() error { return p.b.RemoveFlows(flows) })
+}
+
+func (p *bridgePlane) handedOver() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.kept
 }
 
 func (p *bridgePlane) OwnPort(id uint32, pc classifier.PortClaim, own bool) error {
@@ -246,24 +267,58 @@ func (p *bridgePlane) RemoveStream(id uint32) error {
 func (p *bridgePlane) SetTables(t *classifier.Tables) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if p.kept {
+		return nil
+	}
 	if err := p.gone(); err != nil {
 		return err
 	}
 	return p.b.SetTables(t)
 }
 
+// steersWithoutUs reports whether the data path can go on steering after
+// a Handover: it runs an XDP program.
+func (p *bridgePlane) steersWithoutUs() bool {
+	_, xdp := p.b.Adoption()
+	return xdp
+}
+
+// releaseHeld removes the flows and listeners taken over from a previous
+// daemon that no application claimed again.
+func (p *bridgePlane) releaseHeld() (flows, listeners int, err error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if err := p.gone(); err != nil {
+		return 0, 0, err
+	}
+	return p.b.ReleaseHeld()
+}
+
 // Close detaches the bridge: XDP program, sockets, loops.
-func (p *bridgePlane) Close() error {
+func (p *bridgePlane) Close() error { return p.close(false) }
+
+// Handover stops the bridge but leaves its XDP program steering for the
+// next daemon (bridge.Handover). Control-plane changes that come after it
+// (the sessions ending) reach the bridge no more: the claims stay in the
+// program's tables for the applications to take back.
+func (p *bridgePlane) Handover() error { return p.close(true) }
+
+func (p *bridgePlane) close(keep bool) error {
 	p.mu.Lock()
 	if p.closed {
 		p.mu.Unlock()
 		return nil
 	}
-	p.closed = true
+	p.closed, p.kept = true, keep
 	p.mu.Unlock()
 	close(p.stop)
 	p.ticker.Wait()
-	err := p.b.Close()
+	var err error
+	if keep {
+		err = p.b.Handover()
+	} else {
+		err = p.b.Close()
+	}
 	p.mu.Lock()
 	for _, e := range p.streams {
 		e.endCapture()
@@ -339,7 +394,7 @@ var (
 	famStreamHealth    = metrics.Family{Name: "fabricbridge_stream_health", Type: metrics.Gauge, Help: "1 for each stream's health state (normal, sick: dropped in the last second, broken: the application is gone)."}
 	famKernelSendErr   = metrics.Family{Name: "fabricbridge_kernel_send_errors_total", Type: metrics.Counter, Help: "Packets the kernel refused on the hand-off path for unknown neighbours."}
 	famAttachFallback  = metrics.Family{Name: "fabricbridge_attach_fallback", Type: metrics.Gauge, Help: "1 for each path the data path tried at start and left for a slower one (from), with the path it ended on (to) and why (reason)."}
-	famQueueErrors     = metrics.Family{Name: "fabricbridge_queue_bind_errors_total", Type: metrics.Counter, Help: "Receive queues that came into use (ethtool -L) and could not be served: the frames they steer go to the kernel."}
+	famQueueErrors     = metrics.Family{Name: "fabricbridge_queue_bind_errors_total", Type: metrics.Counter, Help: "Receive queues that came into use (ethtool -L) and could not be served: the frames they steer are dropped (the kernel would reset them)."}
 	famVLANRulesBlind  = metrics.Family{Name: "fabricbridge_vlan_rules_blind", Type: metrics.Gauge, Help: "1 when rules match on VLAN ids but the interface strips VLAN tags before XDP and could not be made to stop: those rules cannot match."}
 )
 

@@ -1,6 +1,7 @@
 package appliance
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -20,6 +21,7 @@ import (
 	"github.com/fabricbridge/fabricbridge/appliance/config"
 	"github.com/fabricbridge/fabricbridge/classifier"
 	"github.com/fabricbridge/fabricbridge/control"
+	"github.com/fabricbridge/fabricbridge/ebpf"
 	"github.com/fabricbridge/fabricbridge/fabric"
 )
 
@@ -28,7 +30,28 @@ type Options struct {
 	// Log receives the structured log; nil means standard error in the
 	// configured format.
 	Log io.Writer
+	// BPFFS is where a bpf file system is mounted ("": DefaultBPFFS). The
+	// daemon pins its XDP link and tables under BPFFS/fabricbridge/NETNS/
+	// INTERFACE, so that they keep steering while it restarts (Handover)
+	// and the next daemon takes them over. Without a bpf file system
+	// there, nothing is kept, and a warning says so.
+	BPFFS string
+	// Release has Run give everything back when it stops (Close), for a
+	// final shutdown, instead of leaving the data path steering for the
+	// next daemon (Handover).
+	Release bool
 }
+
+// HoldGrace is how long a daemon keeps the flows and listeners it took over
+// from its predecessor for their applications to claim again. Their
+// frames are dropped meanwhile (the applications' TCP retransmits them);
+// afterwards, unclaimed ones go to the kernel, which resets them: their
+// applications did not come back. Applications on this host come back
+// within milliseconds of the control socket, remote ones within a second.
+const HoldGrace = 10 * time.Second
+
+// holdGrace is HoldGrace, shorter in tests.
+var holdGrace = HoldGrace
 
 // Daemon is a running fabricbridge.
 type Daemon struct {
@@ -54,6 +77,12 @@ type Daemon struct {
 	// up holds (bgp.go); nil without a bgp section.
 	announcer *announce.Announcer
 	up        atomic.Bool
+
+	// pinDir is where the data path is pinned for the next daemon; "":
+	// nothing is kept across a restart.
+	pinDir    string
+	adopted   bool // the data path took over a predecessor's program or tables
+	holdTimer *time.Timer
 
 	reserved   *classifier.PortSet
 	portRecord string // where the ports this daemon reserved are recorded
@@ -96,7 +125,8 @@ func Start(cfg *config.Config, opts Options) (_ *Daemon, err error) {
 	}
 	defer func() {
 		if err != nil {
-			d.shutdown()
+			// What a predecessor left steering stays for the next try.
+			d.shutdown(d.adopted)
 		}
 	}()
 
@@ -108,23 +138,29 @@ func Start(cfg *config.Config, opts Options) (_ *Daemon, err error) {
 	} else if removed {
 		d.log.Warn("removed a stale control socket left by a crashed daemon", "path", cfg.Control.Socket)
 	}
-	if pins, err := sweepPins(); err != nil {
-		return nil, fmt.Errorf("sweep %s: %w", PinDir, err)
-	} else if len(pins) > 0 {
-		d.log.Warn("removed stale pinned BPF objects", "paths", pins)
-	}
 	d.portRecord = cfg.Control.Socket + ".ports"
 	d.netns = netnsID()
+	if bpffs := cmp.Or(opts.BPFFS, DefaultBPFFS); ebpf.IsBPFFS(bpffs) {
+		if pins, err := sweepPins(pinRoot(bpffs)); err != nil {
+			return nil, fmt.Errorf("sweep %s: %w", pinRoot(bpffs), err)
+		} else if len(pins) > 0 {
+			d.log.Warn("removed the pinned XDP programs of interfaces that are gone", "paths", pins)
+		}
+		d.pinDir = pinDir(bpffs, d.netns, cfg.Interfaces[0].Name)
+	} else {
+		d.log.Warn("no bpf file system: steering stops while the daemon restarts, and peers' packets to applications are reset meanwhile", "bpffs", bpffs)
+	}
 	if d.reserved, err = d.reserve(cfg); err != nil {
 		return nil, err
 	}
 	d.log.Info("reserved ports for applications' outgoing connections", "range", cfg.ReservedPorts.String(), "added", d.reserved.String())
 
-	bp, err := openBridge(cfg, d.log)
+	bp, err := openBridge(cfg, d.log, d.pinDir)
 	if err != nil {
 		return nil, err
 	}
 	d.plane = bp
+	d.adopt(bp)
 	if d.ingest, err = openIngest(cfg, bp.b, d.log); err != nil {
 		return nil, err
 	}
@@ -273,9 +309,9 @@ func (d *Daemon) Reload(next *config.Config) error {
 	return nil
 }
 
-// Close shuts the daemon down: stops the metrics endpoint, detaches the data
-// plane from every interface, returns the reserved ports and removes the
-// control socket and lock.
+// Close shuts the daemon down for good: stops the metrics endpoint, detaches
+// the data plane from every interface (removing its pins), returns the
+// reserved ports and removes the control socket and lock.
 func (d *Daemon) Close() error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -283,16 +319,83 @@ func (d *Daemon) Close() error {
 		return nil
 	}
 	d.closed = true
-	err := d.shutdown()
+	err := d.shutdown(false)
 	d.log.Info("fabricbridge stopped", "error", err)
 	return err
 }
 
-func (d *Daemon) shutdown() error {
+// Handover shuts the daemon down for a restart: like Close, but the data
+// path keeps steering (its XDP program stays attached through its pinned
+// link, with every claim in its tables, and drops what it steers while no
+// daemon runs) and the reserved ports stay reserved, for the next daemon
+// to take over. The applications lose their sessions and come back to the
+// next daemon. Without a bpf file system (Options.BPFFS) it is Close.
+func (d *Daemon) Handover() error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if d.closed {
+		return nil
+	}
+	d.closed = true
+	bp, _ := d.plane.(*bridgePlane)
+	keep := d.pinDir != "" && bp != nil && bp.steersWithoutUs()
+	err := d.shutdown(keep)
+	if keep {
+		d.log.Info("fabricbridge stopped; its data path keeps steering for the next daemon", "pins", d.pinDir, "error", err)
+	} else {
+		d.log.Info("fabricbridge stopped", "error", err)
+	}
+	return err
+}
+
+// adopt logs what the data path took over from the previous daemon and
+// has the flows and listeners it holds for their applications released
+// after HoldGrace.
+func (d *Daemon) adopt(bp *bridgePlane) {
+	a, ok := bp.b.Adoption()
+	if !ok || d.pinDir == "" {
+		return
+	}
+	if len(a.Replaced) > 0 {
+		d.log.Warn("did not take over all of the previous daemon's data path", "pins", d.pinDir, "reason", a.Replaced)
+	}
+	if !a.Program && !a.Link && !a.Tables {
+		return
+	}
+	d.adopted = true
+	d.log.Info("took over the data path the previous daemon left steering", "pins", d.pinDir, "program", a.Program, "link", a.Link, "tables", a.Tables,
+		"held_flows", a.HeldFlows, "held_listeners", a.HeldListeners, "grace", holdGrace.String())
+	if a.HeldFlows+a.HeldListeners == 0 {
+		return
+	}
+	d.holdTimer = time.AfterFunc(holdGrace, func() {
+		flows, listeners, err := bp.releaseHeld()
+		if err != nil {
+			d.log.Debug("releasing the held entries", "error", err)
+			return
+		}
+		d.log.Info("released the held flows and listeners no application claimed again", "flows", flows, "listeners", listeners)
+	})
+}
+
+// shutdown stops everything Start started. With keep, the data path stays
+// for the next daemon: it stops first, so that the sessions ending after
+// it take nothing out of its tables, and the reserved ports stay reserved
+// (the next daemon adopts the record, as after a crash).
+func (d *Daemon) shutdown(keep bool) error {
 	// Routers stop sending here before anything stops serving.
 	errs := []error{d.stopAnnounce()}
+	if d.holdTimer != nil {
+		d.holdTimer.Stop()
+	}
 	if d.admin != nil {
 		d.admin.Close() // captures in progress end here
+	}
+	if keep {
+		errs = append(errs, d.ingest.Close()) // before the bridge: it shares the bridge's UMEMs
+		if d.plane != nil {
+			errs = append(errs, d.plane.Handover())
+		}
 	}
 	if d.server != nil {
 		// Ends every session: each application loses what it held, as if
@@ -313,11 +416,13 @@ func (d *Daemon) shutdown() error {
 		errs = append(errs, d.metrics.Shutdown(ctx))
 		cancel()
 	}
-	errs = append(errs, d.ingest.Close()) // before the bridge: it shares the bridge's UMEMs
-	if d.plane != nil {
-		errs = append(errs, d.plane.Close())
+	if !keep {
+		errs = append(errs, d.ingest.Close()) // before the bridge: it shares the bridge's UMEMs
+		if d.plane != nil {
+			errs = append(errs, d.plane.Close())
+		}
 	}
-	if d.reserved != nil {
+	if d.reserved != nil && !keep {
 		err := d.home.do(func() error { return unreservePorts(d.withoutPeers(d.reserved)) })
 		if err == nil {
 			os.Remove(d.portRecord)
@@ -351,8 +456,11 @@ func Run(ctx context.Context, path string, opts Options) error {
 	for {
 		select {
 		case <-ctx.Done():
-			d.log.Info("shutting down", "reason", context.Cause(ctx))
-			return d.Close()
+			d.log.Info("shutting down", "reason", context.Cause(ctx), "release", opts.Release)
+			if opts.Release {
+				return d.Close()
+			}
+			return d.Handover()
 		case <-hup:
 			d.log.Info("SIGHUP: reloading", "config", path)
 			next, err := config.LoadContext(ctx, path)

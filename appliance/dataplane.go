@@ -18,6 +18,9 @@ type dataplane interface {
 	Collect(w *metrics.Writer, names func(id uint32) string, apps map[uint32]string)
 	// Close detaches from the interfaces and releases everything.
 	Close() error
+	// Handover stops serving but leaves the data path steering, where it
+	// can, for the next daemon to take over.
+	Handover() error
 }
 
 var (
@@ -28,7 +31,7 @@ var (
 	famVerdictBytes = metrics.Family{Name: "fabricbridge_xdp_verdict_bytes_total", Type: metrics.Counter,
 		Help: "Bytes of the frames the classifier gave each verdict."}
 	famRedirectFailed = metrics.Family{Name: "fabricbridge_xdp_redirect_failed_total", Type: metrics.Counter,
-		Help: "Frames steered or ingested with no AF_XDP socket bound on their queue; they went to the kernel."}
+		Help: "Frames steered or ingested with no AF_XDP socket bound on their queue: steered ones are dropped, ingest ones go to the kernel."}
 	famMetaFailed = metrics.Family{Name: "fabricbridge_xdp_meta_failed_total", Type: metrics.Counter,
 		Help: "Frames for which the driver left no room for the metadata."}
 	famRulePackets = metrics.Family{Name: "fabricbridge_rule_packets_total", Type: metrics.Counter,

@@ -6,22 +6,34 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/fabricbridge/fabricbridge/ebpf"
 )
 
 // This file clears what a crashed daemon leaves behind, so that a restart
 // is never blocked by it: a control socket file nobody listens on and pins
-// under PinDir (an XDP program of ours left attached is ebpf.DetachStale's). Everything it removes is provably ours and provably dead; anything
-// else is an error that says what is in the way.
+// of interfaces that are gone (an XDP program of ours left attached is
+// ebpf.DetachStale's). Everything it removes is provably ours and provably
+// dead; anything else is an error that says what is in the way.
 
-// PinDir is where a fabricbridge would pin BPF objects. The daemon pins
-// nothing; the directory is swept at start in case an older version or an
-// operator left objects there.
-const PinDir = "/sys/fs/bpf/fabricbridge"
+// DefaultBPFFS is where the daemon looks for a bpf file system to pin its
+// data path in (Options.BPFFS).
+const DefaultBPFFS = "/sys/fs/bpf"
+
+// pinRoot is the daemons' directory on the bpf file system at bpffs. A
+// daemon pins under pinRoot/NETNS/INTERFACE (pinDir): one directory per
+// network namespace and interface, so per daemon.
+func pinRoot(bpffs string) string { return filepath.Join(bpffs, "fabricbridge") }
+
+func pinDir(bpffs string, netns uint64, ifname string) string {
+	return filepath.Join(pinRoot(bpffs), strconv.FormatUint(netns, 10), ifname)
+}
 
 // runLock is an exclusive flock held for the daemon's lifetime next to its
 // control socket. The kernel releases it when the process dies however it
@@ -80,22 +92,26 @@ func removeStaleSocket(path string) (removed bool, err error) {
 	return true, os.Remove(path)
 }
 
-// sweepPins removes BPF objects pinned under PinDir.
-func sweepPins() ([]string, error) {
-	entries, err := os.ReadDir(PinDir)
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil
-	}
+// sweepPins removes the pin directories under root whose XDP link attaches
+// to nothing any more: their interface (or its whole namespace) was
+// deleted, and with it the program's only use. Pins of interfaces that
+// exist belong to a daemon, running or to come, and stay.
+func sweepPins(root string) ([]string, error) {
+	dirs, err := filepath.Glob(filepath.Join(root, "*", "*"))
 	if err != nil {
 		return nil, err
 	}
 	var removed []string
-	for _, e := range entries {
-		p := filepath.Join(PinDir, e.Name())
-		if err := os.RemoveAll(p); err != nil {
+	for _, dir := range dirs {
+		ifindex, pinned, err := ebpf.PinnedLink(dir)
+		if err != nil || !pinned || ifindex != 0 {
+			continue
+		}
+		if _, err := ebpf.RemovePins(dir); err != nil {
 			return removed, err
 		}
-		removed = append(removed, p)
+		removed = append(removed, dir)
+		os.Remove(filepath.Dir(dir)) // the namespace's directory, once empty
 	}
 	return removed, nil
 }

@@ -340,8 +340,13 @@ func (d *Daemon) withoutPeers(added *classifier.PortSet) *classifier.PortSet {
 	if cfg == nil {
 		return added
 	}
+	return exceptPeers(added, d.peers(cfg))
+}
+
+// exceptPeers is added less every port the ranges of peers cover.
+func exceptPeers(added *classifier.PortSet, peers []peer) *classifier.PortSet {
 	out := *added
-	for _, p := range d.peers(cfg) {
+	for _, p := range peers {
 		if r := p.rec.Range; r.IsSet() {
 			for port := int(r.Lo); port <= int(r.Hi); port++ {
 				out[port/64] &^= 1 << (port % 64)

@@ -115,7 +115,13 @@ type Config struct {
 	// FlowCapacity is how many exact flows the XDP program's table holds
 	// (ebpf.Options); 0: ebpf.DefaultFlowCapacity.
 	FlowCapacity int
-	Logger       *slog.Logger
+	// PinDir, if set, is a directory on a bpf file system (one per
+	// interface and daemon) where the XDP program pins its link and
+	// tables, so that Handover can leave it steering while no bridge runs
+	// and the next Open with the same PinDir takes it over
+	// (ebpf.Options.PinDir). It does nothing on the AF_PACKET path.
+	PinDir string
+	Logger *slog.Logger
 
 	// manual (tests): no loops run; tests drive rxOnce and round themselves.
 	manual bool
@@ -264,6 +270,15 @@ func Open(cfg Config) (*Bridge, error) {
 		errs = append(errs, fmt.Errorf("%v: %w", p, err))
 		b.log.Warn("bridge: path unavailable", "interface", cfg.Interface, "path", p.String(), "err", err)
 	}
+	if b.path == PathAFPacket && cfg.PinDir != "" {
+		// A program a previous bridge left pinned would go on steering
+		// (and dropping) beside the packet sockets.
+		if detached, err := fbebpf.RemovePins(cfg.PinDir); err != nil {
+			b.log.Warn("bridge: removing the XDP program a previous bridge left pinned", "interface", cfg.Interface, "err", err)
+		} else if detached {
+			b.log.Info("bridge: detached the XDP program a previous bridge left pinned: this one runs on AF_PACKET", "interface", cfg.Interface)
+		}
+	}
 	if b.path == PathAuto {
 		if b.prog != nil {
 			b.prog.Close()
@@ -344,8 +359,12 @@ func (b *Bridge) openCommon() error {
 	if err := b.chooseQueues(a.NumRxQueues); err != nil {
 		return err
 	}
-	if err := nft.RemoveLeftover(ns, b.cfg.Interface); err != nil {
-		b.log.Warn("bridge: removing a leftover nftables table", "interface", b.cfg.Interface, "err", err)
+	// A program pinned on the interface means the last bridge ran XDP,
+	// which removed any table before it: a restart need not pay for nft.
+	if idx, pinned, _ := fbebpf.PinnedLink(b.cfg.PinDir); !pinned || idx != b.ifindex {
+		if err := nft.RemoveLeftover(ns, b.cfg.Interface); err != nil {
+			b.log.Warn("bridge: removing a leftover nftables table", "interface", b.cfg.Interface, "err", err)
+		}
 	}
 	if b.kernel, err = newKernelPath(); err != nil {
 		return err
@@ -830,7 +849,36 @@ func (b *Bridge) quiesce() {
 
 // Close stops the loops, detaches the program and releases everything.
 // Streams stay open: they belong to the caller.
-func (b *Bridge) Close() error {
+func (b *Bridge) Close() error { return b.close(false) }
+
+// Handover is Close for a restart: with Config.PinDir on an XDP path it
+// leaves the program attached through its pinned link, with its tables,
+// so that frames of applications' flows keep being steered, and dropped
+// while no socket is bound, instead of reaching the kernel, which would
+// reset them; the next Open with the same PinDir takes the program over.
+// VLAN tag stripping stays off if the rules turned it off. Otherwise it
+// is Close.
+func (b *Bridge) Handover() error { return b.close(b.cfg.PinDir != "" && b.prog != nil) }
+
+// Adoption is what the XDP program took over from a program pinned in
+// Config.PinDir; ok is false on the AF_PACKET path.
+func (b *Bridge) Adoption() (a fbebpf.Adoption, ok bool) {
+	if b.prog == nil {
+		return a, false
+	}
+	return b.prog.Adoption(), true
+}
+
+// ReleaseHeld removes the adopted flows and listeners that no application
+// claimed again (ebpf.Program.ReleaseHeld).
+func (b *Bridge) ReleaseHeld() (flows, listeners int, err error) {
+	if b.prog == nil {
+		return 0, 0, nil
+	}
+	return b.prog.ReleaseHeld()
+}
+
+func (b *Bridge) close(keep bool) error {
 	b.mu.Lock()
 	if b.closed {
 		b.mu.Unlock()
@@ -843,7 +891,7 @@ func (b *Bridge) Close() error {
 		b.watchWG.Wait()
 	}
 	var errs []error
-	if b.prog != nil {
+	if b.prog != nil && !keep {
 		// Frames stop arriving before the sockets go.
 		errs = append(errs, b.prog.Detach())
 		b.mu.Lock()
@@ -860,7 +908,12 @@ func (b *Bridge) Close() error {
 		q.tx.close()
 		q.closeFds()
 	}
-	if b.prog != nil {
+	switch {
+	case keep:
+		// The sockets are gone, and with them their entries in the
+		// program's socket map: it drops what it steers from now on.
+		errs = append(errs, b.prog.Leave())
+	case b.prog != nil:
 		errs = append(errs, b.prog.Close())
 	}
 	if b.afp != nil {

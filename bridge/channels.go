@@ -182,7 +182,7 @@ func (b *Bridge) queuesChanged(n int, from string) {
 		}
 		if err != nil {
 			b.queueErrs.Add(1)
-			b.log.Warn("bridge: cannot serve a receive queue that came into use: its frames for applications go to the kernel", "interface", b.cfg.Interface, "queue", id, "path", b.path.String(), "err", err)
+			b.log.Warn("bridge: cannot serve a receive queue that came into use: its frames for applications are dropped", "interface", b.cfg.Interface, "queue", id, "path", b.path.String(), "err", err)
 			continue
 		}
 		qs = append(slices.Clip(qs), q)

@@ -25,7 +25,7 @@ type Stats struct {
 	Routes RouteCacheStats
 	// QueueErrors counts receive queues that came into use while the
 	// bridge served all queues and could not be bound: their steered
-	// frames go to the kernel.
+	// frames are dropped.
 	QueueErrors uint64
 }
 

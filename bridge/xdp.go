@@ -20,7 +20,9 @@ const xdpHeadroom = unix.XDP_PACKET_HEADROOM
 // registered in the program's XSKMAP.
 func (b *Bridge) openXDP(p Path) (err error) {
 	if b.prog == nil {
-		if b.prog, err = fbebpf.LoadWith(fbebpf.Options{FlowCapacity: b.cfg.FlowCapacity}); err != nil {
+		// Frames of applications with no socket bound (a queue not served,
+		// a restart) are dropped: the kernel could only reset them.
+		if b.prog, err = fbebpf.LoadWith(fbebpf.Options{FlowCapacity: b.cfg.FlowCapacity, DropUnbound: true, PinDir: b.cfg.PinDir}); err != nil {
 			return err
 		}
 	}

@@ -179,6 +179,7 @@ const (
 	bpfMapXsks             = "xsks"
 	bpfProgFabricbridge    = "fabricbridge"
 	bpfProgPassAll         = "pass_all"
+	bpfVarDropUnbound      = "drop_unbound"
 	bpfVarRecordLast       = "record_last"
 	bpfVarStripUnbound     = "strip_unbound"
 	bpfVarUnusedAction     = "unused_action"
@@ -257,6 +258,7 @@ type bpfMapSpecs struct {
 //
 // It can be passed ebpf.CollectionSpec.Assign.
 type bpfVariableSpecs struct {
+	DropUnbound      *ebpf.VariableSpec `ebpf:"drop_unbound"`
 	RecordLast       *ebpf.VariableSpec `ebpf:"record_last"`
 	StripUnbound     *ebpf.VariableSpec `ebpf:"strip_unbound"`
 	UnusedAction     *ebpf.VariableSpec `ebpf:"unused_action"`
@@ -320,6 +322,7 @@ func (m *bpfMaps) Close() error {
 //
 // It can be passed to loadBpfObjects or ebpf.CollectionSpec.LoadAndAssign.
 type bpfVariables struct {
+	DropUnbound      *ebpf.Variable `ebpf:"drop_unbound"`
 	RecordLast       *ebpf.Variable `ebpf:"record_last"`
 	StripUnbound     *ebpf.Variable `ebpf:"strip_unbound"`
 	UnusedAction     *ebpf.Variable `ebpf:"unused_action"`

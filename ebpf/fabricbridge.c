@@ -175,6 +175,13 @@ volatile const __u32 record_last = 0;
 // the stripped frame. Left 0, an unbound ingest frame goes to the kernel whole.
 volatile const __u32 strip_unbound = 0;
 
+// The daemon sets drop_unbound at load time: a steered frame with no AF_XDP
+// socket on its queue (the daemon is restarting, or the queue is not served)
+// is dropped, so that its sender retransmits it later. Passed, it would reach
+// a kernel that has no socket for it and answers with a reset. Left 0 (the
+// tests), such a frame goes to the kernel.
+volatile const __u32 drop_unbound = 0;
+
 struct {
 	__uint(type, BPF_MAP_TYPE_ARRAY);
 	__uint(max_entries, 1);
@@ -827,7 +834,7 @@ static __always_inline int redirect(struct xdp_md *ctx, struct fb_meta *m)
 	}
 	*meta = *m;
 
-	ret = bpf_redirect_map(&xsks, ctx->rx_queue_index, XDP_PASS);
+	ret = bpf_redirect_map(&xsks, ctx->rx_queue_index, drop_unbound ? XDP_DROP : XDP_PASS);
 	if (ret != XDP_REDIRECT)
 		count_event(FB_EVENT_REDIRECT_FAILED);
 	return ret;

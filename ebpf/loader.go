@@ -12,6 +12,8 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"os"
+	"path/filepath"
 	"runtime"
 	"sync"
 
@@ -58,6 +60,13 @@ type Program struct {
 	mode      Mode
 	flows     map[bpfFbFlowKey]bpfFbTarget
 	listeners map[bpfFbListenKey]bpfFbTarget
+
+	// With Options.PinDir (pin.go): what was adopted, and the adopted
+	// entries no claim has overwritten yet.
+	pinDir        string
+	adoption      Adoption
+	heldFlows     map[bpfFbFlowKey]struct{}
+	heldListeners map[bpfFbListenKey]struct{}
 }
 
 // DefaultFlowCapacity is the size of the exact-flow table unless Options
@@ -76,6 +85,16 @@ type Options struct {
 	// claim beyond it is refused); 0 means DefaultFlowCapacity. The table
 	// is preallocated: about FlowEntryBytes of kernel memory a flow.
 	FlowCapacity int
+	// DropUnbound drops a steered frame that finds no AF_XDP socket on its
+	// queue, where the default passes it to the kernel. The kernel has no
+	// socket for an application's tuple and would answer a TCP segment
+	// with a reset; dropped, the segment is sent again later.
+	DropUnbound bool
+	// PinDir, if set, is a directory on a bpf file system, one per
+	// interface and daemon, where the program pins its link and tables so
+	// that it keeps steering after the process exits (see Leave), and
+	// from which it adopts a predecessor's (see pin.go and Adoption).
+	PinDir string
 }
 
 // Load loads the program and its maps into the kernel. The tables start empty:
@@ -99,6 +118,11 @@ func load(opts Options, testHooks bool) (*Program, error) {
 	if opts.FlowCapacity > 0 {
 		spec.Maps[bpfMapFlows].MaxEntries = uint32(opts.FlowCapacity)
 	}
+	if opts.DropUnbound {
+		if err := spec.Variables[bpfVarDropUnbound].Set(uint32(1)); err != nil {
+			return nil, fmt.Errorf("ebpf: %s: %w", bpfVarDropUnbound, err)
+		}
+	}
 	if testHooks {
 		for _, name := range []string{bpfVarRecordLast, bpfVarStripUnbound} {
 			if err := spec.Variables[name].Set(uint32(1)); err != nil {
@@ -111,38 +135,95 @@ func load(opts Options, testHooks bool) (*Program, error) {
 		return nil, errors.New("ebpf: rulesets has no inner map spec")
 	}
 	p := &Program{
-		ruleSetSpec: inner.Copy(),
-		flows:       map[bpfFbFlowKey]bpfFbTarget{},
-		listeners:   map[bpfFbListenKey]bpfFbTarget{},
+		ruleSetSpec:   inner.Copy(),
+		flows:         map[bpfFbFlowKey]bpfFbTarget{},
+		listeners:     map[bpfFbListenKey]bpfFbTarget{},
+		pinDir:        opts.PinDir,
+		heldFlows:     map[bpfFbFlowKey]struct{}{},
+		heldListeners: map[bpfFbListenKey]struct{}{},
 	}
-	if err := spec.LoadAndAssign(&p.objs, nil); err != nil {
+	build := buildID(opts, testHooks)
+	if p.pinDir != "" && p.reuse(spec, build) {
+		p.adoption.Program, p.adoption.Tables = true, true
+		if err := p.hold(); err != nil {
+			p.objs.Close()
+			return nil, err
+		}
+		return p, nil
+	}
+	var adopt map[string]*ebpf.Map
+	if p.pinDir != "" {
+		var why string
+		if adopt, why = openPinnedTables(p.pinDir, spec); why != "" {
+			p.adoption.Replaced = append(p.adoption.Replaced, why)
+		}
+	}
+	err = spec.LoadAndAssign(&p.objs, &ebpf.CollectionOptions{MapReplacements: adopt})
+	for _, m := range adopt {
+		m.Close() // the collection holds clones
+	}
+	if err != nil {
 		var verr *ebpf.VerifierError
 		if errors.As(err, &verr) {
 			return nil, fmt.Errorf("ebpf: verifier refused the program: %+v", verr)
 		}
 		return nil, fmt.Errorf("ebpf: load: %w", err)
 	}
-	if err := p.installRules(nil); err != nil {
+	if adopt != nil {
+		// The rules stay as the predecessor left them until the first
+		// Update: they are the configuration's, not any application's.
+		p.adoption.Tables = true
+		err = p.hold()
+	} else {
+		err = p.installRules(nil)
+		if err == nil && p.pinDir != "" {
+			err = p.pinTables(p.pinDir)
+		}
+	}
+	if err == nil && p.pinDir != "" {
+		err = p.pinProgram(build)
+	}
+	if err != nil {
 		p.objs.Close()
 		return nil, err
 	}
 	return p, nil
 }
 
-// Close detaches the program if attached and releases it and its maps.
+// Close detaches the program if attached and releases it and its maps;
+// with Options.PinDir it removes the pins too (Leave keeps them).
 func (p *Program) Close() error {
 	err := p.Detach()
-	return errors.Join(err, p.objs.Close())
+	err = errors.Join(err, p.objs.Close())
+	if p.pinDir != "" {
+		if rerr := os.RemoveAll(p.pinDir); rerr != nil {
+			err = errors.Join(err, fmt.Errorf("ebpf: remove pins: %w", rerr))
+		}
+	}
+	return err
 }
 
 // Attach attaches the program to the interface. With ModeAuto it tries native
 // mode first and falls back to generic; the mode it got is returned, because
 // generic mode is much slower and users must know when they run in it.
+//
+// With Options.PinDir, a link pinned there on the same interface in the
+// same mode (ModeAuto: native) is taken over: the program replaces its
+// predecessor in it atomically. Otherwise the new link is pinned there.
 func (p *Program) Attach(ifindex int, mode Mode) (Mode, error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.attached != nil {
 		return p.mode, fmt.Errorf("ebpf: already attached to ifindex %d", p.ifindex)
+	}
+	if p.pinDir != "" {
+		want := mode
+		if want == ModeAuto {
+			want = ModeNative
+		}
+		if ok, err := p.adoptLink(ifindex, want); ok || err != nil {
+			return want, err
+		}
 	}
 	try := []Mode{mode}
 	if mode == ModeAuto {
@@ -159,6 +240,12 @@ func (p *Program) Attach(ifindex int, mode Mode) (Mode, error) {
 			errs = append(errs, fmt.Errorf("%v: %w", m, err))
 			continue
 		}
+		if p.pinDir != "" {
+			if err := l.Pin(filepath.Join(p.pinDir, linkPin)); err != nil {
+				l.Close()
+				return 0, fmt.Errorf("ebpf: pin link: %w", err)
+			}
+		}
 		p.attached, p.ifindex, p.mode = l, ifindex, m
 		return m, nil
 	}
@@ -174,14 +261,21 @@ func (p *Program) Mode() (Mode, bool) {
 
 // Detach removes the program from its interface; without one it does nothing.
 // The attachment is a BPF link owned by this process, so a crashed process
-// leaves nothing attached behind it.
+// leaves nothing attached behind it, unless the link is pinned
+// (Options.PinDir): Detach unpins it.
 func (p *Program) Detach() error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.attached == nil {
 		return nil
 	}
-	err := p.attached.Close()
+	var err error
+	if p.pinDir != "" {
+		if uerr := p.attached.Unpin(); uerr != nil && !errors.Is(uerr, os.ErrNotExist) {
+			err = uerr
+		}
+	}
+	err = errors.Join(err, p.attached.Close())
 	p.attached = nil
 	if err != nil {
 		return fmt.Errorf("ebpf: detach from ifindex %d: %w", p.ifindex, err)
@@ -223,6 +317,7 @@ func (p *Program) AddFlows(flows []classifier.Flow) error {
 			return fmt.Errorf("ebpf: add flow %v -> %v: %w", f.Remote, f.Local, err)
 		}
 		p.flows[k] = v
+		delete(p.heldFlows, k)
 	}
 	return nil
 }
@@ -328,10 +423,10 @@ func (p *Program) Update(t *classifier.Tables) error {
 
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if err := putChanged(p.objs.Flows, p.flows, flows); err != nil {
+	if err := putChanged(p.objs.Flows, p.flows, flows, p.heldFlows); err != nil {
 		return fmt.Errorf("ebpf: flows: %w", err)
 	}
-	if err := putChanged(p.objs.Listeners, p.listeners, listeners); err != nil {
+	if err := putChanged(p.objs.Listeners, p.listeners, listeners, p.heldListeners); err != nil {
 		return fmt.Errorf("ebpf: listeners: %w", err)
 	}
 	if err := p.installRules(t.Rules()); err != nil {
@@ -363,8 +458,9 @@ func target(t classifier.Target) bpfFbTarget {
 }
 
 // putChanged writes the entries of want that installed lacks or holds
-// differently, and records them in installed.
-func putChanged[K comparable](m *ebpf.Map, installed, want map[K]bpfFbTarget) error {
+// differently, and records them in installed; an entry written is no
+// longer held.
+func putChanged[K comparable](m *ebpf.Map, installed, want map[K]bpfFbTarget, held map[K]struct{}) error {
 	for k, v := range want {
 		if old, ok := installed[k]; ok && old == v {
 			continue
@@ -373,6 +469,7 @@ func putChanged[K comparable](m *ebpf.Map, installed, want map[K]bpfFbTarget) er
 			return err
 		}
 		installed[k] = v
+		delete(held, k)
 	}
 	return nil
 }

@@ -15,10 +15,11 @@ import (
 // something. The interface is looked up in the calling thread's network
 // namespace.
 //
-// A program attached through a BPF link belongs to a live process (links
-// die with their owner): the kernel refuses to replace it, and DetachStale
-// returns an error that says so. So it does for a program of another name,
-// which is not ours to remove.
+// A program attached through a BPF link belongs to a live process or to a
+// pin (a daemon stopped for a restart leaves one, see Program.Leave): the
+// kernel refuses to replace it, and DetachStale returns an error that says
+// so. So it does for a program of another name, which is not ours to
+// remove.
 func DetachStale(ifindex int) (removed bool, err error) {
 	l, err := netlink.LinkByIndex(ifindex)
 	if err != nil {
@@ -51,7 +52,7 @@ func DetachStale(ifindex int) (removed bool, err error) {
 	}
 	if err := netlink.LinkSetXdpFdWithFlags(l, -1, flags); err != nil {
 		if errors.Is(err, unix.EBUSY) || errors.Is(err, unix.EEXIST) {
-			return false, fmt.Errorf("interface %s: XDP program %s is attached by a running process (a BPF link); stop it first", ifname, name)
+			return false, fmt.Errorf("interface %s: XDP program %s is attached through a BPF link, held by a running process or pinned in a bpf file system; stop the process, or remove the pin (a stopped daemon's: fabricbridge release)", ifname, name)
 		}
 		return false, fmt.Errorf("interface %s: detach stale XDP program %s: %w", ifname, name, err)
 	}

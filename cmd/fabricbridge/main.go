@@ -106,7 +106,7 @@ in network namespaces of its own.`,
 		return fmt.Errorf("%s: %w (%s --help)", c.CommandPath(), err, c.CommandPath())
 	})
 	root.AddCommand(newDemoCommand(), newRunCommand(), newCheckCommand(), newStatsCommand(),
-		newCaptureCommand(), newDrainCommand(), newAppCommand(), newVersionCommand())
+		newCaptureCommand(), newDrainCommand(), newReleaseCommand(), newAppCommand(), newVersionCommand())
 	return root
 }
 

@@ -1,0 +1,234 @@
+package ebpf
+
+import (
+	"errors"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/fabricbridge/fabricbridge/classifier"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
+)
+
+func programID(t *testing.T, p *Program) uint32 {
+	t.Helper()
+	info, err := p.Program().Info()
+	if err != nil {
+		t.Fatal(err)
+	}
+	id, _ := info.ID()
+	return uint32(id)
+}
+
+// dialDropped checks that a TCP connection to addr is neither answered nor
+// refused: its SYNs are dropped, where the kernel (no socket there) would
+// reset them.
+func dialDropped(t *testing.T, outside *topology.NS, addr netip.AddrPort) {
+	t.Helper()
+	err := outside.Do(func() error {
+		c, err := net.DialTimeout("tcp", addr.String(), 300*time.Millisecond)
+		if err == nil {
+			c.Close()
+		}
+		return err
+	})
+	var ne net.Error
+	if !errors.As(err, &ne) || !ne.Timeout() {
+		t.Errorf("dial %v: %v, want a timeout (SYN dropped, no reset)", addr, err)
+	}
+}
+
+// TestPinnedProgramOutlivesItsOwner loads and attaches the program with a
+// pin directory, leaves it (as a daemon that exits for a restart does) and
+// has a second load adopt it: the program stays attached throughout and
+// drops steered frames instead of letting the kernel reset them, a load
+// of the same build takes the program itself over (no verifier), the
+// adopted flows and listeners are held (steered to HoldStream) until
+// claimed again or released, the link is taken over with no moment without
+// a program, and tables of another size are replaced, not adopted.
+func TestPinnedProgramOutlivesItsOwner(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	bridge, outside, v := topology.Pair(t, topology.VethOptions{})
+	dir := filepath.Join(testenv.BPFFS(t), "ns", v.A.Name)
+	local := v.A.Addr4.Addr()
+	listen := netip.AddrPortFrom(local, 8080)
+	opts := Options{PinDir: dir, DropUnbound: true, FlowCapacity: 4096}
+
+	load := func(o Options) *Program {
+		t.Helper()
+		p, err := LoadWith(o)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	attach := func(p *Program) {
+		t.Helper()
+		if err := bridge.Do(func() error {
+			_, err := p.Attach(v.A.Index, ModeNative)
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	first := load(opts)
+	if a := first.Adoption(); a.Tables || a.Link || len(a.Replaced) > 0 {
+		t.Fatalf("nothing was pinned, yet: %v", a)
+	}
+	remote := netip.MustParseAddr("198.18.7.7")
+	flow := classifier.Flow{ID: 21, Protocol: classifier.ProtoUDP, Local: netip.AddrPortFrom(local, 4000), Remote: netip.AddrPortFrom(remote, 53), Stream: 3}
+	tables, err := classifier.Compile(&classifier.RuleSet{
+		Listeners: []classifier.Listener{{ID: 12, Protocol: classifier.ProtoTCP, Addr: local, Port: 8080, Stream: 1}},
+		Rules:     []classifier.Rule{{ID: 13, Protocol: classifier.ProtoUDP, DstPorts: classifier.Port(5001), Action: classifier.ActionDrop}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := first.Update(tables); err != nil {
+		t.Fatal(err)
+	}
+	if err := first.AddFlows([]classifier.Flow{flow}); err != nil {
+		t.Fatal(err)
+	}
+	attach(first)
+	firstID := programID(t, first)
+	if err := first.Leave(); err != nil {
+		t.Fatal(err)
+	}
+
+	// Nobody holds the program but its pins: it still steers, and with no
+	// socket bound it drops.
+	if id := bridge.XDPProgram(t, v.A.Name); id != firstID {
+		t.Fatalf("after Leave the interface runs program %d, want %d (the one left)", id, firstID)
+	}
+	dialDropped(t, outside, listen)
+
+	second := load(opts)
+	a := second.Adoption()
+	if !a.Program || !a.Tables || a.HeldFlows != 1 || a.HeldListeners != 1 || a.Link {
+		t.Fatalf("second program: %v, want the same program and its tables with one flow and one listener held, the link not yet", a)
+	}
+	if id := programID(t, second); id != firstID {
+		t.Errorf("the second load has program %d, want the first, %d, taken over", id, firstID)
+	}
+	flows, err := second.InstalledFlows()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := flows[flow.Key()]; got.Stream != HoldStream || got.Rule != flow.ID {
+		t.Errorf("adopted flow steers to %+v, want stream %d with its rule id %d", got, uint32(HoldStream), flow.ID)
+	}
+	attach(second)
+	if a := second.Adoption(); !a.Link {
+		t.Errorf("the pinned link was not taken over: %v", a)
+	}
+	if id := bridge.XDPProgram(t, v.A.Name); id != programID(t, second) {
+		t.Errorf("the interface runs program %d, want the second, %d", id, programID(t, second))
+	}
+	dialDropped(t, outside, listen)
+
+	// The listener is claimed again (a new stream id), the flow is not:
+	// releasing the held entries removes the flow only.
+	tables, err = classifier.Compile(&classifier.RuleSet{
+		Listeners: []classifier.Listener{{ID: 12, Protocol: classifier.ProtoTCP, Addr: local, Port: 8080, Stream: 9}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := second.Update(tables); err != nil {
+		t.Fatal(err)
+	}
+	if a := second.Adoption(); a.HeldListeners != 0 || a.HeldFlows != 1 {
+		t.Errorf("after the listener's claim: %v, want only the flow held", a)
+	}
+	if f, l, err := second.ReleaseHeld(); err != nil || f != 1 || l != 0 {
+		t.Errorf("ReleaseHeld: %d flows, %d listeners, %v; want 1, 0", f, l, err)
+	}
+	if flows, _ := second.InstalledFlows(); len(flows) != 0 {
+		t.Errorf("flows left after the release: %v", flows)
+	}
+	var lv bpfFbTarget
+	key := bpfFbListenKey{Family: 4, Proto: uint8(classifier.ProtoTCP), Port: 8080, Addr: words32(classifier.ToAddr16(local))}
+	if err := second.objs.Listeners.Lookup(&key, &lv); err != nil || lv.StreamId != 9 {
+		t.Errorf("the claimed listener steers to %+v (%v), want stream 9", lv, err)
+	}
+	if err := second.Leave(); err != nil {
+		t.Fatal(err)
+	}
+
+	// Another flow capacity: the tables do not fit and are replaced, the
+	// link is still taken over.
+	resized := opts
+	resized.FlowCapacity = 2048
+	third := load(resized)
+	if a := third.Adoption(); a.Program || a.Tables || len(a.Replaced) != 1 || !strings.Contains(a.Replaced[0], "MaxEntries") {
+		t.Errorf("resized flow table: %v, want the program loaded anew and the tables replaced for their size", a)
+	}
+	if id := programID(t, third); id == firstID {
+		t.Error("the resized program is the first one")
+	}
+	attach(third)
+	if a := third.Adoption(); !a.Link {
+		t.Errorf("resized: the link was not taken over: %v", a)
+	}
+	// Close gives everything back.
+	if err := third.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if id := bridge.XDPProgram(t, v.A.Name); id != 0 {
+		t.Errorf("program %d still attached after Close", id)
+	}
+	if _, err := os.Stat(dir); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("pins left after Close: %v", err)
+	}
+
+	// What an operator runs once the daemon is gone for good.
+	fourth := load(opts)
+	attach(fourth)
+	if err := fourth.Leave(); err != nil {
+		t.Fatal(err)
+	}
+	if idx, ok, err := PinnedLink(dir); err != nil || !ok || idx != v.A.Index {
+		t.Errorf("PinnedLink: %d, %v, %v; want %d", idx, ok, err, v.A.Index)
+	}
+	if detached, err := RemovePins(dir); err != nil || !detached {
+		t.Fatalf("RemovePins: %v, %v", detached, err)
+	}
+	if id := bridge.XDPProgram(t, v.A.Name); id != 0 {
+		t.Errorf("program %d still attached after RemovePins", id)
+	}
+	if _, ok, _ := PinnedLink(dir); ok {
+		t.Error("a link is still pinned after RemovePins")
+	}
+}
+
+// TestPinnedLinkOfADeletedInterface: a link whose interface went away is
+// reported as attaching to nothing, and is not taken over.
+func TestPinnedLinkOfADeletedInterface(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	bridge, _, v := topology.Pair(t, topology.VethOptions{})
+	dir := filepath.Join(testenv.BPFFS(t), "ns", v.A.Name)
+	p, err := LoadWith(Options{PinDir: dir, FlowCapacity: 1024})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := bridge.Do(func() error { _, err := p.Attach(v.A.Index, ModeNative); return err }); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Leave(); err != nil {
+		t.Fatal(err)
+	}
+	bridge.DeleteLink(t, v.A.Name)
+	if idx, ok, err := PinnedLink(dir); err != nil || !ok || idx != 0 {
+		t.Errorf("PinnedLink after the interface went: %d, %v, %v; want 0, true", idx, ok, err)
+	}
+	if _, err := RemovePins(dir); err != nil {
+		t.Fatal(err)
+	}
+}

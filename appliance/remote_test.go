@@ -19,6 +19,7 @@ import (
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 	"github.com/fabricbridge/fabricbridge/control"
 	"github.com/fabricbridge/fabricbridge/fabric"
+	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
 	"github.com/fabricbridge/fabricbridge/internal/topology"
 	"github.com/fabricbridge/fabricbridge/userstack"
 )
@@ -220,7 +221,8 @@ func TestRemoteApplicationBothWays(t *testing.T) {
 	out4, out6 := tp.v.B.Addr4.Addr(), tp.v.B.Addr6.Addr()
 	cfg := tp.config(t, fmt.Sprintf("applications:\n  - {name: far, secret_file: %s}\n", sf),
 		fmt.Sprintf("  tcp: {address: %q, auth: secret}\n", ctl))
-	d := tp.start(t, cfg, io.Discard)
+	daemonLog := &testenv.Output{}
+	d := tp.start(t, cfg, daemonLog)
 	defer d.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
@@ -390,6 +392,13 @@ func TestRemoteApplicationBothWays(t *testing.T) {
 	for _, r := range []string{"source_addr", "source_port", "protocol"} {
 		if v := metrics.Find(s, "fabricbridge_stream_tx_rejects_total", metrics.L("reason", r)...); len(v) != 1 || v[0].Value != 0 {
 			t.Errorf("TX rejects %s: %+v", r, v)
+		}
+	}
+	if t.Failed() {
+		for _, l := range strings.Split(daemonLog.String(), "\n") {
+			if strings.Contains(l, "refused a packet") {
+				t.Log(l)
+			}
 		}
 	}
 

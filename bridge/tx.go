@@ -66,6 +66,8 @@ type txSide struct {
 	c         txCounters
 	fragBuf   []byte // sendFragments's, made on first use
 
+	lastRejectLog time.Time // logReject's rate limit
+
 	// Commands from the control plane arrive on cmds; pending tells the
 	// loop to look (one atomic load per turn), the queue's wakefd wakes it.
 	cmds    chan txCmd
@@ -198,6 +200,7 @@ func (t *txSide) serve(tok int, e *streamEntry) bool {
 		}
 		if r != accepted {
 			sc.rejects[r]++
+			t.logReject(e, r, p)
 			continue
 		}
 		h, ok := t.l2.lookup(dstAddr(p))
@@ -205,6 +208,7 @@ func (t *txSide) serve(tok int, e *streamEntry) bool {
 			// A VLAN device's destination: the packet must fit that
 			// device's MTU and, with the 4-byte tag, the frame.
 			sc.rejects[rejMTU]++
+			t.logReject(e, rejMTU, p)
 			continue
 		}
 		if hook != nil {

@@ -66,6 +66,13 @@ func TestSynFloodMemoryPlateau(t *testing.T) {
 	if grown := int64(after[0]) - int64(before); grown > listenBacklog*8<<10 {
 		t.Errorf("the first flood left %d KB live, more than %d handshakes can hold", grown>>10, listenBacklog)
 	}
+	if raceEnabled {
+		// The race runtime drops sync.Pool entries at random, and the
+		// live heap swings by megabytes with them (3.9 MB in one CI run):
+		// the floods ran for the race detector's sake; the plain pass
+		// checks the plateau.
+		return
+	}
 	for i, a := range after[1:] {
 		if grown := int64(a) - int64(after[0]); grown > 2<<20 {
 			t.Errorf("flood %d added %d KB live to what the first left", i+2, grown>>10)

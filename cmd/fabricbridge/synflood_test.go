@@ -152,14 +152,16 @@ func TestRepeatedSynFloodsPlateau(t *testing.T) {
 		// to twice the live heap under GOGC=100, depends on when the
 		// collector last ran. A leak of a few hundred bytes per source
 		// (8192 new sources a flood, 5120 under the race detector)
-		// exceeds the 2 MB. Under the race detector, whose own memory
-		// grows with every goroutine and lock it has seen, only the live
-		// heap tells.
+		// exceeds the 2 MB. Under the race detector neither tells: its
+		// own memory grows with every goroutine and lock it has seen, and
+		// it drops sync.Pool entries at random, which swung a live heap by
+		// 3.9 MB in CI. There the floods run for the detector's sake and
+		// the plain pass checks the plateau.
 		for _, m := range []struct {
 			what string
 			kb   []int
 			skip bool
-		}{{"live heap", p.live, false}, {"resident memory", p.held, raceEnabled}} {
+		}{{"live heap", p.live, raceEnabled}, {"resident memory", p.held, raceEnabled}} {
 			if m.skip {
 				continue
 			}
@@ -172,7 +174,7 @@ func TestRepeatedSynFloodsPlateau(t *testing.T) {
 	}
 	// What the first flood may cost the application: the backlog's
 	// handshakes, at 8 KB each even with everything around them.
-	if first := procs[1].live[1] - procs[1].live[0]; first > 4096*8 {
+	if first := procs[1].live[1] - procs[1].live[0]; first > 4096*8 && !raceEnabled {
 		t.Errorf("application: the first flood left %d KB live, more than 4096 handshakes hold", first)
 	}
 	if _, err := client.get(url, map[int]string{1000: "app"}); err != nil {

@@ -192,12 +192,11 @@ func (b *Bridge) queuesChanged(n int, from string) {
 	b.engineQueuesChanged(n)
 }
 
-// engineQueuesChanged gives the offload engine, if one runs, a socket on
-// each queue in use that the bridge serves: the queues that just came into
-// use, and those that went out of use and came back before the engine
-// started, which it could not bind then. Queues the engine serves already
-// keep their loops. Called with b.mu held, on the watcher's thread in the
-// bridge's namespace, where the engine's sockets find the interface.
+// engineQueuesChanged gives the offload engine, if one runs, a socket and
+// a loop on each queue in use that the bridge serves and the engine does
+// not yet; queues it serves already keep their loops, idle or not. Called
+// with b.mu held, on the watcher's thread in the bridge's namespace, where
+// the engine's sockets find the interface.
 func (b *Bridge) engineQueuesChanged(n int) {
 	if b.engine == nil {
 		return

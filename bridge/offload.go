@@ -38,9 +38,9 @@ type Offload struct {
 // bridge's on every queue the bridge serves that is in use and sharing
 // their UMEMs (the kernel allows one UMEM per queue), which the program's
 // IngestXSKMap feeds; a bridge that follows the queues in use gives the
-// engine the queues that come into use too. On the AF_PACKET path the bridge's loops classify and strip the
-// datagrams themselves and feed the engine, and the nftables table hides
-// them from the kernel. Consumers see the same rings either way; only the
+// engine the queues that come into use too. On the AF_PACKET path the
+// bridge's loops classify and strip the datagrams themselves and feed the
+// engine, and the nftables table hides them from the kernel. Consumers see the same rings either way; only the
 // latency differs (see package offload).
 //
 // Call it on a thread in the interface's network namespace, as Open. Run

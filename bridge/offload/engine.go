@@ -93,7 +93,7 @@ type Engine struct {
 	cfg     Config
 	queues  []*queue // replaced (never changed in place) under mu; see AddQueue
 	rings   atomic.Pointer[map[uint32]*attached]
-	mu      sync.Mutex // serialises Attach, Detach, NewFeeder, Close
+	mu      sync.Mutex // serialises Attach, Detach, NewFeeder, AddQueue, Close
 	feeders []*Feeder  // fed engines only; under mu
 	fed     bool
 	kick    chan struct{} // fed: a feeder appended, a window may have opened
@@ -267,7 +267,7 @@ func (e *Engine) AddQueue(id int) error {
 		q.close()
 		return err
 	}
-	// Stats may be ranging over the old slice.
+	// Stats may range over the old slice, outside the lock.
 	e.queues = append(slices.Clip(e.queues), q)
 	return nil
 }

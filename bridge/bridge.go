@@ -17,6 +17,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/fabricbridge/fabricbridge/bridge/features"
+	"github.com/fabricbridge/fabricbridge/bridge/offload"
 	"github.com/fabricbridge/fabricbridge/bridge/xsk"
 	"github.com/fabricbridge/fabricbridge/classifier"
 	"github.com/fabricbridge/fabricbridge/classifier/nft"
@@ -155,6 +156,7 @@ type Bridge struct {
 	followQueues bool             // Config.Queues was nil: serve all in use
 	inUse        int              // receive queues in use when last read, under mu
 	queueErrs    atomic.Uint64    // queues that came into use and could not be served
+	engine       *offload.Engine  // StartOffload's on the XDP paths, under mu: it follows the queues too
 	watchStop    chan struct{}
 	watchWG      sync.WaitGroup
 
@@ -599,11 +601,11 @@ func (b *Bridge) Tried() []string {
 // why each failed.
 func (b *Bridge) Fallbacks() []Fallback { return slices.Clone(b.tried) }
 
-// umem is the UMEM of one queue on the XDP paths (nil otherwise), for
-// the offload engine's sockets, which share the queue with the bridge: the
-// kernel allows one UMEM per queue.
-func (b *Bridge) umem(queue int) *xsk.Umem {
-	for _, q := range b.queueList() {
+// umemLocked is the UMEM of one queue on the XDP paths (nil otherwise),
+// for the offload engine's sockets, which share the queue with the bridge:
+// the kernel allows one UMEM per queue. Called with b.mu held.
+func (b *Bridge) umemLocked(queue int) *xsk.Umem {
+	for _, q := range b.queues {
 		if x, ok := q.rx.(*xdpRx); ok && q.id == queue {
 			return x.umem
 		}

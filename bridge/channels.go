@@ -189,6 +189,27 @@ func (b *Bridge) queuesChanged(n int, from string) {
 		b.log.Info("bridge: serving a receive queue that came into use", "interface", b.cfg.Interface, "queue", id, "path", b.path.String())
 	}
 	b.queues = qs
+	b.engineQueuesChanged(n)
+}
+
+// engineQueuesChanged gives the offload engine, if one runs, a socket and
+// a loop on each queue in use that the bridge serves and the engine does
+// not yet; queues it serves already keep their loops, idle or not. Called
+// with b.mu held, on the watcher's thread in the bridge's namespace, where
+// the engine's sockets find the interface.
+func (b *Bridge) engineQueuesChanged(n int) {
+	if b.engine == nil {
+		return
+	}
+	for _, q := range b.queues {
+		if q.id >= n {
+			continue
+		}
+		if err := b.engine.AddQueue(q.id); err != nil {
+			b.queueErrs.Add(1)
+			b.log.Warn("bridge: the offload engine cannot serve a receive queue that came into use: its ingest datagrams go to the kernel", "interface", b.cfg.Interface, "queue", q.id, "err", err)
+		}
+	}
 }
 
 // openXDPQueue binds queue id on the attached program's path and registers

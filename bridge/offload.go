@@ -35,11 +35,12 @@ type Offload struct {
 // StartOffload starts the UDP offload engine: the datagrams an ingest rule
 // matches go, headers stripped, into rings[the rule's buffer id]. On the
 // XDP paths the engine reads AF_XDP sockets of its own, beside the
-// bridge's on every queue the bridge serves and sharing their UMEMs (the
-// kernel allows one UMEM per queue), which the program's IngestXSKMap
-// feeds. On the AF_PACKET path the bridge's loops classify and strip the
-// datagrams themselves and feed the engine, and the nftables table hides
-// them from the kernel. Consumers see the same rings either way; only the
+// bridge's on every queue the bridge serves that is in use and sharing
+// their UMEMs (the kernel allows one UMEM per queue), which the program's
+// IngestXSKMap feeds; a bridge that follows the queues in use gives the
+// engine the queues that come into use too. On the AF_PACKET path the
+// bridge's loops classify and strip the datagrams themselves and feed the
+// engine, and the nftables table hides them from the kernel. Consumers see the same rings either way; only the
 // latency differs (see package offload).
 //
 // Call it on a thread in the interface's network namespace, as Open. Run
@@ -48,12 +49,8 @@ type Offload struct {
 func (b *Bridge) StartOffload(cfg OffloadConfig, rings map[uint32]*ingest.Ring) (_ *Offload, err error) {
 	o := &Offload{b: b}
 	if b.prog != nil {
-		o.eng, err = offload.Start(offload.Config{
-			Program: b.prog, Ifindex: b.ifindex, Queues: b.cfg.Queues, Umem: b.umem,
-			BusyPoll: cfg.BusyPoll, Priority: cfg.Priority,
-		})
-		if err != nil {
-			return nil, fmt.Errorf("bridge: offload engine: %w", err)
+		if err := b.startEngine(o, cfg); err != nil {
+			return nil, err
 		}
 	} else {
 		o.eng, o.fed = offload.StartFed(), true
@@ -79,6 +76,36 @@ func (b *Bridge) StartOffload(cfg OffloadConfig, rings map[uint32]*ingest.Ring) 
 	return o, nil
 }
 
+// startEngine starts o's engine on the XDP paths, on the queues the
+// bridge serves that are in use (a socket on a queue out of use fails to
+// bind), and makes the bridge hand it the queues that come into use later
+// (queuesChanged). Both happen under b.mu, so that no queue comes into use
+// between the two unseen; the engine looks up the bridge's UMEMs with
+// b.mu held.
+func (b *Bridge) startEngine(o *Offload, cfg OffloadConfig) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return errors.New("bridge: closed")
+	}
+	var queues []int
+	for _, q := range b.queues {
+		if q.id < b.inUse {
+			queues = append(queues, q.id)
+		}
+	}
+	var err error
+	o.eng, err = offload.Start(offload.Config{
+		Program: b.prog, Ifindex: b.ifindex, Queues: queues, Umem: b.umemLocked,
+		BusyPoll: cfg.BusyPoll, Priority: cfg.Priority,
+	})
+	if err != nil {
+		return fmt.Errorf("bridge: offload engine: %w", err)
+	}
+	b.engine = o.eng
+	return nil
+}
+
 // Stats are the engine's counters.
 func (o *Offload) Stats() offload.Stats { return o.eng.Stats() }
 
@@ -87,6 +114,12 @@ func (o *Offload) Close() error {
 	var errs []error
 	if o.fed {
 		errs = append(errs, o.b.setIngest(nil))
+	} else {
+		o.b.mu.Lock()
+		if o.b.engine == o.eng {
+			o.b.engine = nil
+		}
+		o.b.mu.Unlock()
 	}
 	return errors.Join(append(errs, o.eng.Close())...)
 }

@@ -25,7 +25,8 @@ type Stats struct {
 	Routes RouteCacheStats
 	// QueueErrors counts receive queues that came into use while the
 	// bridge served all queues and could not be bound: their steered
-	// frames are dropped.
+	// frames are dropped. A queue the offload engine could not bind
+	// counts too: its ingest datagrams go to the kernel.
 	QueueErrors uint64
 }
 

@@ -33,6 +33,7 @@ import (
 	"errors"
 	"fmt"
 	"runtime"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -90,9 +91,9 @@ type Config struct {
 // Engine moves ingest frames from AF_XDP sockets into rings.
 type Engine struct {
 	cfg     Config
-	queues  []*queue
+	queues  []*queue // replaced (never changed in place) under mu; see AddQueue
 	rings   atomic.Pointer[map[uint32]*attached]
-	mu      sync.Mutex // serialises Attach, Detach, NewFeeder, Close
+	mu      sync.Mutex // serialises Attach, Detach, NewFeeder, AddQueue, Close
 	feeders []*Feeder  // fed engines only; under mu
 	fed     bool
 	kick    chan struct{} // fed: a feeder appended, a window may have opened
@@ -148,8 +149,9 @@ type Stats struct {
 	// engine's sockets: frames lost because the RX ring was full (the
 	// engine fell behind), and times it found no frame to receive into.
 	KernelDrops, FillRingEmpty uint64
-	// Queues are the same counters per receive queue, in Config.Queues
-	// order (their Queues field is nil).
+	// Queues are the same counters per receive queue, in the order the
+	// engine came to serve them: Config.Queues, then AddQueue's (their
+	// Queues field is nil).
 	Queues []QueueStats
 }
 
@@ -203,24 +205,71 @@ func Start(cfg Config) (*Engine, error) {
 			return nil, fmt.Errorf("ingest: queue %d: IngestXSKMap: %w", q.id, err)
 		}
 	}
-	if !cfg.manual {
-		started := make(chan error, len(e.queues))
-		for _, q := range e.queues {
-			e.wg.Add(1)
-			go q.loop(started)
-		}
-		var errs []error
-		for range e.queues {
-			if err := <-started; err != nil {
-				errs = append(errs, err)
-			}
-		}
-		if err := errors.Join(errs...); err != nil {
-			e.Close()
-			return nil, err
-		}
+	if err := e.startLoops(e.queues); err != nil {
+		e.Close()
+		return nil, err
 	}
 	return e, nil
+}
+
+// startLoops starts a loop on each of qs and waits until every one runs as
+// configured.
+func (e *Engine) startLoops(qs []*queue) error {
+	if e.cfg.manual {
+		return nil
+	}
+	started := make(chan error, len(qs))
+	for _, q := range qs {
+		e.wg.Add(1)
+		go q.loop(started)
+	}
+	var errs []error
+	for range qs {
+		if err := <-started; err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// AddQueue serves one more receive queue, as Start serves each of
+// Config.Queues: a socket on it (sharing Config.Umem's UMEM if set), in the
+// program's IngestXSKMap under the queue's index, which is where the
+// program looks up a datagram's socket, and a loop. It is for a queue that
+// came into use after Start (`ethtool -L`); a queue the engine serves
+// already is left as it is, loop and counters. Call it on a thread in the
+// interface's network namespace.
+func (e *Engine) AddQueue(id int) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	switch {
+	case e.closed:
+		return errors.New("ingest: engine closed")
+	case e.fed:
+		return errors.New("ingest: a fed engine has no sockets: its feeders follow the bridge's queues")
+	}
+	for _, q := range e.queues {
+		if q.id == id {
+			return nil
+		}
+	}
+	q, err := e.openQueue(id)
+	if err != nil {
+		return fmt.Errorf("ingest: queue %d: %w", id, err)
+	}
+	xm := e.cfg.Program.IngestXSKMap()
+	if err := xm.Put(uint32(id), uint32(q.sock.FD())); err != nil {
+		q.close()
+		return fmt.Errorf("ingest: queue %d: IngestXSKMap: %w", id, err)
+	}
+	if err := e.startLoops([]*queue{q}); err != nil {
+		_ = xm.Delete(uint32(id))
+		q.close()
+		return err
+	}
+	// Stats may range over the old slice, outside the lock.
+	e.queues = append(slices.Clip(e.queues), q)
+	return nil
 }
 
 func (e *Engine) openQueue(id int) (*queue, error) {
@@ -494,7 +543,10 @@ func (q *queue) sleep() {
 // Stats sums the counters of every queue.
 func (e *Engine) Stats() Stats {
 	var s Stats
-	for _, q := range e.queues {
+	e.mu.Lock()
+	queues := e.queues
+	e.mu.Unlock()
+	for _, q := range queues {
 		qs := QueueStats{Queue: q.id, Stats: q.c.stats()}
 		if st, err := q.sock.Statistics(); err == nil {
 			qs.KernelDrops = st.RxDropped + st.RxRingFull
@@ -576,14 +628,21 @@ func (e *Engine) unregister() {
 }
 
 func (e *Engine) closeQueues() error {
-	var errs []error
-	for _, q := range e.queues {
-		if q.own {
-			errs = append(errs, q.umem.Close())
-		} else {
-			errs = append(errs, q.sock.Close())
-		}
-	}
+	e.mu.Lock()
+	qs := e.queues
 	e.queues = nil
+	e.mu.Unlock()
+	var errs []error
+	for _, q := range qs {
+		errs = append(errs, q.close())
+	}
 	return errors.Join(errs...)
+}
+
+// close closes q's socket, and its UMEM if the engine made it.
+func (q *queue) close() error {
+	if q.own {
+		return q.umem.Close()
+	}
+	return q.sock.Close()
 }

@@ -47,7 +47,10 @@ func TestFlowDeltasSteer(t *testing.T) {
 		// flow exists (the kernel had it already). Count by content.
 		sendTo(t, c, flow.Local, payloads(10, "steered"))
 		if got := recvTagged(t, app, "steered", 10, 3*time.Second); got != 10 {
-			t.Fatalf("the stream got %d of 10 datagrams of the added flow", got)
+			ks.SetReadDeadline(time.Now().Add(100 * time.Millisecond))
+			_, kerr := ks.Read(make([]byte, 2048))
+			t.Fatalf("the stream got %d of 10 datagrams of the added flow (the kernel socket got one: %v); bridge %s, stats %+v",
+				got, kerr == nil, r.b.Path(), r.b.Stats())
 		}
 		ks.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
 		if n, err := ks.Read(make([]byte, 2048)); err == nil {

@@ -388,17 +388,41 @@ func TestRemoteApplicationBothWays(t *testing.T) {
 			t.Error(err)
 		}
 	}
-	s := tp.scrape(t, d)
-	for _, r := range []string{"source_addr", "source_port", "protocol"} {
-		if v := metrics.Find(s, "fabricbridge_stream_tx_rejects_total", metrics.L("reason", r)...); len(v) != 1 || v[0].Value != 0 {
-			t.Errorf("TX rejects %s: %+v", r, v)
+	// Nothing the application sends may be refused, but for resets. In two
+	// CI runs under load its stack sent one or a few 40-byte TCP segments
+	// (by their size resets) from a port of the reserved range it no longer
+	// owned, as from a connection that had closed and released its flow;
+	// the bridge refuses those, as it must. Which segment they answer is
+	// not known yet. Each refused packet is in the daemon's debug log, with
+	// its flags, so anything but a reset still fails here.
+	s := tp.scrape(t, d) // first: the log read after it has every packet it counted
+	refused, others := 0, 0
+	var logged []string
+	for _, l := range strings.Split(daemonLog.String(), "\n") {
+		if strings.Contains(l, "refused a packet") {
+			logged = append(logged, l)
+			if strings.Contains(l, "reason=source_port") && strings.Contains(l, "tcp_flags=R") {
+				refused++
+			} else {
+				others++
+			}
 		}
 	}
-	if t.Failed() {
-		for _, l := range strings.Split(daemonLog.String(), "\n") {
-			if strings.Contains(l, "refused a packet") {
-				t.Log(l)
-			}
+	if others > 0 {
+		t.Errorf("%d packets other than resets refused", others)
+	}
+	for _, r := range []string{"source_addr", "source_port", "protocol"} {
+		allowed := 0.0
+		if r == "source_port" {
+			allowed = float64(refused)
+		}
+		if v := metrics.Find(s, "fabricbridge_stream_tx_rejects_total", metrics.L("reason", r)...); len(v) != 1 || v[0].Value > allowed {
+			t.Errorf("TX rejects %s: %+v (resets refused: %d)", r, v, refused)
+		}
+	}
+	if t.Failed() || refused > 0 {
+		for _, l := range logged {
+			t.Log(l)
 		}
 	}
 

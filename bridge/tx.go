@@ -66,7 +66,8 @@ type txSide struct {
 	c         txCounters
 	fragBuf   []byte // sendFragments's, made on first use
 
-	lastRejectLog time.Time // logReject's rate limit
+	rejectLogSecond time.Time // logReject's rate limit: the second it counts in
+	rejectLogged    int       // and the lines it wrote in it
 
 	// Commands from the control plane arrive on cmds; pending tells the
 	// loop to look (one atomic load per turn), the queue's wakefd wakes it.

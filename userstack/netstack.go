@@ -50,7 +50,7 @@ func receiveBufferMax(rxDepth, mtu int) int {
 var tcpProbe atomic.Pointer[tcp.TCPProbeFunc]
 
 // newNetstack builds a gVisor stack over ep with the given addresses and
-// the TCP settings above: SACK on, CUBIC, receive-buffer moderation up to
+// the TCP settings above: SACK on (recovery by RFC 6675, not RACK), CUBIC, receive-buffer moderation up to
 // rcvMax (see receiveBufferMax), no Nagle delay (Go's net package turns it
 // off for every TCP connection too), and TIME-WAIT ports reusable when
 // safe, since ephemeral ports come from a bounded reserved range.
@@ -95,8 +95,8 @@ func newNetstack(ep *LinkEndpoint, addrs []netip.Addr, rcvMax int) (*stack.Stack
 		// every lost segment in flight and so closes the window to new
 		// sends. A 16 MiB transfer across a restart crawled for over a
 		// minute (TestStacksOutliveTheirBridge, about 1 run in 4 under
-		// -race). Without RACK, the RTO's slow start sends everything
-		// again at once.
+		// -race). Without RACK, slow start after the RTO sends again from
+		// the rewound pointer, its window doubling every round trip.
 		func() *tcpip.TCPRecovery { v := tcpip.TCPRecovery(0); return &v }(),
 		func() *tcpip.TCPTimeWaitReuseOption { v := tcpip.TCPTimeWaitReuseGlobal; return &v }(),
 	}

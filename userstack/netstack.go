@@ -50,10 +50,11 @@ func receiveBufferMax(rxDepth, mtu int) int {
 var tcpProbe atomic.Pointer[tcp.TCPProbeFunc]
 
 // newNetstack builds a gVisor stack over ep with the given addresses and
-// the TCP settings above: SACK on (recovery by RFC 6675, not RACK), CUBIC, receive-buffer moderation up to
-// rcvMax (see receiveBufferMax), no Nagle delay (Go's net package turns it
-// off for every TCP connection too), and TIME-WAIT ports reusable when
-// safe, since ephemeral ports come from a bounded reserved range.
+// the TCP settings above: SACK on (recovery by RFC 6675, not RACK), CUBIC,
+// receive-buffer moderation up to rcvMax (see receiveBufferMax), no Nagle
+// delay (Go's net package turns it off for every TCP connection too), and
+// TIME-WAIT ports reusable when safe, since ephemeral ports come from a
+// bounded reserved range.
 func newNetstack(ep *LinkEndpoint, addrs []netip.Addr, rcvMax int) (*stack.Stack, error) {
 	s := stack.New(stack.Options{
 		NetworkProtocols: []stack.NetworkProtocolFactory{

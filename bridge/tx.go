@@ -216,11 +216,7 @@ func (t *txSide) serve(tok int, e *streamEntry) bool {
 			hook.fn(Outbound, p, now)
 		}
 		if !ok {
-			if err := t.b.kernel.send(p); err == nil {
-				sc.kernel++
-			} else {
-				t.b.kernelErrs.Add(1)
-			}
+			t.toKernel(p, &sc)
 			continue
 		}
 		f := t.bufs[i]
@@ -313,10 +309,17 @@ func (t *txSide) sendFragments(p []byte, mtu int, hook *captureHook, now time.Ti
 		if hook != nil {
 			hook.fn(Outbound, f, now)
 		}
-		if err := t.b.kernel.send(f); err == nil {
-			sc.kernel++
-		} else {
-			t.b.kernelErrs.Add(1)
-		}
+		t.toKernel(f, sc)
 	})
+}
+
+// toKernel hands p to the kernel's IP layer, which routes it: the way out
+// for a destination the bridge has no neighbour entry for, and for
+// fragments.
+func (t *txSide) toKernel(p []byte, sc *txCounters) {
+	if err := t.b.kernel.send(p); err == nil {
+		sc.kernel++
+	} else {
+		t.b.kernelErrs.Add(1)
+	}
 }

@@ -400,9 +400,11 @@ func routedFarHost(t *testing.T, e *e2e, mtu int) (*topology.NS, *topology.Veth)
 	}
 	// Resolve the neighbours along the way (IPv6's first packets otherwise
 	// wait on neighbour discovery on two hops, and a lost SYN costs the
-	// test a second).
+	// test a second). The new link's IPv6 addresses are tentative until
+	// duplicate address detection ends, which a loaded machine stretches:
+	// 3 s was once too short in CI.
 	for _, dst := range []netip.Addr{link.B.Addr4.Addr(), link.B.Addr6.Addr()} {
-		if _, err := e.br.Ping(dst, 3, 3*time.Second); err != nil {
+		if _, err := e.br.Ping(dst, 3, 15*time.Second); err != nil {
 			t.Fatalf("the far host does not answer ping from the bridge host: %v", err)
 		}
 	}

@@ -38,6 +38,7 @@ const (
 	FlagIPv6          = 1 << 0 // the L3 header is IPv6
 	FlagFragment      = 1 << 1 // the packet is one fragment of a datagram
 	FlagLaterFragment = 1 << 2 // a fragment other than the first: no L4 header
+	FlagSecondChance  = 1 << 3 // steered by a Spread slot that has a Previous owner
 )
 
 // MetaSize is the size of Meta in the XDP metadata area.

@@ -112,7 +112,28 @@ type Listener struct {
 	Addr     netip.Addr
 	Port     uint16
 	Stream   uint32
+	// Spread, when set, shares the listener among several instances of
+	// one application: a packet goes to the current owner of its flow's
+	// slot instead of Stream. Stream is then one of the instances (any).
+	Spread *Spread
 }
+
+// Spread is one listener's consistent-hash table (maglev.Chain in stream
+// ids): a packet goes to the stream that owns the slot of
+// maglev.FlowHash(Seed, protocol, source, destination, ports) modulo
+// len(Slots). Every box builds the same Spread from the same instance set,
+// so which box a router picks does not matter.
+type Spread struct {
+	Seed  uint64
+	Slots []Slot // maglev.DefaultSize of them in the data plane
+}
+
+// Slot is one entry of a Spread. Previous is the stream that owned the
+// slot before it last changed hands (0: none, or the same as Current). A
+// packet steered by a slot with a Previous carries FlagSecondChance: if
+// Current does not know its connection, the bridge hands it to Previous
+// (see fabric.MarkMayReturn).
+type Slot struct{ Current, Previous uint32 }
 
 // Flow is one established conversation, named from the receiver's side:
 // packets from Remote to Local.

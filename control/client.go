@@ -26,6 +26,8 @@ type Client struct {
 	conn net.Conn
 	unix *net.UnixConn // local only
 	app  string
+	// instance is sent with register (SetInstance).
+	instance string
 
 	wmu  sync.Mutex
 	wbuf []byte
@@ -311,13 +313,18 @@ func registration(rep Reply) Registration {
 	return Registration{Stream: rep.Stream, Addrs: rep.Addrs, MTU: rep.MTU, Ports: rep.Ports, Geneve: rep.Geneve}
 }
 
+// SetInstance names this process among its application's instances for the
+// registration that follows (see Request.Instance); call it before
+// RegisterLocal or RegisterRemote, with the same name at every bridge.
+func (c *Client) SetInstance(name string) { c.instance = name }
+
 // RegisterLocal asks for the application's shared-memory stream (ring
 // depths 0: the bridge's default) and attaches it.
 func (c *Client) RegisterLocal(ctx context.Context, rxSlots, txSlots int) (Registration, *fabric.Stream, error) {
 	if c.unix == nil {
 		return Registration{}, nil, fmt.Errorf("%w: a shared-memory stream needs the local control socket", ErrBadRequest)
 	}
-	rep, err := c.call(ctx, &Request{Op: OpRegister, RxSlots: rxSlots, TxSlots: txSlots})
+	rep, err := c.call(ctx, &Request{Op: OpRegister, RxSlots: rxSlots, TxSlots: txSlots, Instance: c.instance})
 	if err != nil {
 		return Registration{}, nil, err
 	}
@@ -354,7 +361,7 @@ func (c *Client) RegisterLocal(ctx context.Context, rxSlots, txSlots int) (Regis
 // returns, among the rest, the bridge's GENEVE endpoint. Register the stream
 // on the local fabric.Remote with VNI = Registration.Stream afterwards.
 func (c *Client) RegisterRemote(ctx context.Context, geneve netip.AddrPort) (Registration, error) {
-	rep, err := c.call(ctx, &Request{Op: OpRegister, Geneve: geneve})
+	rep, err := c.call(ctx, &Request{Op: OpRegister, Geneve: geneve, Instance: c.instance})
 	if err != nil {
 		return Registration{}, err
 	}

@@ -44,6 +44,11 @@ type Request struct {
 	RxSlots int            `json:"rx_slots,omitempty"`
 	TxSlots int            `json:"tx_slots,omitempty"`
 	Geneve  netip.AddrPort `json:"geneve,omitzero"`
+	// Instance names this process among the instances of its application
+	// that share listeners (classifier.Spread). It must be the same at
+	// every bridge the instance registers with, since every bridge builds
+	// the shared tables from the sorted names. Empty: a sole instance.
+	Instance string `json:"instance,omitempty"`
 	// listen, connect
 	Proto  string         `json:"proto,omitempty"`
 	Addr   netip.Addr     `json:"addr,omitzero"`

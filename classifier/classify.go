@@ -97,6 +97,7 @@ func UnmarshalMeta(b []byte) Meta {
 type Tables struct {
 	flows     *flowTable
 	listeners map[ListenKey]Target
+	spreads   map[ListenKey]*Spread // the listeners that have one; nil if none
 	rules     []CompiledRule
 }
 
@@ -430,6 +431,15 @@ func (t *Tables) steer(p *packet, m *Meta) bool {
 		if hit, ok = t.listeners[lk]; !ok {
 			lk.Addr = Addr16{}
 			hit, ok = t.listeners[lk]
+		}
+		if ok && t.spreads != nil {
+			if sp := t.spreads[lk]; sp != nil {
+				slot := sp.slotOf(p)
+				hit.Stream = slot.Current
+				if slot.Previous != 0 && slot.Previous != slot.Current {
+					m.Flags |= FlagSecondChance
+				}
+			}
 		}
 	}
 	if ok {

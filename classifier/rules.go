@@ -197,6 +197,9 @@ func (s *RuleSet) Validate() error {
 		if l.Port == 0 {
 			errs = append(errs, fmt.Errorf("%s: port must not be 0", what))
 		}
+		if l.Spread != nil {
+			errs = append(errs, l.Spread.validate(what)...)
+		}
 		if l.Stream == 0 {
 			errs = append(errs, fmt.Errorf("%s: stream must not be 0", what))
 		}
@@ -292,6 +295,12 @@ func Compile(s *RuleSet) (*Tables, error) {
 	for _, l := range s.Listeners {
 		for _, k := range keysOfListener(l) {
 			t.listeners[k] = Target{Stream: l.Stream, Rule: l.ID}
+			if l.Spread != nil {
+				if t.spreads == nil {
+					t.spreads = make(map[ListenKey]*Spread)
+				}
+				t.spreads[k] = l.Spread
+			}
 		}
 	}
 	for _, r := range SortRules(s.Rules) {

@@ -215,10 +215,16 @@ func Moved(a, b *Table) float64 {
 // finaliser.
 func FlowHash(seed uint64, proto uint8, src, dst netip.Addr, srcPort, dstPort uint16) uint64 {
 	s, d := src.As16(), dst.As16()
+	return FlowHash16(seed, proto, &s, &d, srcPort, dstPort)
+}
+
+// FlowHash16 is FlowHash on addresses in their 16-byte form (IPv4 as
+// IPv4-mapped IPv6), for callers that hold the bytes.
+func FlowHash16(seed uint64, proto uint8, src, dst *[16]byte, srcPort, dstPort uint16) uint64 {
 	h := mix64(seed ^ uint64(proto)<<32 ^ uint64(srcPort)<<16 ^ uint64(dstPort))
 	for _, w := range [4]uint64{
-		binary.BigEndian.Uint64(s[:8]), binary.BigEndian.Uint64(s[8:]),
-		binary.BigEndian.Uint64(d[:8]), binary.BigEndian.Uint64(d[8:]),
+		binary.BigEndian.Uint64(src[:8]), binary.BigEndian.Uint64(src[8:]),
+		binary.BigEndian.Uint64(dst[:8]), binary.BigEndian.Uint64(dst[8:]),
 	} {
 		h = mix64(h ^ w*0x9e3779b97f4a7c15)
 	}

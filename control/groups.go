@@ -428,7 +428,7 @@ func (r *registry) expireDrains(now time.Time) {
 			restore()
 		}
 		r.log.Warn("ending drains failed; retrying in a second", "error", err)
-		if !r.stopped {
+		if !r.stopped && r.drainTimer != nil {
 			r.drainTimer.Reset(time.Second)
 		}
 		return

@@ -58,6 +58,7 @@ func controlConfig(cfg *config.Config, dp control.Dataplane, remote *fabric.Remo
 		Apps:           map[string]control.Policy{},
 		Secrets:        map[string][]byte{},
 		Remote:         remote,
+		Spread:         cfg.Spread.Control(),
 		Logger:         log,
 	}
 	for _, w := range cfg.Warnings {

@@ -265,6 +265,7 @@ var restartOnly = []struct {
 	{"applications", func(c *config.Config) any { return c.Applications }},
 	{"default_quota", func(c *config.Config) any { return c.DefaultQuota }},
 	{"bgp", func(c *config.Config) any { return c.BGP }},
+	{"spread", func(c *config.Config) any { return c.Spread }},
 }
 
 // Reload applies a new configuration's rules and log settings in one atomic

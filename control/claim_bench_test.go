@@ -101,14 +101,14 @@ func benchRemote(i int) netip.AddrPort {
 // (each with a stream when dp is a real bridge).
 func benchRegistry(tb testing.TB, dp Dataplane, apps int) (*registry, []*app) {
 	tb.Helper()
-	r, err := newRegistry(dp, classifier.PortRange{Lo: 10000, Hi: 65000}, 1000, Static{})
+	r, err := newRegistry(dp, classifier.PortRange{Lo: 10000, Hi: 65000}, 1000, Static{}, SpreadConfig{}, slog.Default())
 	if err != nil {
 		tb.Fatal(err)
 	}
 	pol := Policy{Addrs: []netip.Addr{benchLocal}, MaxFlows: 1 << 22}
 	var out []*app
 	for i := range apps {
-		a, err := r.register(fmt.Sprintf("app%d", i), "", pol, 0, func(id uint32, own classifier.Ownership) error {
+		a, err := r.register(fmt.Sprintf("app%d", i), "", "", pol, 0, func(id uint32, own classifier.Ownership) error {
 			if _, real := dp.(realPlane); !real {
 				return dp.AddStream(id, nil, own)
 			}

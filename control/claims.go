@@ -55,6 +55,7 @@ func (r *registry) unindex(a *app, c *claim) {
 		delete(a.portRefs, pc)
 		a.use.ports--
 	}
+	r.unhold(a, c)
 }
 
 // overlaps reports whether two listener addresses can both match one packet.
@@ -90,6 +91,15 @@ func (r *registry) grant(a *app, c *claim) error {
 		delete(a.claims, c.id)
 		r.unindex(a, c)
 	}
+	if c.listener && a.instance != "" {
+		restore, err := r.joinGroup(a, c)
+		if err != nil {
+			undo()
+			return fmt.Errorf("%w: %v", ErrInternal, err)
+		}
+		unclaim := undo
+		undo = func() { restore(); unclaim() }
+	}
 	t, err := r.compile()
 	if err != nil {
 		undo()
@@ -117,11 +127,14 @@ func (r *registry) listen(a *app, proto classifier.Protocol, addr netip.Addr, po
 	defer r.tables.Unlock()
 	r.mu.Lock()
 	defer r.mu.Unlock()
+	if a.draining {
+		return nil, fmt.Errorf("%w: instance %q drains and listens no more", ErrNotPermitted, a.instance)
+	}
 	if port == 0 {
 		if !a.mayTakePort() {
 			return nil, a.portQuotaErr()
 		}
-		p, err := r.freePort(proto)
+		p, err := r.freePortFor(a, proto)
 		if err != nil {
 			return nil, err
 		}
@@ -139,6 +152,9 @@ func (r *registry) listen(a *app, proto classifier.Protocol, addr netip.Addr, po
 		}
 		for _, c := range r.byPort[portKey{proto, port}] {
 			if c.listener && overlaps(c.addr.ip(), addr) {
+				if r.mayJoin(a, &c, addr) {
+					continue // another instance's: a shares the listener
+				}
 				who := r.holder(c.stream)
 				if c.stream == a.stream {
 					who = "this application already"
@@ -298,18 +314,34 @@ func (r *registry) freePort(proto classifier.Protocol) (uint16, error) {
 	return 0, fmt.Errorf("%w: all %d %v ports of %d-%d are held", ErrNoPorts, int(hi)-int(lo)+1, proto, lo, hi)
 }
 
+// freePortFor is freePort for a: an instance takes a port of its own
+// blocks of the reserved range.
+func (r *registry) freePortFor(a *app, proto classifier.Protocol) (uint16, error) {
+	if a.instance != "" && r.slices != nil {
+		return r.instancePort(a, proto)
+	}
+	return r.freePort(proto)
+}
+
 // flowPort picks the local port of a's new flow from local to remote: a
-// free port of the reserved range while there is one and a's ports quota
-// allows one more; else a port a's own flows hold already, towards another
-// remote (a flow is told apart by its whole tuple, and the port stays a's
-// alone, so the transmit check still isolates applications). So an
-// application at its ports quota goes on connecting within its own ports,
-// and leaves the rest of the range to the others.
+// free port of the reserved range (of an instance's own blocks) while
+// there is one and a's ports quota allows one more; else a port a's own
+// flows hold already, towards another remote (a flow is told apart by its
+// whole tuple, and the port stays a's alone, so the transmit check still
+// isolates applications). So an application at its ports quota goes on
+// connecting within its own ports, and leaves the rest of the range to the
+// others.
 func (r *registry) flowPort(a *app, proto classifier.Protocol, local netip.Addr, remote netip.AddrPort) (uint16, error) {
 	ring := a.reusable(proto)
 	atQuota := !a.mayTakePort()
+	sliced := a.instance != "" && r.slices != nil
 	if !atQuota {
-		if p, ok := r.pools[proto].next(r.ephemeral.Lo, r.ephemeral.Hi); ok {
+		if sliced {
+			if p, err := r.instancePort(a, proto); err == nil {
+				ring.add(p)
+				return p, nil
+			}
+		} else if p, ok := r.pools[proto].next(r.ephemeral.Lo, r.ephemeral.Hi); ok {
 			ring.add(p)
 			return p, nil
 		}
@@ -326,7 +358,7 @@ func (r *registry) flowPort(a *app, proto classifier.Protocol, local netip.Addr,
 			}
 			clash = clash || c.addr.ip() == local && c.peer() == remote
 		}
-		if !mine {
+		if !mine || sliced && !r.usablePort(a, q) {
 			ring.drop(ring.cur)
 			continue
 		}
@@ -337,7 +369,7 @@ func (r *registry) flowPort(a *app, proto classifier.Protocol, local netip.Addr,
 	if atQuota {
 		return 0, a.portQuotaErr()
 	}
-	return r.freePort(proto) // for its error
+	return r.freePortFor(a, proto) // for its error
 }
 
 // maxReuseTries bounds the ports flowPort looks at to share one.
@@ -482,18 +514,17 @@ func (r *registry) release(a *app, id uint64) error {
 	if _, ok := a.claims[id]; !ok {
 		return fmt.Errorf("%w: %d", ErrUnknownClaim, id) // released meanwhile
 	}
+	if c.listener && a.instance != "" {
+		return r.releaseShared(a, c)
+	}
 	delete(a.claims, id)
 	r.unindex(a, c)
-	t, err := r.compile()
-	if err == nil {
-		err = r.dp.SetTables(t)
-	}
-	if err != nil {
+	if err := r.apply(); err != nil {
 		// The tables still steer the tuple: keep the claim, so that state
 		// and data plane agree. The lease's end removes it in any case.
 		a.claims[id] = *c
 		r.index(a, c)
-		return dataplaneErr(err)
+		return err
 	}
 	if err := r.dp.SetOwnership(a.stream, a.ownership()); err != nil {
 		return dataplaneErr(err)
@@ -505,17 +536,36 @@ func (r *registry) release(a *app, id uint64) error {
 // returns to the pool only once the data plane no longer steers the flow.
 func (r *registry) releaseDelta(a *app, c *claim) error {
 	r.tables.RLock()
-	defer r.tables.RUnlock()
 	if err := r.flowDP.RemoveFlows([]classifier.Flow{a.flow(c)}); err != nil {
+		r.tables.RUnlock()
 		return dataplaneErr(err)
 	}
 	r.mu.Lock()
 	delete(a.claims, c.id)
 	r.unindex(a, c)
 	pc := classifier.PortClaim{Proto: c.proto, Port: c.port}
+	stale := r.rulesStale
 	r.mu.Unlock()
-	if err := r.syncPort(a, pc); err != nil {
+	err := r.syncPort(a, pc)
+	r.tables.RUnlock()
+	if err != nil {
 		return dataplaneErr(err)
 	}
+	if stale {
+		return r.applyStale()
+	}
 	return nil
+}
+
+// applyStale applies the tables if a port block's rule changed since they
+// were last applied (unhold): the delta paths change no rules themselves.
+func (r *registry) applyStale() error {
+	r.tables.Lock()
+	defer r.tables.Unlock()
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if !r.rulesStale {
+		return nil
+	}
+	return r.apply()
 }

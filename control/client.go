@@ -423,6 +423,16 @@ func (c *Client) Release(ctx context.Context, id uint64) error {
 	return err
 }
 
+// Drain asks the bridge to send this instance no new connections on the
+// listeners it shares with other instances of its application, while its
+// established ones keep reaching it until they end or the bridge's drain
+// deadline passes; then it no longer holds those listeners. Only an
+// instance (SetInstance) can drain.
+func (c *Client) Drain(ctx context.Context) error {
+	_, err := c.call(ctx, &Request{Op: OpDrain})
+	return err
+}
+
 // ErrorCode returns the wire code of an error from this package ("" if it
 // is none of them), for logs and metrics.
 func ErrorCode(err error) string {

@@ -2,6 +2,7 @@ package control
 
 import (
 	"errors"
+	"log/slog"
 	"maps"
 	"math/rand/v2"
 	"net/netip"
@@ -103,7 +104,7 @@ func (f *flowRecorder) OwnPort(id uint32, p classifier.PortClaim, own bool) erro
 func TestDeltasKeepOwnershipAndFlows(t *testing.T) {
 	dp := newFlowRecorder()
 	web := AppStatic{Listeners: []classifier.Listener{{ID: 1, Protocol: classifier.ProtoTCP, Port: 80}}}
-	r, err := newRegistry(dp, classifier.PortRange{Lo: 20000, Hi: 20015}, 100, Static{Apps: map[string]AppStatic{"app1": web}})
+	r, err := newRegistry(dp, classifier.PortRange{Lo: 20000, Hi: 20015}, 100, Static{Apps: map[string]AppStatic{"app1": web}}, SpreadConfig{}, slog.Default())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -112,7 +113,7 @@ func TestDeltasKeepOwnershipAndFlows(t *testing.T) {
 	}
 	pol := Policy{Addrs: []netip.Addr{benchLocal}, MaxFlows: 1000}
 	register := func(name string) *app {
-		a, err := r.register(name, name, pol, 0, func(id uint32, own classifier.Ownership) error { return dp.AddStream(id, nil, own) })
+		a, err := r.register(name, "", name, pol, 0, func(id uint32, own classifier.Ownership) error { return dp.AddStream(id, nil, own) })
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -182,13 +183,13 @@ func TestDeltasKeepOwnershipAndFlows(t *testing.T) {
 // another application's, and never twice to one remote.
 func TestPortsShareWithinAnApplicationOnly(t *testing.T) {
 	dp := newFlowRecorder()
-	r, err := newRegistry(dp, classifier.PortRange{Lo: 20000, Hi: 20003}, 100, Static{})
+	r, err := newRegistry(dp, classifier.PortRange{Lo: 20000, Hi: 20003}, 100, Static{}, SpreadConfig{}, slog.Default())
 	if err != nil {
 		t.Fatal(err)
 	}
 	pol := Policy{Addrs: []netip.Addr{benchLocal}, MaxFlows: 1000}
 	reg := func(name string) *app {
-		a, err := r.register(name, name, pol, 0, func(id uint32, own classifier.Ownership) error { return dp.AddStream(id, nil, own) })
+		a, err := r.register(name, "", name, pol, 0, func(id uint32, own classifier.Ownership) error { return dp.AddStream(id, nil, own) })
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -233,12 +234,12 @@ func TestPortsShareWithinAnApplicationOnly(t *testing.T) {
 // called, whatever order the two reach the data plane in.
 func TestReusedPortStaysOwned(t *testing.T) {
 	dp := newFlowRecorder()
-	r, err := newRegistry(dp, classifier.PortRange{Lo: 20000, Hi: 20003}, 100, Static{})
+	r, err := newRegistry(dp, classifier.PortRange{Lo: 20000, Hi: 20003}, 100, Static{}, SpreadConfig{}, slog.Default())
 	if err != nil {
 		t.Fatal(err)
 	}
 	pol := Policy{Addrs: []netip.Addr{benchLocal}, MaxFlows: 1000, MaxPorts: 4}
-	a, err := r.register("app", "app", pol, 0, func(id uint32, own classifier.Ownership) error { return dp.AddStream(id, nil, own) })
+	a, err := r.register("app", "", "app", pol, 0, func(id uint32, own classifier.Ownership) error { return dp.AddStream(id, nil, own) })
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -26,6 +26,10 @@ const (
 	OpListen   = "listen"
 	OpConnect  = "connect"
 	OpRelease  = "release"
+	// OpDrain takes the registered instance out of the tables of the
+	// listeners it shares: it gets no new connections and keeps its
+	// established ones until they end or the drain deadline passes.
+	OpDrain = "drain"
 )
 
 // Request is every message a client sends; which fields are meaningful

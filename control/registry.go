@@ -3,9 +3,11 @@ package control
 import (
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/netip"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
 	"github.com/fabricbridge/fabricbridge/fabric"
@@ -83,6 +85,18 @@ type registry struct {
 	streamCur uint32
 	pools     map[classifier.Protocol]*portPool
 	usage     map[string]*usage // by quota holder (quotaKey)
+
+	// Instances (groups.go, slices.go).
+	spread     SpreadConfig
+	instances  map[string]*app     // by instanceKey
+	groups     map[groupKey]*group // the listeners instances share
+	slices     *portSlices         // nil without instances or reserved range
+	rulesStale bool                // a block's hold ended since the tables were applied
+	drains     DrainStats
+	drainTimer *time.Timer
+	stopped    bool             // no more drain timers
+	now        func() time.Time // the drain deadlines' clock
+	log        *slog.Logger
 }
 
 type portKey struct {
@@ -93,6 +107,8 @@ type portKey struct {
 // app is one registered application: one control connection, one stream.
 type app struct {
 	name      string
+	instance  string // its name among the application's instances; "": the sole one
+	draining  bool   // an instance that drains listens no more
 	stream    uint32
 	policy    Policy
 	flowID    uint32           // the counter id all its flows share
@@ -164,8 +180,19 @@ func (p ipBytes) ip() netip.Addr {
 // maxStreamID keeps stream ids inside GENEVE's 24-bit VNI.
 const maxStreamID = 1<<24 - 1
 
-func newRegistry(dp Dataplane, ephemeral classifier.PortRange, firstID uint32, static Static) (*registry, error) {
+func newRegistry(dp Dataplane, ephemeral classifier.PortRange, firstID uint32, static Static, spread SpreadConfig, log *slog.Logger) (*registry, error) {
+	if spread.Seed == 0 {
+		spread.Seed = DefaultSpreadSeed
+	}
+	if spread.DrainDeadline == 0 {
+		spread.DrainDeadline = DefaultDrainDeadline
+	}
 	r := &registry{
+		spread:    spread,
+		instances: make(map[string]*app),
+		groups:    make(map[groupKey]*group),
+		now:       time.Now,
+		log:       log,
 		dp:        dp,
 		ephemeral: ephemeral,
 		firstID:   max(firstID, 1),
@@ -194,12 +221,14 @@ func dataplaneErr(err error) error {
 	return fmt.Errorf("%w: data plane: %v", ErrInternal, err)
 }
 
-// register adds an application: it checks the quota of holder key (the
-// name, or unlistedKey) for one more stream of ringBytes, picks a stream id
-// and a flow counter id and calls attach, which creates the stream and adds
-// it to the data plane; then the static entries bound to the application's
-// name, if any, start steering to it. On any error nothing is left behind.
-func (r *registry) register(name, key string, pol Policy, ringBytes int64, attach func(id uint32, own classifier.Ownership) error) (*app, error) {
+// register adds an application, or one instance of it (instance not
+// empty): it checks the quota of holder key (the name, or unlistedKey) for
+// one more stream of ringBytes, picks a stream id and a flow counter id and
+// calls attach, which creates the stream and adds it to the data plane;
+// then the static entries bound to the application's name, if any, start
+// steering to it, and an instance gets its blocks of the reserved range.
+// On any error nothing is left behind.
+func (r *registry) register(name, instance, key string, pol Policy, ringBytes int64, attach func(id uint32, own classifier.Ownership) error) (*app, error) {
 	r.tables.Lock()
 	defer r.tables.Unlock()
 	r.mu.Lock()
@@ -207,6 +236,9 @@ func (r *registry) register(name, key string, pol Policy, ringBytes int64, attac
 	_, bound := r.static.Apps[name]
 	if holder := r.named[name]; bound && holder != nil {
 		return nil, fmt.Errorf("%w: application %q is registered already (stream %d) and holds its configured listeners", ErrNameTaken, name, holder.stream)
+	}
+	if other := r.instances[name+"/"+instance]; instance != "" && other != nil {
+		return nil, fmt.Errorf("%w: instance %q of application %q is registered already (stream %d); every instance needs a name of its own", ErrNameTaken, instance, name, other.stream)
 	}
 	if err := r.admitStream(key, &pol, ringBytes); err != nil {
 		return nil, err
@@ -220,6 +252,7 @@ func (r *registry) register(name, key string, pol Policy, ringBytes int64, attac
 		return nil, quotaErr(ReasonQuotaIDs, "no free counter id")
 	}
 	a := newApp(name, id, pol, flowID)
+	a.instance = instance
 	a.quotaKey, a.ringBytes = key, ringBytes
 	if bound {
 		a.bind(r.static.Apps[name])
@@ -232,19 +265,29 @@ func (r *registry) register(name, key string, pol Policy, ringBytes int64, attac
 	a.use = r.use(key)
 	a.use.streams++
 	a.use.ringBytes += ringBytes
-	if bound {
-		r.named[name] = a
-		t, err := r.compile()
+	if bound || instance != "" {
+		if bound {
+			r.named[name] = a
+		}
+		restore := func() {}
+		var err error
+		if instance != "" {
+			r.instances[instanceKey(a)] = a
+			restore, err = r.reslice()
+		}
 		if err == nil {
-			err = r.dp.SetTables(t)
+			if err = r.apply(); err != nil {
+				restore()
+			}
 		}
 		if err != nil {
 			delete(r.apps, id)
 			r.dropStream(a)
 			delete(r.named, name)
+			delete(r.instances, instanceKey(a))
 			r.usedIDs[flowID] = false
 			r.dp.RemoveStream(id)
-			return nil, dataplaneErr(err)
+			return nil, err
 		}
 	}
 	return a, nil
@@ -301,10 +344,18 @@ func (r *registry) unregister(a *app) error {
 	if r.named[a.name] == a {
 		delete(r.named, a.name)
 	}
-	whole := r.flowDP == nil || a.listeners > 0 || a.static != nil
+	var errs []error
+	if a.instance != "" {
+		delete(r.instances, instanceKey(a))
+		r.leaveGroups(a)
+		if _, err := r.reslice(); err != nil {
+			errs = append(errs, err)
+		}
+		r.scheduleDrains()
+	}
+	whole := r.flowDP == nil || a.listeners > 0 || a.static != nil || a.instance != ""
 	r.mu.Unlock()
 	// a is out of r.apps: nothing but this reads or writes its claims now.
-	var errs []error
 	if r.flowDP != nil {
 		flows := make([]classifier.Flow, 0, len(a.claims)-a.listeners)
 		for _, c := range a.claims {
@@ -321,9 +372,7 @@ func (r *registry) unregister(a *app) error {
 	if whole {
 		r.tables.Lock()
 		r.mu.Lock()
-		if t, err := r.compile(); err != nil {
-			errs = append(errs, err)
-		} else if err := r.dp.SetTables(t); err != nil {
+		if err := r.apply(); err != nil {
 			errs = append(errs, err)
 		}
 		r.mu.Unlock()
@@ -364,6 +413,7 @@ func (r *registry) releaseAll(a *app) {
 // AppInfo describes one registered application, for metrics and the CLI.
 type AppInfo struct {
 	Name      string
+	Instance  string // "" unless it registered as an instance
 	Stream    uint32
 	Listeners int                    // listeners it asked for
 	Flows     int                    // connections it asked for
@@ -375,7 +425,7 @@ func (r *registry) snapshot() []AppInfo {
 	defer r.mu.Unlock()
 	out := make([]AppInfo, 0, len(r.apps))
 	for _, a := range r.apps {
-		info := AppInfo{Name: a.name, Stream: a.stream, Ports: a.ownership().Ports,
+		info := AppInfo{Name: a.name, Instance: a.instance, Stream: a.stream, Ports: a.ownership().Ports,
 			Listeners: a.listeners, Flows: len(a.claims) - a.listeners}
 		out = append(out, info)
 	}

@@ -109,6 +109,10 @@ type Config struct {
 	// RemoteAdvertise is the address remote applications send GENEVE to.
 	// Default Remote.LocalAddr().
 	RemoteAdvertise netip.AddrPort
+	// Spread shapes the listeners that several instances of one
+	// application share, and their port slices; it must be the same on
+	// every box of a cluster.
+	Spread SpreadConfig
 	// HandshakeTimeout bounds hello and auth. Default 10 s.
 	HandshakeTimeout time.Duration
 	// Logger receives one line per session start, end and refusal.
@@ -168,7 +172,10 @@ func NewServer(cfg Config) (*Server, error) {
 			return nil, fmt.Errorf("control: %v is not a usable application address", a)
 		}
 	}
-	reg, err := newRegistry(cfg.Dataplane, cfg.Ephemeral, cfg.FirstDynamicID, cfg.Static)
+	if cfg.Spread.DrainDeadline < 0 {
+		return nil, fmt.Errorf("control: drain deadline %v is negative", cfg.Spread.DrainDeadline)
+	}
+	reg, err := newRegistry(cfg.Dataplane, cfg.Ephemeral, cfg.FirstDynamicID, cfg.Static, cfg.Spread, cfg.Logger)
 	if err != nil {
 		return nil, fmt.Errorf("control: static rules: %w", err)
 	}
@@ -233,6 +240,31 @@ func (s *Server) SetStatic(st Static) error {
 
 // Apps lists the registered applications.
 func (s *Server) Apps() []AppInfo { return s.reg.snapshot() }
+
+// Groups lists the listeners that several instances of one application
+// share, with the instances that take new connections and those that
+// drain.
+func (s *Server) Groups() []GroupInfo { return s.reg.groupsInfo() }
+
+// Drain drains instance instance of application app, as if it had asked
+// itself (Client.Drain): an operator's way to retire one instance without
+// stopping it. An unknown instance is ErrNotRegistered.
+func (s *Server) Drain(app, instance string) error {
+	s.reg.mu.Lock()
+	a := s.reg.instances[app+"/"+instance]
+	s.reg.mu.Unlock()
+	if a == nil || instance == "" {
+		return fmt.Errorf("%w: no instance %q of application %q is registered", ErrNotRegistered, instance, app)
+	}
+	return s.reg.drain(a)
+}
+
+// DrainStats counts the drains so far.
+func (s *Server) DrainStats() DrainStats {
+	s.reg.mu.Lock()
+	defer s.reg.mu.Unlock()
+	return s.reg.drains
+}
 
 // ServeLocal accepts local applications on l until l is closed or the
 // server is. It returns nil after Close.
@@ -306,6 +338,7 @@ func (s *Server) Close() error {
 	}
 	s.mu.Unlock()
 	s.wg.Wait()
+	s.reg.stopDrains()
 	return nil
 }
 
@@ -438,7 +471,7 @@ func (ss *session) handle(req *Request) (Reply, []int, error) {
 	switch req.Op {
 	case OpRegister:
 		return ss.register(req)
-	case OpListen, OpConnect, OpRelease:
+	case OpListen, OpConnect, OpRelease, OpDrain:
 		if ss.app == nil {
 			return Reply{}, nil, fmt.Errorf("%w: register first", ErrNotRegistered)
 		}
@@ -478,6 +511,8 @@ func (ss *session) handle(req *Request) (Reply, []int, error) {
 			return Reply{}, nil, err
 		}
 		return Reply{Claim: c.id, Port: c.port, Addr: c.addr.ip()}, nil, nil
+	case OpDrain:
+		return Reply{}, nil, ss.srv.reg.drain(ss.app)
 	default: // OpRelease
 		if req.Claim == 0 {
 			return Reply{}, nil, fmt.Errorf("%w: release needs a claim", ErrBadRequest)
@@ -588,6 +623,9 @@ func (ss *session) register(req *Request) (Reply, []int, error) {
 	if ss.app != nil {
 		return Reply{}, nil, fmt.Errorf("%w: already registered", ErrBadRequest)
 	}
+	if req.Instance != "" && !validName(req.Instance) {
+		return Reply{}, nil, fmt.Errorf("%w: instance name must be 1-64 characters of [A-Za-z0-9._-]", ErrBadRequest)
+	}
 	pol := ss.srv.policy(ss.name)
 	if ss.remote {
 		return ss.registerRemote(req, pol)
@@ -624,7 +662,7 @@ func (ss *session) register(req *Request) (Reply, []int, error) {
 		st.Close()
 		return Reply{}, nil, fmt.Errorf("%w: socketpair: %v", ErrInternal, err)
 	}
-	a, err := ss.srv.reg.register(ss.name, key, pol, rings, func(id uint32, own classifier.Ownership) error {
+	a, err := ss.srv.reg.register(ss.name, req.Instance, key, pol, rings, func(id uint32, own classifier.Ownership) error {
 		if err := ss.srv.cfg.Dataplane.AddStream(id, st, own); err != nil {
 			return dataplaneErr(err)
 		}
@@ -639,7 +677,7 @@ func (ss *session) register(req *Request) (Reply, []int, error) {
 	ss.app = a
 	ss.stream = st
 	ss.handoverFD = pair[0]
-	ss.srv.log.Info("application registered", "app", ss.name, "stream", a.stream, "transport", "shm")
+	ss.srv.log.Info("application registered", "app", ss.name, "instance", a.instance, "stream", a.stream, "transport", "shm")
 	return ss.registered(a, pol), []int{pair[1]}, nil
 }
 
@@ -691,7 +729,7 @@ func (ss *session) registerRemote(req *Request, pol Policy) (Reply, []int, error
 	}
 	// A remote stream's buffers are the remote transport's, bounded by it;
 	// it counts as a stream, with no ring memory of its own here.
-	a, err := ss.srv.reg.register(ss.name, ss.srv.quotaKey(ss.name), pol, 0, func(id uint32, own classifier.Ownership) error {
+	a, err := ss.srv.reg.register(ss.name, req.Instance, ss.srv.quotaKey(ss.name), pol, 0, func(id uint32, own classifier.Ownership) error {
 		rs, err := r.Register(id, peer)
 		if err != nil {
 			return fmt.Errorf("%w: %v", ErrInternal, err)
@@ -707,7 +745,7 @@ func (ss *session) registerRemote(req *Request, pol Policy) (Reply, []int, error
 		return Reply{}, nil, err
 	}
 	ss.app = a
-	ss.srv.log.Info("application registered", "app", ss.name, "stream", a.stream, "transport", "geneve", "peer", peer)
+	ss.srv.log.Info("application registered", "app", ss.name, "instance", a.instance, "stream", a.stream, "transport", "geneve", "peer", peer)
 	rep := ss.registered(a, pol)
 	rep.Geneve = ss.srv.cfg.RemoteAdvertise
 	return rep, nil, nil

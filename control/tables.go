@@ -29,6 +29,12 @@ func union(x, y classifier.Ownership) classifier.Ownership {
 
 // compile builds the tables from the static rules and every claim.
 func (r *registry) compile() (*classifier.Tables, error) {
+	set := r.ruleSet()
+	return classifier.Compile(&set)
+}
+
+// ruleSet is what compile compiles. Call with mu held.
+func (r *registry) ruleSet() classifier.RuleSet {
 	set := classifier.RuleSet{Rules: slices.Clone(r.static.Rules)}
 	for _, a := range r.apps {
 		if a.static != nil {
@@ -43,6 +49,9 @@ func (r *registry) compile() (*classifier.Tables, error) {
 		}
 		for _, c := range a.claims {
 			if c.listener {
+				if a.instance != "" {
+					continue // its group's entry steers it (groupListeners)
+				}
 				addr, need := a.uncovered(&c)
 				if !need {
 					continue // the application's configured listener steers it
@@ -55,7 +64,9 @@ func (r *registry) compile() (*classifier.Tables, error) {
 			}
 		}
 	}
-	return classifier.Compile(&set)
+	set.Listeners = append(set.Listeners, r.groupListeners()...)
+	set.Rules = append(set.Rules, r.blockRules()...)
+	return set
 }
 
 // uncovered says which part of listener claim c needs a table entry of its

@@ -25,6 +25,7 @@ func (c *Config) check(d *decoder) {
 	c.checkRules(d, ids)
 	c.checkControl(d)
 	c.checkBGP(d)
+	c.checkSpread(d)
 	if len(d.errs) == 0 {
 		// The classifier's own validation is the last word; the checks
 		// above should have caught everything it would refuse, with a

@@ -47,6 +47,7 @@ type Config struct {
 	Metrics       Metrics `yaml:"metrics"`
 	Log           Log     `yaml:"log"`
 	BGP           BGP     `yaml:"bgp"`
+	Spread        Spread  `yaml:"spread"`
 
 	// Warnings are what the file allows but an operator should look at;
 	// check prints them, the daemon logs them.
@@ -307,6 +308,7 @@ func Default() *Config {
 		Metrics: Metrics{Address: DefaultMetrics},
 		Log:     Log{Level: LogLevel(0)},
 		BGP:     defaultBGP(),
+		Spread:  defaultSpread(),
 	}
 }
 

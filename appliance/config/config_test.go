@@ -26,7 +26,7 @@ func TestErrorsArePrecise(t *testing.T) {
 		{"syntax", base + "rules: [\n", []string{"t.yaml:3: invalid YAML: did not find expected node content"}},
 		{"tab", base + "log:\n\tlevel: info\n", []string{"t.yaml:4: invalid YAML: found character that cannot start any token"}},
 		{"top-level not a mapping", "- a\n", []string{"t.yaml:1:1: want a mapping of fields, got a list"}},
-		{"unknown field", base + "metrix: {address: 127.0.0.1}\n", []string{`t.yaml:3:1: metrix: unknown field (did you mean "metrics"?); known fields here: interfaces, addresses, reserved_ports, streams, ingest, listeners, rules, applications, default_quota, unlisted_quota, control, metrics, log, bgp`}},
+		{"unknown field", base + "metrix: {address: 127.0.0.1}\n", []string{`t.yaml:3:1: metrix: unknown field (did you mean "metrics"?); known fields here: interfaces, addresses, reserved_ports, streams, ingest, listeners, rules, applications, default_quota, unlisted_quota, control, metrics, log, bgp, spread`}},
 		{"unknown nested field", base + "log:\n  levle: info\n", []string{`t.yaml:4:3: log.levle: unknown field (did you mean "level"?); known fields here: level, format`}},
 		{"duplicate field", base + "log: {level: info, level: debug}\n", []string{"t.yaml:3:20: log.level: set twice (first on line 3)"}},
 		{"missing interfaces", "addresses: [198.18.0.1]\n", []string{"t.yaml:1:1: interfaces: at least one interface is required"}},

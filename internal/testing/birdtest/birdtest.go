@@ -46,9 +46,18 @@ type Config struct {
 
 // Router is BIRD running in a namespace.
 type Router struct {
-	NS   *topology.NS
+	FIB
 	sock string
 	log  *testenv.Output
+}
+
+// FIB is a router namespace's kernel forwarding table: where a test looks
+// to see what the router would do, whichever routing daemon fills it.
+type FIB struct {
+	NS *topology.NS
+	// Explain is the routing daemon's view of its sessions and routes,
+	// logged when WaitHops gives up.
+	Explain func(tb testing.TB) string
 }
 
 // Require returns the path of bird, or skips tb (fails it where privileged
@@ -74,18 +83,7 @@ func Require(tb testing.TB) string {
 // if the test failed.
 func Start(tb testing.TB, bird string, ns *topology.NS, cfg Config) *Router {
 	tb.Helper()
-	ctx := context.Background()
-	for _, s := range []string{
-		"net.ipv4.fib_multipath_hash_policy=1", "net.ipv6.fib_multipath_hash_policy=1",
-		"net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1",
-	} {
-		if _, err := ns.Exec(ctx, "sysctl", "-qw", s); err != nil {
-			tb.Fatal(err)
-		}
-	}
-	// fib_multipath_hash_seed appeared in Linux 6.11.
-	_, _ = ns.Exec(ctx, "sysctl", "-qw", "net.ipv4.fib_multipath_hash_seed=42")
-
+	RouterKernel(tb, ns)
 	var conf strings.Builder
 	fmt.Fprintf(&conf, "router id %v;\nlog stderr all;\nprotocol device { scan time 1; }\n", cfg.RouterID)
 	conf.WriteString("protocol kernel kernel4 { ipv4 { export all; import none; }; merge paths on; }\n")
@@ -111,7 +109,11 @@ func Start(tb testing.TB, bird string, ns *topology.NS, cfg Config) *Router {
 	if err := os.WriteFile(confPath, []byte(conf.String()), 0o644); err != nil {
 		tb.Fatal(err)
 	}
-	r := &Router{NS: ns, sock: filepath.Join(dir, "bird.ctl"), log: &testenv.Output{}}
+	r := &Router{FIB: FIB{NS: ns}, sock: filepath.Join(dir, "bird.ctl"), log: &testenv.Output{}}
+	r.Explain = func(tb testing.TB) string {
+		return "birdc show protocols:\n" + r.Birdc(tb, "show", "protocols") +
+			"\nbirdc show route all:\n" + r.Birdc(tb, "show", "route", "all")
+	}
 	cmd := exec.Command("ip", "netns", "exec", ns.Name, bird, "-f", "-c", confPath, "-s", r.sock, "-P", filepath.Join(dir, "bird.pid"))
 	cmd.SysProcAttr = DieWithTest()
 	cmd.Stdout, cmd.Stderr = r.log, r.log
@@ -138,6 +140,24 @@ func Start(tb testing.TB, bird string, ns *topology.NS, cfg Config) *Router {
 	return r
 }
 
+// RouterKernel makes ns forward, and spread a multipath route's flows by
+// their 5-tuple, with a fixed seed where the kernel has one, as the
+// deployment documentation asks of a router.
+func RouterKernel(tb testing.TB, ns *topology.NS) {
+	tb.Helper()
+	ctx := context.Background()
+	for _, s := range []string{
+		"net.ipv4.fib_multipath_hash_policy=1", "net.ipv6.fib_multipath_hash_policy=1",
+		"net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1",
+	} {
+		if _, err := ns.Exec(ctx, "sysctl", "-qw", s); err != nil {
+			tb.Fatal(err)
+		}
+	}
+	// fib_multipath_hash_seed appeared in Linux 6.11.
+	_, _ = ns.Exec(ctx, "sysctl", "-qw", "net.ipv4.fib_multipath_hash_seed=42")
+}
+
 // DieWithTest has a child killed when the test process dies, even of a
 // panic or a -timeout, when no Cleanup runs: `ip netns exec` execs its
 // command, which keeps the signal. Linux sends it when the thread that
@@ -149,7 +169,7 @@ func DieWithTest() *syscall.SysProcAttr {
 
 // NextHops returns the gateways of the router's kernel route to addr,
 // sorted: the boxes its FIB spreads packets over.
-func (r *Router) NextHops(tb testing.TB, addr netip.Addr) []netip.Addr {
+func (r *FIB) NextHops(tb testing.TB, addr netip.Addr) []netip.Addr {
 	tb.Helper()
 	family := netlink.FAMILY_V4
 	if addr.Is6() {
@@ -193,8 +213,8 @@ func (r *Router) Birdc(tb testing.TB, args ...string) string {
 
 // WaitHops waits until the route to each address in want goes exactly
 // through want's next hops, and returns how long that took. On timeout it
-// fails tb with BIRD's view of its sessions and routes.
-func (r *Router) WaitHops(tb testing.TB, within time.Duration, what string, want map[netip.Addr][]netip.Addr) time.Duration {
+// fails tb with the routing daemon's view of its sessions and routes (Explain).
+func (r *FIB) WaitHops(tb testing.TB, within time.Duration, what string, want map[netip.Addr][]netip.Addr) time.Duration {
 	tb.Helper()
 	for _, hops := range want {
 		slices.SortFunc(hops, netip.Addr.Compare)
@@ -213,8 +233,9 @@ func (r *Router) WaitHops(tb testing.TB, within time.Duration, what string, want
 			return took
 		}
 		if time.Since(start) > within {
-			tb.Logf("birdc show protocols:\n%s", r.Birdc(tb, "show", "protocols"))
-			tb.Logf("birdc show route all:\n%s", r.Birdc(tb, "show", "route", "all"))
+			if r.Explain != nil {
+				tb.Log(r.Explain(tb))
+			}
 			tb.Fatalf("%s: after %v the next hops are %v, want %v", what, within, got, want)
 		}
 		time.Sleep(10 * time.Millisecond)

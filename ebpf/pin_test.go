@@ -153,7 +153,7 @@ func TestPinnedProgramOutlivesItsOwner(t *testing.T) {
 	if flows, _ := second.InstalledFlows(); len(flows) != 0 {
 		t.Errorf("flows left after the release: %v", flows)
 	}
-	var lv bpfFbTarget
+	var lv bpfFbListener
 	key := bpfFbListenKey{Family: 4, Proto: uint8(classifier.ProtoTCP), Port: 8080, Addr: words32(classifier.ToAddr16(local))}
 	if err := second.objs.Listeners.Lookup(&key, &lv); err != nil || lv.StreamId != 9 {
 		t.Errorf("the claimed listener steers to %+v (%v), want stream 9", lv, err)

@@ -191,7 +191,7 @@ func TestEqualToReference(t *testing.T) {
 	const ruleSets, corruptions = 12, 40
 	var stats [classifier.NumVerdicts]int
 	var refused, fullStrip, shortStrip int // ingest rule matched: refused, stripped whole, stripped short
-	var spreadHits [2][2]int                // by IPv6, second chance
+	var spreadHits [2][2]int               // by IPv6, second chance
 	checked := 0
 	for seed := range uint64(ruleSets) {
 		rng := rand.New(rand.NewPCG(seed, 0xfab))

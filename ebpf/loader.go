@@ -151,11 +151,7 @@ func load(opts Options, testHooks bool) (*Program, error) {
 	build := buildID(opts, testHooks)
 	if p.pinDir != "" && p.reuse(spec, build) {
 		p.adoption.Program, p.adoption.Tables = true, true
-		err := p.hold()
-		if err == nil {
-			err = p.forgetSpreads()
-		}
-		if err != nil {
+		if err := p.hold(); err != nil {
 			p.objs.Close()
 			return nil, err
 		}

@@ -25,6 +25,7 @@ import (
 //	PinDir/tables-LAYOUT/flows   exact flows
 //	PinDir/tables-LAYOUT/listeners
 //	PinDir/tables-LAYOUT/rulesets
+//	PinDir/tables-LAYOUT/spreads   listeners' spread tables (spread.go)
 //
 // The link keeps the program attached after the process exits or dies; the
 // tables keep every claim. The next LoadWith of the same directory adopts
@@ -37,10 +38,11 @@ import (
 // instead of loading it, which spares it the verifier, the longest part
 // of loading.
 //
-// The spread tables (spread.go) are not pinned: they hang off the program
-// (its spreads map), which keeps steering by them after the process exits,
-// and a successor holds every listener, spread or not, until it is claimed
-// again, when Update builds its table anew.
+// A successor holds every listener, spread or not, until it is claimed
+// again, and empties the spread tables; Update builds them anew. They are
+// pinned all the same, so that the predecessor's program, which runs until
+// Attach swaps the successor in, reads the spread tables that the listener
+// entries name.
 
 // HoldStream is the stream id adopted flows and listeners steer to until
 // their application claims them again: no stream has it (stream ids fit in
@@ -53,10 +55,10 @@ const linkPin = "link"
 
 // pinnedTables are the maps a program hands to its successor. The counters,
 // the fragment table and the socket maps are each program's own.
-var pinnedTables = []string{bpfMapFlows, bpfMapListeners, bpfMapRulesets}
+var pinnedTables = []string{bpfMapFlows, bpfMapListeners, bpfMapRulesets, bpfMapSpreads}
 
 // tablesDir is the directory of this program's table layout.
-var tablesDir = "tables-" + layoutTag(bpfFbFlowKey{}, bpfFbListenKey{}, bpfFbTarget{}, bpfFbListener{}, bpfFbRuleset{})
+var tablesDir = "tables-" + layoutTag(bpfFbFlowKey{}, bpfFbListenKey{}, bpfFbTarget{}, bpfFbListener{}, bpfFbRuleset{}, bpfFbSpread{})
 
 // layoutTag is a short hash of the names, offsets and sizes of the fields of
 // vs, recursively.
@@ -241,7 +243,7 @@ func (p *Program) pinTables(dir string) error {
 	if err := os.MkdirAll(base, 0o700); err != nil {
 		return fmt.Errorf("ebpf: pin tables: %w", err)
 	}
-	for name, m := range map[string]*ebpf.Map{bpfMapFlows: p.objs.Flows, bpfMapListeners: p.objs.Listeners, bpfMapRulesets: p.objs.Rulesets} {
+	for name, m := range map[string]*ebpf.Map{bpfMapFlows: p.objs.Flows, bpfMapListeners: p.objs.Listeners, bpfMapRulesets: p.objs.Rulesets, bpfMapSpreads: p.objs.Spreads} {
 		// The program's maps are clones, unpinned as far as the library
 		// knows, so that closing them never removes the pins.
 		c, err := m.Clone()
@@ -259,7 +261,8 @@ func (p *Program) pinTables(dir string) error {
 
 // hold points every adopted flow and listener at HoldStream, a listener with
 // a spread too, and remembers them as held: their applications belong to
-// the previous daemon, whose stream ids the next one gives to others.
+// the previous daemon, whose stream ids the next one gives to others. Then
+// it empties the spread tables, which no listener names any more.
 func (p *Program) hold() error {
 	flows, err := keysOf[bpfFbFlowKey, bpfFbTarget](p.objs.Flows)
 	if err != nil {
@@ -281,7 +284,7 @@ func (p *Program) hold() error {
 		}
 		p.heldListeners[k] = struct{}{}
 	}
-	return nil
+	return p.forgetSpreads()
 }
 
 // keysOf lists the keys of hash map m.

@@ -175,8 +175,8 @@ func (p *Program) releaseSpreads(w wantedSpreads) {
 	}
 }
 
-// forgetSpreads clears every index of a program taken over with its maps:
-// hold has pointed every listener entry that held one at none.
+// forgetSpreads clears every index of adopted spread tables: hold has
+// pointed every listener entry that named one at none.
 func (p *Program) forgetSpreads() error {
 	clear(p.spreads.index)
 	p.spreads.lingering = nil

@@ -91,7 +91,7 @@ func TestPinnedProgramOutlivesItsOwner(t *testing.T) {
 	tables, err := classifier.Compile(&classifier.RuleSet{
 		Listeners: []classifier.Listener{{ID: 12, Protocol: classifier.ProtoTCP, Addr: local, Port: 8080, Stream: 1,
 			Spread: &classifier.Spread{Seed: 7, Slots: []classifier.Slot{{Current: 1}, {Current: 2, Previous: 1}}}}},
-		Rules:     []classifier.Rule{{ID: 13, Protocol: classifier.ProtoUDP, DstPorts: classifier.Port(5001), Action: classifier.ActionDrop}},
+		Rules: []classifier.Rule{{ID: 13, Protocol: classifier.ProtoUDP, DstPorts: classifier.Port(5001), Action: classifier.ActionDrop}},
 	})
 	if err != nil {
 		t.Fatal(err)

@@ -5,7 +5,6 @@ import (
 	"net/netip"
 	"slices"
 	"strings"
-	"sync/atomic"
 	"testing"
 
 	"github.com/cilium/ebpf"
@@ -150,34 +149,7 @@ func TestSpreadSwapIsAtomic(t *testing.T) {
 	}
 
 	const flips = 100
-	var done atomic.Bool
-	errc := make(chan error, 1)
-	go func() {
-		defer done.Store(true)
-		for i := range flips {
-			if err := p.prog.Update(tables[i%2]); err != nil {
-				errc <- err
-				return
-			}
-		}
-		errc <- nil
-	}()
-	runs := 0
-	for !done.Load() || runs == 0 {
-		for i, f := range frames {
-			_, got, _, _, err := p.run(f)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if got != want[i][0] && got != want[i][1] {
-				t.Fatalf("frame %d classified %+v during an update; table A gives %+v, table B %+v", i, got, want[i][0], want[i][1])
-			}
-			runs++
-		}
-	}
-	if err := <-errc; err != nil {
-		t.Fatal(err)
-	}
+	runs := flipWhileRunning(t, p, tables, frames, want, flips)
 	if got := listenerEntry(t, p.prog, netip.IPv4Unspecified(), 443); got.Spread != before443.Spread || spreadMapID(t, p.prog, got.Spread) != table443 {
 		t.Errorf("after %d flips the unchanged spread is in table %d (map %d), want %d (map %d)", flips, got.Spread, spreadMapID(t, p.prog, got.Spread), before443.Spread, table443)
 	}

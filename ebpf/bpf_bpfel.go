@@ -43,6 +43,7 @@ const (
 	bpfFbFlagFB_FLAG_IPV6           bpfFbFlag = 1
 	bpfFbFlagFB_FLAG_FRAGMENT       bpfFbFlag = 2
 	bpfFbFlagFB_FLAG_LATER_FRAGMENT bpfFbFlag = 4
+	bpfFbFlagFB_FLAG_SECOND_CHANCE  bpfFbFlag = 8
 )
 
 type bpfFbFlowKey struct {
@@ -92,10 +93,13 @@ type bpfFbIngestMeta struct {
 type bpfFbLimit uint32
 
 const (
-	bpfFbLimitFB_MAX_RULES       bpfFbLimit = 1024
-	bpfFbLimitFB_MAX_RULE_ID     bpfFbLimit = 16383
-	bpfFbLimitFB_MAX_EXT_HEADERS bpfFbLimit = 8
-	bpfFbLimitFB_FRAG_ENTRIES    bpfFbLimit = 8192
+	bpfFbLimitFB_MAX_RULES        bpfFbLimit = 1024
+	bpfFbLimitFB_MAX_RULE_ID      bpfFbLimit = 16383
+	bpfFbLimitFB_MAX_EXT_HEADERS  bpfFbLimit = 8
+	bpfFbLimitFB_FRAG_ENTRIES     bpfFbLimit = 8192
+	bpfFbLimitFB_MAX_SPREADS      bpfFbLimit = 256
+	bpfFbLimitFB_MAX_SPREAD_SLOTS bpfFbLimit = 65537
+	bpfFbLimitFB_SPREAD_INDICES   bpfFbLimit = 769
 )
 
 type bpfFbListenKey struct {
@@ -104,6 +108,13 @@ type bpfFbListenKey struct {
 	Proto  uint8
 	Port   uint16
 	Addr   [4]uint32
+}
+
+type bpfFbListener struct {
+	_        structs.HostLayout
+	StreamId uint32
+	RuleId   uint32
+	Spread   uint32
 }
 
 type bpfFbMeta struct {
@@ -145,6 +156,20 @@ type bpfFbRuleset struct {
 	Rules [1024]bpfFbRule
 }
 
+type bpfFbSlot struct {
+	_        structs.HostLayout
+	Current  uint32
+	Previous uint32
+}
+
+type bpfFbSpread struct {
+	_      structs.HostLayout
+	Seed   uint64
+	Nslots uint32
+	Pad    uint32
+	Slots  [65537]bpfFbSlot
+}
+
 type bpfFbTarget struct {
 	_        structs.HostLayout
 	StreamId uint32
@@ -175,6 +200,7 @@ const (
 	bpfMapListeners        = "listeners"
 	bpfMapRuleCounters     = "rule_counters"
 	bpfMapRulesets         = "rulesets"
+	bpfMapSpreads          = "spreads"
 	bpfMapVerdictCounters  = "verdict_counters"
 	bpfMapXsks             = "xsks"
 	bpfProgFabricbridge    = "fabricbridge"
@@ -189,6 +215,7 @@ const (
 	bpfVarUnusedLimit      = "unused_limit"
 	bpfVarUnusedMeta       = "unused_meta"
 	bpfVarUnusedRuleset    = "unused_ruleset"
+	bpfVarUnusedSpread     = "unused_spread"
 	bpfVarUnusedVerdict    = "unused_verdict"
 )
 
@@ -250,6 +277,7 @@ type bpfMapSpecs struct {
 	Listeners       *ebpf.MapSpec `ebpf:"listeners"`
 	RuleCounters    *ebpf.MapSpec `ebpf:"rule_counters"`
 	Rulesets        *ebpf.MapSpec `ebpf:"rulesets"`
+	Spreads         *ebpf.MapSpec `ebpf:"spreads"`
 	VerdictCounters *ebpf.MapSpec `ebpf:"verdict_counters"`
 	Xsks            *ebpf.MapSpec `ebpf:"xsks"`
 }
@@ -268,6 +296,7 @@ type bpfVariableSpecs struct {
 	UnusedLimit      *ebpf.VariableSpec `ebpf:"unused_limit"`
 	UnusedMeta       *ebpf.VariableSpec `ebpf:"unused_meta"`
 	UnusedRuleset    *ebpf.VariableSpec `ebpf:"unused_ruleset"`
+	UnusedSpread     *ebpf.VariableSpec `ebpf:"unused_spread"`
 	UnusedVerdict    *ebpf.VariableSpec `ebpf:"unused_verdict"`
 }
 
@@ -299,6 +328,7 @@ type bpfMaps struct {
 	Listeners       *ebpf.Map `ebpf:"listeners"`
 	RuleCounters    *ebpf.Map `ebpf:"rule_counters"`
 	Rulesets        *ebpf.Map `ebpf:"rulesets"`
+	Spreads         *ebpf.Map `ebpf:"spreads"`
 	VerdictCounters *ebpf.Map `ebpf:"verdict_counters"`
 	Xsks            *ebpf.Map `ebpf:"xsks"`
 }
@@ -313,6 +343,7 @@ func (m *bpfMaps) Close() error {
 		m.Listeners,
 		m.RuleCounters,
 		m.Rulesets,
+		m.Spreads,
 		m.VerdictCounters,
 		m.Xsks,
 	)
@@ -332,6 +363,7 @@ type bpfVariables struct {
 	UnusedLimit      *ebpf.Variable `ebpf:"unused_limit"`
 	UnusedMeta       *ebpf.Variable `ebpf:"unused_meta"`
 	UnusedRuleset    *ebpf.Variable `ebpf:"unused_ruleset"`
+	UnusedSpread     *ebpf.Variable `ebpf:"unused_spread"`
 	UnusedVerdict    *ebpf.Variable `ebpf:"unused_verdict"`
 }
 

@@ -191,12 +191,17 @@ func TestEqualToReference(t *testing.T) {
 	const ruleSets, corruptions = 12, 40
 	var stats [classifier.NumVerdicts]int
 	var refused, fullStrip, shortStrip int // ingest rule matched: refused, stripped whole, stripped short
+	var spreadHits [2][2]int               // by IPv6, second chance
 	checked := 0
 	for seed := range uint64(ruleSets) {
 		rng := rand.New(rand.NewPCG(seed, 0xfab))
 		rs := framegen.RandomRuleSet(rng)
 		if err := p.install(rs); err != nil {
 			t.Fatal(err)
+		}
+		spreadRule := map[uint32]bool{}
+		for _, l := range rs.Listeners {
+			spreadRule[l.ID] = l.Spread != nil
 		}
 		for _, spec := range framegen.AllSpecs(rng) {
 			frame := spec.Build()
@@ -218,6 +223,8 @@ func TestEqualToReference(t *testing.T) {
 				stats[v]++
 				checked++
 				switch m := p.ref.Classify(f); {
+				case v == classifier.VerdictSteer && spreadRule[m.RuleID]:
+					spreadHits[b2i(m.Flags&classifier.FlagIPv6 != 0)][b2i(m.Flags&classifier.FlagSecondChance != 0)]++
 				case v == classifier.VerdictMalformed && m.RuleID != 0:
 					refused++
 				case v == classifier.VerdictIngest:
@@ -230,7 +237,8 @@ func TestEqualToReference(t *testing.T) {
 			}
 		}
 	}
-	t.Logf("%d frames agreed; by verdict: %v; ingest refused %d, stripped whole %d, short %d", checked, stats, refused, fullStrip, shortStrip)
+	t.Logf("%d frames agreed; by verdict: %v; ingest refused %d, stripped whole %d, short %d; spread hits [v4, v6][plain, second chance] %v",
+		checked, stats, refused, fullStrip, shortStrip, spreadHits)
 	// The generator must reach every verdict, or the proof proves less
 	// than it claims.
 	for v, n := range stats {
@@ -241,4 +249,17 @@ func TestEqualToReference(t *testing.T) {
 	if refused == 0 || fullStrip == 0 || shortStrip == 0 {
 		t.Errorf("ingest paths not all reached: refused %d, stripped whole %d, short %d", refused, fullStrip, shortStrip)
 	}
+	for _, n := range spreadHits {
+		if n[0] == 0 || n[1] == 0 {
+			t.Errorf("spread paths not all reached: [v4, v6][plain, second chance] %v", spreadHits)
+			break
+		}
+	}
+}
+
+func b2i(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }

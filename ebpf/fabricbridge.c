@@ -8,6 +8,7 @@
 
 #include <linux/bpf.h>
 #include <bpf/bpf_helpers.h>
+#include <bpf/bpf_endian.h>
 
 #include "fabricbridge.h"
 
@@ -105,8 +106,32 @@ struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(max_entries, LISTEN_ENTRIES);
 	__type(key, struct fb_listen_key);
-	__type(value, struct fb_target);
+	__type(value, struct fb_listener);
 } listeners SEC(".maps");
+
+// The tables of listeners shared by instances, by fb_listener.spread. Each
+// lives in an inner map of its own that user space fills before a listener
+// points to it and never changes after: a changed spread is a new table
+// under a fresh index, and the listener entry's one atomic update moves the
+// listener to it, so a frame meets the old table and listener or the new
+// ones, never half of each. A per-listener index in a hash map's value costs
+// a plain listener hit nothing (a separate table keyed like the listeners
+// would cost every hit a second hash lookup), and one inner map per table,
+// rather than one big array of slots, lets a listener's seed, size and
+// slots change together.
+struct spread_map {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct fb_spread);
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY_OF_MAPS);
+	__uint(max_entries, FB_SPREAD_INDICES);
+	__type(key, __u32);
+	__array(values, struct spread_map);
+} spreads SEC(".maps");
 
 // The rules live in an inner map that user space replaces whole: a frame sees
 // the old set or the new one, never half of each.
@@ -193,6 +218,7 @@ struct {
 const struct fb_meta *unused_meta __attribute__((unused));
 const struct fb_ingest_meta *unused_ingest_meta __attribute__((unused));
 const struct fb_ruleset *unused_ruleset __attribute__((unused));
+const struct fb_spread *unused_spread __attribute__((unused));
 const enum fb_limit *unused_limit __attribute__((unused));
 const enum fb_verdict *unused_verdict __attribute__((unused));
 const enum fb_action *unused_action __attribute__((unused));
@@ -335,8 +361,75 @@ static __always_inline void count_event(__u32 key)
 		(*c)++;
 }
 
+// mix64 is SplitMix64's finaliser, maglev's mix64.
+static __always_inline __u64 mix64(__u64 x)
+{
+	x ^= x >> 30;
+	x *= 0xbf58476d1ce4e5b9ULL;
+	x ^= x >> 27;
+	x *= 0x94d049bb133111ebULL;
+	x ^= x >> 31;
+	return x;
+}
+
+// addr_words puts an address of p's family into the two big-endian words
+// maglev.FlowHash16 reads: IPv4 as ::ffff:a.b.c.d.
+static __always_inline void addr_words(const struct pkt *p, const __u64 *a, __u64 *w)
+{
+	if (p->family == FB_FAMILY_IPV4) {
+		w[0] = 0;
+		w[1] = 0xffff00000000ULL | bpf_ntohl(*(const __u32 *)a);
+		return;
+	}
+	w[0] = bpf_be64_to_cpu(a[0]);
+	w[1] = bpf_be64_to_cpu(a[1]);
+}
+
+// flow_hash is maglev.FlowHash16 of p under seed: the same on every box, so
+// that whichever box a router picks steers a flow to the same instance.
+static __always_inline __u64 flow_hash(__u64 seed, const struct pkt *p)
+{
+	const __u64 golden = 0x9e3779b97f4a7c15ULL;
+	__u64 s[2], d[2];
+	__u64 h;
+
+	addr_words(p, p->src, s);
+	addr_words(p, p->dst, d);
+	h = mix64(seed ^ (__u64)p->proto << 32 ^ (__u64)p->sport << 16 ^ p->dport);
+	h = mix64(h ^ s[0] * golden);
+	h = mix64(h ^ s[1] * golden);
+	h = mix64(h ^ d[0] * golden);
+	return mix64(h ^ d[1] * golden);
+}
+
+// spread_steer steers m, a hit on a listener with a spread, to the current
+// owner of p's slot in the spread under index, and flags a slot whose
+// previous owner may hold the connection. A missing or malformed table,
+// which user space never installs, leaves the listener's own stream.
+static __always_inline void spread_steer(__u32 index, const struct pkt *p, struct fb_meta *m)
+{
+	__u32 zero = 0;
+	void *inner = bpf_map_lookup_elem(&spreads, &index);
+	if (!inner)
+		return;
+	struct fb_spread *sp = bpf_map_lookup_elem(inner, &zero);
+	if (!sp)
+		return;
+	__u64 n = sp->nslots;
+	if (n == 0)
+		return;
+	__u64 i = flow_hash(sp->seed, p) % n;
+	if (i >= FB_MAX_SPREAD_SLOTS)
+		return;
+	struct fb_slot slot = sp->slots[i];
+	m->stream_id = slot.current;
+	if (slot.previous && slot.previous != slot.current)
+		m->flags |= FB_FLAG_SECOND_CHANCE;
+}
+
 // steer looks p up in the flows, the listeners on its destination and the
-// wildcard listeners; on a hit it steers m to the stream and returns 1.
+// wildcard listeners; on a hit it steers m to the stream, or to the slot's
+// stream of a listener with a spread, and returns 1.
 static __always_inline int steer(struct pkt *p, struct fb_meta *m)
 {
 	struct fb_flow_key fk = {
@@ -351,25 +444,32 @@ static __always_inline int steer(struct pkt *p, struct fb_meta *m)
 		.port = p->dport,
 	};
 	struct fb_target *t;
+	struct fb_listener *l;
 
 	fk.src[0] = p->src[0];
 	fk.src[1] = p->src[1];
 	fk.dst[0] = p->dst[0];
 	fk.dst[1] = p->dst[1];
 	t = bpf_map_lookup_elem(&flows, &fk);
-	if (!t) {
-		__builtin_memcpy(lk.addr, p->dst, IPV6_ADDR_LEN); // both 4-byte aligned: four word copies
-		t = bpf_map_lookup_elem(&listeners, &lk);
+	if (t) {
+		m->verdict = FB_VERDICT_STEER;
+		m->stream_id = t->stream_id;
+		m->rule_id = t->rule_id;
+		return 1;
 	}
-	if (!t) {
+	__builtin_memcpy(lk.addr, p->dst, IPV6_ADDR_LEN); // both 4-byte aligned: four word copies
+	l = bpf_map_lookup_elem(&listeners, &lk);
+	if (!l) {
 		__builtin_memset(lk.addr, 0, IPV6_ADDR_LEN);
-		t = bpf_map_lookup_elem(&listeners, &lk);
+		l = bpf_map_lookup_elem(&listeners, &lk);
 	}
-	if (!t)
+	if (!l)
 		return 0;
 	m->verdict = FB_VERDICT_STEER;
-	m->stream_id = t->stream_id;
-	m->rule_id = t->rule_id;
+	m->stream_id = l->stream_id;
+	m->rule_id = l->rule_id;
+	if (l->spread)
+		spread_steer(l->spread, p, m);
 	return 1;
 }
 

@@ -18,6 +18,16 @@ enum fb_limit {
 	FB_MAX_RULE_ID = 16383, // rule ids index the per-rule counters
 	FB_MAX_EXT_HEADERS = 8, // IPv6 extension headers the parser walks
 	FB_FRAG_ENTRIES = 8192,
+	// Distinct spread tables (struct fb_spread) the program holds at
+	// once: each is half a megabyte of kernel memory.
+	FB_MAX_SPREADS = 256,
+	FB_MAX_SPREAD_SLOTS = 65537, // maglev.DefaultSize
+	// Indices of the spreads map. User space never rewrites a table a
+	// listener points to: a changed spread gets a fresh index, and a
+	// freed index is cleared one update later and reused no sooner than
+	// the update after, so three generations of FB_MAX_SPREADS tables,
+	// and index 0 for none.
+	FB_SPREAD_INDICES = 3 * FB_MAX_SPREADS + 1,
 };
 
 // Families in the tables and rules are the IP version; 0 in a rule: any.
@@ -45,6 +55,7 @@ enum fb_flag {
 	FB_FLAG_IPV6 = 1,
 	FB_FLAG_FRAGMENT = 2,
 	FB_FLAG_LATER_FRAGMENT = 4,
+	FB_FLAG_SECOND_CHANCE = 8, // steered by a spread slot with another previous owner
 };
 
 // Events that are not verdicts, counted per CPU.
@@ -108,10 +119,35 @@ struct fb_listen_key {
 	__u32 addr[4]; // all zero: any address of the family
 };
 
-// The value of the flows and listeners tables; classifier.Target.
+// The value of the flows table; classifier.Target.
 struct fb_target {
 	__u32 stream_id;
 	__u32 rule_id;
+};
+
+// The value of the listeners table: classifier.Target and, for a listener
+// shared by instances, the index of its table in the spreads map. The flows
+// table keeps the narrower fb_target: it is the big one, and its entries
+// never spread.
+struct fb_listener {
+	__u32 stream_id;
+	__u32 rule_id;
+	__u32 spread; // 0: none; the stream is then stream_id
+};
+
+// One slot of a spread; classifier.Slot.
+struct fb_slot {
+	__u32 current;
+	__u32 previous; // 0: none
+};
+
+// A listener's consistent-hash table, classifier.Spread: the one value of an
+// inner map of spreads, so that seed, size and slots change together.
+struct fb_spread {
+	__u64 seed;
+	__u32 nslots; // 1..FB_MAX_SPREAD_SLOTS
+	__u32 pad;
+	struct fb_slot slots[FB_MAX_SPREAD_SLOTS];
 };
 
 // A first fragment's datagram, the fragments table's key.

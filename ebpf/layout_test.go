@@ -5,6 +5,7 @@ import (
 	"testing"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
+	"github.com/fabricbridge/fabricbridge/classifier/maglev"
 )
 
 // TestMetaLayout checks that classifier.Meta and the C struct fb_meta, as
@@ -122,6 +123,7 @@ func TestSharedConstants(t *testing.T) {
 		bpfFbFlagFB_FLAG_IPV6:           classifier.FlagIPv6,
 		bpfFbFlagFB_FLAG_FRAGMENT:       classifier.FlagFragment,
 		bpfFbFlagFB_FLAG_LATER_FRAGMENT: classifier.FlagLaterFragment,
+		bpfFbFlagFB_FLAG_SECOND_CHANCE:  classifier.FlagSecondChance,
 	}
 	for c, g := range flags {
 		if int(c) != g {
@@ -137,10 +139,14 @@ func TestSharedConstants(t *testing.T) {
 		{"MaxRuleID", bpfFbLimitFB_MAX_RULE_ID, classifier.MaxRuleID},
 		{"MaxExtHeaders", bpfFbLimitFB_MAX_EXT_HEADERS, classifier.MaxExtHeaders},
 		{"DefaultFragmentCapacity", bpfFbLimitFB_FRAG_ENTRIES, classifier.DefaultFragmentCapacity},
+		{"maglev.DefaultSize", bpfFbLimitFB_MAX_SPREAD_SLOTS, maglev.DefaultSize},
 	} {
 		if int(l.c) != l.g {
 			t.Errorf("%s: C %d, Go %d", l.name, l.c, l.g)
 		}
+	}
+	if n := len(bpfFbSpread{}.Slots); n != MaxSpreadSlots {
+		t.Errorf("C holds %d slots a spread, MaxSpreadSlots is %d", n, MaxSpreadSlots)
 	}
 	if n := len(bpfFbRuleset{}.Rules); n != classifier.MaxRules {
 		t.Errorf("C holds %d rules, classifier.MaxRules is %d", n, classifier.MaxRules)

@@ -59,7 +59,8 @@ type Program struct {
 	ifindex   int
 	mode      Mode
 	flows     map[bpfFbFlowKey]bpfFbTarget
-	listeners map[bpfFbListenKey]bpfFbTarget
+	listeners map[bpfFbListenKey]bpfFbListener
+	spreads   spreadState
 
 	// With Options.PinDir (pin.go): what was adopted, and the adopted
 	// entries no claim has overwritten yet.
@@ -134,10 +135,15 @@ func load(opts Options, testHooks bool) (*Program, error) {
 	if inner == nil {
 		return nil, errors.New("ebpf: rulesets has no inner map spec")
 	}
+	spreadInner := spec.Maps[bpfMapSpreads].InnerMap
+	if spreadInner == nil {
+		return nil, errors.New("ebpf: spreads has no inner map spec")
+	}
 	p := &Program{
 		ruleSetSpec:   inner.Copy(),
 		flows:         map[bpfFbFlowKey]bpfFbTarget{},
-		listeners:     map[bpfFbListenKey]bpfFbTarget{},
+		listeners:     map[bpfFbListenKey]bpfFbListener{},
+		spreads:       spreadState{spec: spreadInner.Copy(), index: map[spreadSum]uint32{}},
 		pinDir:        opts.PinDir,
 		heldFlows:     map[bpfFbFlowKey]struct{}{},
 		heldListeners: map[bpfFbListenKey]struct{}{},
@@ -404,25 +410,38 @@ func (p *Program) InstalledFlows() (map[classifier.FlowKey]classifier.Target, er
 }
 
 // Update makes t the program's tables without a window in which a frame is
-// classified by neither the old nor the new tables. New and changed flows and
-// listeners go in first (each map update is atomic), then the rule set is
-// replaced whole by swapping its inner map, then stale flows and listeners are
-// deleted. In every intermediate state a frame's first hit is one the old or
-// the new tables would also give it: a stale entry can only be hit by frames
-// the old tables sent there, and the rules are reached only when neither old
-// nor new entries match.
+// classified by neither the old nor the new tables. The spread tables that
+// are new go in first (spread.go), then new and changed flows and listeners
+// (each map update is atomic; a listener's entry names its spread table),
+// then the rule set is replaced whole by swapping its inner map, then stale
+// flows and listeners are deleted. In every intermediate state a frame's
+// first hit is one the old or the new tables would also give it: a stale
+// entry can only be hit by frames the old tables sent there, and the rules
+// are reached only when neither old nor new entries match.
+//
+// Update refuses tables with more than MaxSpreads distinct spreads, or a
+// spread of more than MaxSpreadSlots slots, before it changes anything.
 func (p *Program) Update(t *classifier.Tables) error {
 	flows := map[bpfFbFlowKey]bpfFbTarget{}
 	for k, v := range t.Flows() {
 		flows[flowKey(k)] = target(v)
 	}
-	listeners := map[bpfFbListenKey]bpfFbTarget{}
-	for k, v := range t.Listeners() {
-		listeners[bpfFbListenKey{Family: k.Family, Proto: k.Proto, Port: k.Port, Addr: words32(k.Addr)}] = target(v)
+	spreads, err := spreadsOf(t)
+	if err != nil {
+		return err
 	}
 
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	spreadIndex, err := p.installSpreads(spreads)
+	if err != nil {
+		return err
+	}
+	listeners := map[bpfFbListenKey]bpfFbListener{}
+	for k, v := range t.Listeners() {
+		key := bpfFbListenKey{Family: k.Family, Proto: k.Proto, Port: k.Port, Addr: words32(k.Addr)}
+		listeners[key] = bpfFbListener{StreamId: v.Stream, RuleId: v.Rule, Spread: spreadIndex[k]}
+	}
 	if err := putChanged(p.objs.Flows, p.flows, flows, p.heldFlows); err != nil {
 		return fmt.Errorf("ebpf: flows: %w", err)
 	}
@@ -438,6 +457,7 @@ func (p *Program) Update(t *classifier.Tables) error {
 	if err := deleteStale(p.objs.Listeners, p.listeners, listeners); err != nil {
 		return fmt.Errorf("ebpf: listeners: %w", err)
 	}
+	p.releaseSpreads(spreads)
 	return nil
 }
 
@@ -460,7 +480,7 @@ func target(t classifier.Target) bpfFbTarget {
 // putChanged writes the entries of want that installed lacks or holds
 // differently, and records them in installed; an entry written is no
 // longer held.
-func putChanged[K comparable](m *ebpf.Map, installed, want map[K]bpfFbTarget, held map[K]struct{}) error {
+func putChanged[K, V comparable](m *ebpf.Map, installed, want map[K]V, held map[K]struct{}) error {
 	for k, v := range want {
 		if old, ok := installed[k]; ok && old == v {
 			continue
@@ -475,7 +495,7 @@ func putChanged[K comparable](m *ebpf.Map, installed, want map[K]bpfFbTarget, he
 }
 
 // deleteStale removes the entries of installed that want lacks.
-func deleteStale[K comparable](m *ebpf.Map, installed, want map[K]bpfFbTarget) error {
+func deleteStale[K, V comparable](m *ebpf.Map, installed, want map[K]V) error {
 	for k := range maps.Clone(installed) {
 		if _, ok := want[k]; ok {
 			continue

@@ -25,6 +25,7 @@ import (
 //	PinDir/tables-LAYOUT/flows   exact flows
 //	PinDir/tables-LAYOUT/listeners
 //	PinDir/tables-LAYOUT/rulesets
+//	PinDir/tables-LAYOUT/spreads   listeners' spread tables (spread.go)
 //
 // The link keeps the program attached after the process exits or dies; the
 // tables keep every claim. The next LoadWith of the same directory adopts
@@ -36,6 +37,12 @@ import (
 // successor of the same build takes the program over with all its maps
 // instead of loading it, which spares it the verifier, the longest part
 // of loading.
+//
+// A successor holds every listener, spread or not, until it is claimed
+// again, and empties the spread tables; Update builds them anew. They are
+// pinned all the same, so that the predecessor's program, which runs until
+// Attach swaps the successor in, reads the spread tables that the listener
+// entries name.
 
 // HoldStream is the stream id adopted flows and listeners steer to until
 // their application claims them again: no stream has it (stream ids fit in
@@ -48,10 +55,10 @@ const linkPin = "link"
 
 // pinnedTables are the maps a program hands to its successor. The counters,
 // the fragment table and the socket maps are each program's own.
-var pinnedTables = []string{bpfMapFlows, bpfMapListeners, bpfMapRulesets}
+var pinnedTables = []string{bpfMapFlows, bpfMapListeners, bpfMapRulesets, bpfMapSpreads}
 
 // tablesDir is the directory of this program's table layout.
-var tablesDir = "tables-" + layoutTag(bpfFbFlowKey{}, bpfFbListenKey{}, bpfFbTarget{}, bpfFbRuleset{})
+var tablesDir = "tables-" + layoutTag(bpfFbFlowKey{}, bpfFbListenKey{}, bpfFbTarget{}, bpfFbListener{}, bpfFbRuleset{}, bpfFbSpread{})
 
 // layoutTag is a short hash of the names, offsets and sizes of the fields of
 // vs, recursively.
@@ -187,7 +194,7 @@ func (p *Program) reuse(spec *ebpf.CollectionSpec, build string) bool {
 	for name, dst := range map[string]**ebpf.Map{
 		bpfMapEventCounters: &objs.EventCounters, bpfMapFlows: &objs.Flows, bpfMapFragments: &objs.Fragments,
 		bpfMapIngestXsks: &objs.IngestXsks, bpfMapLastMeta: &objs.LastMeta, bpfMapListeners: &objs.Listeners,
-		bpfMapRuleCounters: &objs.RuleCounters, bpfMapRulesets: &objs.Rulesets,
+		bpfMapRuleCounters: &objs.RuleCounters, bpfMapRulesets: &objs.Rulesets, bpfMapSpreads: &objs.Spreads,
 		bpfMapVerdictCounters: &objs.VerdictCounters, bpfMapXsks: &objs.Xsks,
 	} {
 		m := byName[kernelName(name)]
@@ -236,7 +243,7 @@ func (p *Program) pinTables(dir string) error {
 	if err := os.MkdirAll(base, 0o700); err != nil {
 		return fmt.Errorf("ebpf: pin tables: %w", err)
 	}
-	for name, m := range map[string]*ebpf.Map{bpfMapFlows: p.objs.Flows, bpfMapListeners: p.objs.Listeners, bpfMapRulesets: p.objs.Rulesets} {
+	for name, m := range map[string]*ebpf.Map{bpfMapFlows: p.objs.Flows, bpfMapListeners: p.objs.Listeners, bpfMapRulesets: p.objs.Rulesets, bpfMapSpreads: p.objs.Spreads} {
 		// The program's maps are clones, unpinned as far as the library
 		// knows, so that closing them never removes the pins.
 		c, err := m.Clone()
@@ -252,57 +259,59 @@ func (p *Program) pinTables(dir string) error {
 	return nil
 }
 
-// hold points every adopted flow and listener at HoldStream and remembers
-// them as held: their applications belong to the previous daemon, whose
-// stream ids the next one gives to others.
+// hold points every adopted flow and listener at HoldStream, a listener with
+// a spread too, and remembers them as held: their applications belong to
+// the previous daemon, whose stream ids the next one gives to others. Then
+// it empties the spread tables, which no listener names any more.
 func (p *Program) hold() error {
-	var (
-		fk bpfFbFlowKey
-		lk bpfFbListenKey
-		v  bpfFbTarget
-	)
-	var flows []bpfFbFlowKey
-	it := p.objs.Flows.Iterate()
-	for it.Next(&fk, &v) {
-		flows = append(flows, fk)
-	}
-	if err := it.Err(); err != nil {
+	flows, err := keysOf[bpfFbFlowKey, bpfFbTarget](p.objs.Flows)
+	if err != nil {
 		return fmt.Errorf("ebpf: read pinned flows: %w", err)
 	}
-	var listeners []bpfFbListenKey
-	it = p.objs.Listeners.Iterate()
-	for it.Next(&lk, &v) {
-		listeners = append(listeners, lk)
-	}
-	if err := it.Err(); err != nil {
+	listeners, err := keysOf[bpfFbListenKey, bpfFbListener](p.objs.Listeners)
+	if err != nil {
 		return fmt.Errorf("ebpf: read pinned listeners: %w", err)
 	}
 	for _, k := range flows {
-		if err := holdEntry(p.objs.Flows, &k); err != nil {
+		if err := holdEntry(p.objs.Flows, &k, func(v *bpfFbTarget) { v.StreamId = HoldStream }); err != nil {
 			return fmt.Errorf("ebpf: hold flow: %w", err)
 		}
 		p.heldFlows[k] = struct{}{}
 	}
 	for _, k := range listeners {
-		if err := holdEntry(p.objs.Listeners, &k); err != nil {
+		if err := holdEntry(p.objs.Listeners, &k, func(v *bpfFbListener) { v.StreamId, v.Spread = HoldStream, 0 }); err != nil {
 			return fmt.Errorf("ebpf: hold listener: %w", err)
 		}
 		p.heldListeners[k] = struct{}{}
 	}
-	return nil
+	return p.forgetSpreads()
 }
 
-// holdEntry points the entry of key k at HoldStream, keeping its rule id
+// keysOf lists the keys of hash map m.
+func keysOf[K, V any](m *ebpf.Map) ([]K, error) {
+	var (
+		k    K
+		v    V
+		keys []K
+	)
+	it := m.Iterate()
+	for it.Next(&k, &v) {
+		keys = append(keys, k)
+	}
+	return keys, it.Err()
+}
+
+// holdEntry has hold rewrite the entry of key k, which keeps its rule id
 // (its counter); an entry gone meanwhile stays gone.
-func holdEntry(m *ebpf.Map, k any) error {
-	var v bpfFbTarget
+func holdEntry[V any](m *ebpf.Map, k any, hold func(*V)) error {
+	var v V
 	if err := m.Lookup(k, &v); err != nil {
 		if errors.Is(err, ebpf.ErrKeyNotExist) {
 			return nil
 		}
 		return err
 	}
-	v.StreamId = HoldStream
+	hold(&v)
 	err := m.Update(k, &v, ebpf.UpdateExist)
 	if errors.Is(err, ebpf.ErrKeyNotExist) {
 		return nil

@@ -6,9 +6,12 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/cilium/ebpf"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
 	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
@@ -50,7 +53,9 @@ func dialDropped(t *testing.T, outside *topology.NS, addr netip.AddrPort) {
 // of the same build takes the program itself over (no verifier), the
 // adopted flows and listeners are held (steered to HoldStream) until
 // claimed again or released, the link is taken over with no moment without
-// a program, and tables of another size are replaced, not adopted.
+// a program, and tables of another size are replaced, not adopted. A
+// listener spread over instances is held like any other, its spread table
+// dropped until the claim brings a new one.
 func TestPinnedProgramOutlivesItsOwner(t *testing.T) {
 	testenv.RequirePrivileged(t)
 	bridge, outside, v := topology.Pair(t, topology.VethOptions{})
@@ -84,8 +89,9 @@ func TestPinnedProgramOutlivesItsOwner(t *testing.T) {
 	remote := netip.MustParseAddr("198.18.7.7")
 	flow := classifier.Flow{ID: 21, Protocol: classifier.ProtoUDP, Local: netip.AddrPortFrom(local, 4000), Remote: netip.AddrPortFrom(remote, 53), Stream: 3}
 	tables, err := classifier.Compile(&classifier.RuleSet{
-		Listeners: []classifier.Listener{{ID: 12, Protocol: classifier.ProtoTCP, Addr: local, Port: 8080, Stream: 1}},
-		Rules:     []classifier.Rule{{ID: 13, Protocol: classifier.ProtoUDP, DstPorts: classifier.Port(5001), Action: classifier.ActionDrop}},
+		Listeners: []classifier.Listener{{ID: 12, Protocol: classifier.ProtoTCP, Addr: local, Port: 8080, Stream: 1,
+			Spread: &classifier.Spread{Seed: 7, Slots: []classifier.Slot{{Current: 1}, {Current: 2, Previous: 1}}}}},
+		Rules: []classifier.Rule{{ID: 13, Protocol: classifier.ProtoUDP, DstPorts: classifier.Port(5001), Action: classifier.ActionDrop}},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -124,6 +130,16 @@ func TestPinnedProgramOutlivesItsOwner(t *testing.T) {
 	if got := flows[flow.Key()]; got.Stream != HoldStream || got.Rule != flow.ID {
 		t.Errorf("adopted flow steers to %+v, want stream %d with its rule id %d", got, uint32(HoldStream), flow.ID)
 	}
+	key := bpfFbListenKey{Family: 4, Proto: uint8(classifier.ProtoTCP), Port: 8080, Addr: words32(classifier.ToAddr16(local))}
+	var lv bpfFbListener
+	if err := second.objs.Listeners.Lookup(&key, &lv); err != nil || lv.StreamId != HoldStream || lv.Spread != 0 || lv.RuleId != 12 {
+		t.Errorf("adopted listener with a spread: %+v (%v), want stream %d, no spread, rule 12", lv, err, uint32(HoldStream))
+	}
+	for i := uint32(1); i < uint32(bpfFbLimitFB_SPREAD_INDICES); i++ {
+		if id := spreadMapID(t, second, i); id != 0 {
+			t.Errorf("adopted program still holds spread table %d (map %d) that no listener names", i, id)
+		}
+	}
 	attach(second)
 	if a := second.Adoption(); !a.Link {
 		t.Errorf("the pinned link was not taken over: %v", a)
@@ -136,7 +152,8 @@ func TestPinnedProgramOutlivesItsOwner(t *testing.T) {
 	// The listener is claimed again (a new stream id), the flow is not:
 	// releasing the held entries removes the flow only.
 	tables, err = classifier.Compile(&classifier.RuleSet{
-		Listeners: []classifier.Listener{{ID: 12, Protocol: classifier.ProtoTCP, Addr: local, Port: 8080, Stream: 9}},
+		Listeners: []classifier.Listener{{ID: 12, Protocol: classifier.ProtoTCP, Addr: local, Port: 8080, Stream: 9,
+			Spread: &classifier.Spread{Seed: 7, Slots: []classifier.Slot{{Current: 9}, {Current: 10, Previous: 9}}}}},
 	})
 	if err != nil {
 		t.Fatal(err)
@@ -153,10 +170,8 @@ func TestPinnedProgramOutlivesItsOwner(t *testing.T) {
 	if flows, _ := second.InstalledFlows(); len(flows) != 0 {
 		t.Errorf("flows left after the release: %v", flows)
 	}
-	var lv bpfFbTarget
-	key := bpfFbListenKey{Family: 4, Proto: uint8(classifier.ProtoTCP), Port: 8080, Addr: words32(classifier.ToAddr16(local))}
-	if err := second.objs.Listeners.Lookup(&key, &lv); err != nil || lv.StreamId != 9 {
-		t.Errorf("the claimed listener steers to %+v (%v), want stream 9", lv, err)
+	if err := second.objs.Listeners.Lookup(&key, &lv); err != nil || lv.StreamId != 9 || lv.Spread == 0 || spreadMapID(t, second, lv.Spread) == 0 {
+		t.Errorf("the claimed listener steers to %+v (%v), want stream 9 and a spread table", lv, err)
 	}
 	if err := second.Leave(); err != nil {
 		t.Fatal(err)
@@ -230,5 +245,75 @@ func TestPinnedLinkOfADeletedInterface(t *testing.T) {
 	}
 	if _, err := RemovePins(dir); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestPinnedSpreadTablesAreShared: a successor of another build adopts the
+// tables but not the program, which keeps running until Attach. The spread
+// tables are among the adopted ones, so that the predecessor's program and
+// the successor read the same tables under the indices the shared listener
+// entries name, whichever runs when the successor's first Update lands.
+func TestPinnedSpreadTablesAreShared(t *testing.T) {
+	testenv.RequirePrivileged(t)
+	bridge, _, v := topology.Pair(t, topology.VethOptions{})
+	dir := filepath.Join(testenv.BPFFS(t), "ns", v.A.Name)
+	local := v.A.Addr4.Addr()
+	compile := func(stream uint32) *classifier.Tables {
+		t.Helper()
+		tables, err := classifier.Compile(&classifier.RuleSet{Listeners: []classifier.Listener{{ID: 12, Protocol: classifier.ProtoTCP, Addr: local, Port: 8080, Stream: stream,
+			Spread: &classifier.Spread{Seed: uint64(stream), Slots: []classifier.Slot{{Current: stream}, {Current: stream + 1, Previous: stream}}}}}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return tables
+	}
+	first, err := LoadWith(Options{PinDir: dir, DropUnbound: true, FlowCapacity: 1024})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := first.Update(compile(1)); err != nil {
+		t.Fatal(err)
+	}
+	if err := bridge.Do(func() error { _, err := first.Attach(v.A.Index, ModeNative); return err }); err != nil {
+		t.Fatal(err)
+	}
+	firstID := programID(t, first)
+	if err := first.Leave(); err != nil {
+		t.Fatal(err)
+	}
+
+	second, err := LoadWith(Options{PinDir: dir, FlowCapacity: 1024}) // another build: frames of no socket pass
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer second.Close()
+	if a := second.Adoption(); a.Program || !a.Tables || a.HeldListeners != 1 {
+		t.Fatalf("%v, want the tables with one listener held, not the program", a)
+	}
+	if err := second.Update(compile(5)); err != nil {
+		t.Fatal(err)
+	}
+	old, err := ebpf.NewProgramFromID(ebpf.ProgramID(firstID))
+	if err != nil {
+		t.Fatalf("the first program, still attached: %v", err)
+	}
+	defer old.Close()
+	info, err := old.Info()
+	if err != nil {
+		t.Fatal(err)
+	}
+	oldMaps, _ := info.MapIDs()
+	spreadsInfo, err := second.objs.Spreads.Info()
+	if err != nil {
+		t.Fatal(err)
+	}
+	spreadsID, _ := spreadsInfo.ID()
+	if !slices.Contains(oldMaps, spreadsID) {
+		t.Errorf("the running first program reads maps %v, not the successor's spreads map %d", oldMaps, spreadsID)
+	}
+	key := bpfFbListenKey{Family: 4, Proto: uint8(classifier.ProtoTCP), Port: 8080, Addr: words32(classifier.ToAddr16(local))}
+	var lv bpfFbListener
+	if err := second.objs.Listeners.Lookup(&key, &lv); err != nil || lv.StreamId != 5 || spreadMapID(t, second, lv.Spread) == 0 {
+		t.Errorf("the claimed listener: %+v (%v), want stream 5 and a spread table", lv, err)
 	}
 }

@@ -118,6 +118,15 @@ func TestUpdateHasNoWindow(t *testing.T) {
 		t.Fatal(err)
 	}
 	const flips = 100
+	runs := flipWhileRunning(t, p, tables, frames, want, flips)
+	t.Logf("%d frames during %d updates, %d frames differ between the sets", runs, flips, differ)
+}
+
+// flipWhileRunning updates the program flips times, to tables[1] and
+// tables[0] in turn, while it runs frames through it: every frame must get
+// what one of the tables gives it (want). It returns how many frames ran.
+func flipWhileRunning(t *testing.T, p *pair, tables [2]*classifier.Tables, frames [][]byte, want [][2]classifier.Meta, flips int) int {
+	t.Helper()
 	var done atomic.Bool
 	errc := make(chan error, 1)
 	go func() {
@@ -138,7 +147,7 @@ func TestUpdateHasNoWindow(t *testing.T) {
 				t.Fatal(err)
 			}
 			if got != want[i][0] && got != want[i][1] {
-				t.Fatalf("frame %d classified %+v during an update; set A gives %+v, set B %+v", i, got, want[i][0], want[i][1])
+				t.Fatalf("frame %d classified %+v during an update; table A gives %+v, table B %+v", i, got, want[i][0], want[i][1])
 			}
 			runs++
 		}
@@ -146,5 +155,5 @@ func TestUpdateHasNoWindow(t *testing.T) {
 	if err := <-errc; err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("%d frames during %d updates, %d frames differ between the sets", runs, flips, differ)
+	return runs
 }

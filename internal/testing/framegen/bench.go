@@ -6,6 +6,7 @@ import (
 	"github.com/gopacket/gopacket/layers"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
+	"github.com/fabricbridge/fabricbridge/classifier/maglev"
 )
 
 // BenchCase is one frame and the tables it meets, as both classifiers'
@@ -21,8 +22,9 @@ type BenchCase struct {
 const BenchFlows = 100_000
 
 // BenchCases are the benchmark cases: a frame that nothing claims (passing
-// every table and 16 rules), a listener hit, an exact-flow hit among
-// BenchFlows flows, and IPv6 with three extension headers to a listener.
+// every table and 16 rules), a listener hit, the same listener spread over
+// instances (maglev.DefaultSize slots), an exact-flow hit among BenchFlows
+// flows, and IPv6 with three extension headers to a listener.
 func BenchCases() []BenchCase {
 	local4 := netip.MustParseAddr("198.18.0.1")
 	local6 := netip.MustParseAddr("2001:db8::1")
@@ -48,6 +50,12 @@ func BenchCases() []BenchCase {
 	pass := base()
 	listen := base()
 	listen.Listeners = append(listen.Listeners, classifier.Listener{ID: 1, Protocol: classifier.ProtoTCP, Addr: local4, Port: 80, Stream: 3})
+	spread := base()
+	sp := &classifier.Spread{Seed: 0x5eed, Slots: make([]classifier.Slot, maglev.DefaultSize)}
+	for i := range sp.Slots {
+		sp.Slots[i] = classifier.Slot{Current: uint32(3 + i%4), Previous: uint32(3 + i%3)}
+	}
+	spread.Listeners = append(spread.Listeners, classifier.Listener{ID: 1, Protocol: classifier.ProtoTCP, Addr: local4, Port: 80, Stream: 3, Spread: sp})
 	flows := base()
 	for i := range BenchFlows {
 		flows.Flows = append(flows.Flows, classifier.Flow{
@@ -64,6 +72,7 @@ func BenchCases() []BenchCase {
 	return []BenchCase{
 		{"default-pass", pass, Spec{L3: 4, L4: layers.IPProtocolUDP, Src: remote4, Dst: local4, SrcPort: 5555, DstPort: 6666, Payload: 18}.Build(), classifier.VerdictPass},
 		{"listener-hit", listen, Spec{L3: 4, L4: tcp, Src: remote4, Dst: local4, SrcPort: 5555, DstPort: 80, Payload: 6}.Build(), classifier.VerdictSteer},
+		{"spread-hit", spread, Spec{L3: 4, L4: tcp, Src: remote4, Dst: local4, SrcPort: 5555, DstPort: 80, Payload: 6}.Build(), classifier.VerdictSteer},
 		{"flow-hit-100k", flows, Spec{L3: 4, L4: tcp, Src: hit.Remote.Addr(), Dst: local4, SrcPort: hit.Remote.Port(), DstPort: 443, Payload: 6}.Build(), classifier.VerdictSteer},
 		{"ipv6-3ext", v6, Spec{L3: 6, Ext: []uint8{0, 43, 60}, L4: tcp, Src: remote6, Dst: local6, SrcPort: 5555, DstPort: 80, Payload: 6}.Build(), classifier.VerdictSteer},
 	}

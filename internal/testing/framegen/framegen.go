@@ -15,6 +15,7 @@ import (
 	"github.com/gopacket/gopacket/layers"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
+	"github.com/fabricbridge/fabricbridge/classifier/maglev"
 )
 
 // The address and port pools are small so that random frames and random rules
@@ -276,6 +277,26 @@ func extBytes(chain []uint8, l4 uint8, s Spec) []byte {
 	return b
 }
 
+// RandomSpread draws a spread over the streams RandomRuleSet uses: a few
+// slots or maglev.DefaultSize, each slot's previous owner none, the current
+// one or another.
+func RandomSpread(rng *rand.Rand) *classifier.Spread {
+	sizes := []int{1, 2, 7, 61, 251, maglev.DefaultSize}
+	sp := &classifier.Spread{Seed: rng.Uint64(), Slots: make([]classifier.Slot, sizes[rng.IntN(len(sizes))])}
+	for i := range sp.Slots {
+		s := classifier.Slot{Current: uint32(1 + rng.IntN(8))}
+		switch rng.IntN(3) {
+		case 0:
+		case 1:
+			s.Previous = s.Current
+		default:
+			s.Previous = uint32(1 + rng.IntN(8))
+		}
+		sp.Slots[i] = s
+	}
+	return sp
+}
+
 func serialize(ls ...gopacket.SerializableLayer) []byte {
 	buf := gopacket.NewSerializeBuffer()
 	if err := gopacket.SerializeLayers(buf, gopacket.SerializeOptions{FixLengths: true, ComputeChecksums: true}, ls...); err != nil {
@@ -285,7 +306,8 @@ func serialize(ls ...gopacket.SerializableLayer) []byte {
 }
 
 // RandomRuleSet draws flows, listeners and rules over the pools, so that
-// every precedence level gets hit.
+// every precedence level gets hit. About half the listeners are spread over
+// instances (RandomSpread).
 func RandomRuleSet(rng *rand.Rand) *classifier.RuleSet {
 	rs := &classifier.RuleSet{}
 	id := uint32(1 + rng.IntN(1000))
@@ -341,6 +363,11 @@ func RandomRuleSet(rng *rand.Rand) *classifier.RuleSet {
 		}
 		for _, k := range keys {
 			listenSeen[k] = true
+		}
+		// Drawn from the listener, not rng, so that the rest of the set
+		// is what it was before listeners had spreads.
+		if sr := rand.New(rand.NewPCG(uint64(l.ID), uint64(l.Port))); sr.IntN(2) == 0 {
+			l.Spread = RandomSpread(sr)
 		}
 		rs.Listeners = append(rs.Listeners, l)
 	}

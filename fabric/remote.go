@@ -133,11 +133,11 @@ type Remote struct {
 	names [remoteBatch]unix.RawSockaddrInet6
 	ctrl  [remoteBatch][32]byte // UDP_GRO control message
 	// Data packets of one stream (cur), waiting to be queued together.
-	cur  *RemoteStream
+	cur      *RemoteStream
 	held     [remoteBatch][]byte
 	heldMeta [remoteBatch]uint32 // their marks
 	nh       int
-	pfd  [1]unix.PollFd
+	pfd      [1]unix.PollFd
 }
 
 // LocalAddr is the bound address.

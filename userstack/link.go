@@ -97,11 +97,11 @@ const gsoMaxSize = 65000
 // transmit gVisor computes checksums, except TCP's, which the endpoint
 // completes while segmenting.
 type LinkEndpoint struct {
-	link      Link
-	marked    MarkedLink // link, if it carries metadata words; else nil
+	link   Link
+	marked MarkedLink // link, if it carries metadata words; else nil
 	// conns answers whether a segment belongs to a connection of the
 	// stack (see handsBack); set once, before the stack attaches.
-	conns *stack.Stack
+	conns     *stack.Stack
 	mtu       atomic.Uint32
 	maxPacket int
 	batch     int

@@ -47,8 +47,11 @@ const (
 	spreadPort  = 80
 )
 
-// newSpreadRig starts it; with plainB, B's stack is over a plainLink.
-func newSpreadRig(t *testing.T, plainB bool) *spreadRig {
+// spreadOptions vary the rig: B's stack over a plainLink, or B on another
+// host over the GENEVE transport.
+type spreadOptions struct{ plainB, remoteB bool }
+
+func newSpreadRig(t *testing.T, opts spreadOptions) *spreadRig {
 	testenv.RequirePrivileged(t)
 	out, br, wire := topology.Pair(t, topology.VethOptions{})
 	if err := ethtool.DisableTxChecksum(out, wire.A.Name); err != nil {
@@ -67,25 +70,38 @@ func newSpreadRig(t *testing.T, plainB bool) *spreadRig {
 	r.setSlots(func(int) classifier.Slot { return classifier.Slot{Current: 1} })
 	own := classifier.Ownership{Addrs: r.local, Ports: []classifier.PortClaim{{Proto: classifier.ProtoTCP, Port: spreadPort}}}
 	for id := uint32(1); id <= 2; id++ {
-		bs, app, err := fabric.NewPair(fabric.Config{RxSlots: 1024, TxSlots: 1024})
-		if err != nil {
+		var end fabric.BridgeEnd
+		var link interface {
+			Link
+			MaxPayload() int
+			Close() error
+		}
+		rxDepth := 1024
+		if id == 2 && opts.remoteB {
+			bs, as := remotePair(t, br, id)
+			end, link, rxDepth = bs.Bridge(), as, 0
+		} else {
+			bs, app, err := fabric.NewPair(fabric.Config{RxSlots: 1024, TxSlots: 1024})
+			if err != nil {
+				t.Fatal(err)
+			}
+			end, link = bs, app
+		}
+		if err := r.b.AddStream(id, end, own); err != nil {
 			t.Fatal(err)
 		}
-		if err := r.b.AddStream(id, bs, own); err != nil {
-			t.Fatal(err)
+		var over Link = link
+		if id == 2 && opts.plainB {
+			over = plainLink{link}
 		}
-		var link Link = app
-		if id == 2 && plainB {
-			link = plainLink{app}
-		}
-		s, err := newStack(link, LinkConfig{MTU: 1500, MaxPacket: app.MaxPayload(), RxDepth: 1024}, r.local, &grantAll{}, app.Close)
+		s, err := newStack(over, LinkConfig{MTU: 1500, MaxPacket: link.MaxPayload(), RxDepth: rxDepth}, r.local, &grantAll{}, link.Close)
 		if err != nil {
 			t.Fatal(err)
 		}
 		t.Cleanup(func() {
 			s.Close()
 			r.b.RemoveStream(id)
-			bs.Close()
+			end.Close()
 		})
 		r.instances[id] = s
 		l, err := s.Listen("tcp", fmt.Sprintf(":%d", spreadPort))
@@ -96,6 +112,38 @@ func newSpreadRig(t *testing.T, plainB bool) *spreadRig {
 		go echoAs(l, "AB"[id-1:id])
 	}
 	return r
+}
+
+// remotePair is stream id over the GENEVE transport between the bridge
+// host br and an application host of its own: the bridge's end and the
+// application's.
+func remotePair(t *testing.T, br *topology.NS, id uint32) (*fabric.RemoteStream, *fabric.RemoteStream) {
+	app := topology.New(t)
+	v := topology.Connect(t, br, app, topology.VethOptions{MTU: 1600}) // GENEVE's 36 bytes more
+	var atBridge, atApp *fabric.Remote
+	if err := br.Do(func() (err error) {
+		atBridge, err = fabric.ListenRemote(netip.AddrPortFrom(v.A.Addr4.Addr(), 0), fabric.RemoteConfig{})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { atBridge.Close() })
+	if err := app.Do(func() (err error) {
+		atApp, err = fabric.ListenRemote(netip.AddrPortFrom(v.B.Addr4.Addr(), 0), fabric.RemoteConfig{})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { atApp.Close() })
+	bs, err := atBridge.Register(id, atApp.LocalAddr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	as, err := atApp.Register(id, atBridge.LocalAddr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return bs, as
 }
 
 // setSlots installs the listener with a Spread whose slot i is slot(i).
@@ -196,9 +244,15 @@ func movedSlots(i int) classifier.Slot {
 // while instance A owned every slot keep working, both ways and without a
 // reset, after half of the slots pass to B (B hands their packets back,
 // the bridge gives them to A), while new connections in the moved slots
-// land on B and the others on A.
+// land on B and the others on A. B is local, or on another host (the
+// marks cross GENEVE both ways).
 func TestSpreadKeepsEstablishedConnections(t *testing.T) {
-	r := newSpreadRig(t, false)
+	t.Run("local", func(t *testing.T) { keepsEstablished(t, spreadOptions{}) })
+	t.Run("remote", func(t *testing.T) { keepsEstablished(t, spreadOptions{remoteB: true}) })
+}
+
+func keepsEstablished(t *testing.T, opts spreadOptions) {
+	r := newSpreadRig(t, opts)
 	const n = 32
 	old := r.openAll(n)
 	for _, c := range old {
@@ -254,7 +308,7 @@ func TestSpreadKeepsEstablishedConnections(t *testing.T) {
 // change resets the established connections of the moved slots: what the
 // test above guards against does happen.
 func TestSpreadWithoutSecondChanceResets(t *testing.T) {
-	r := newSpreadRig(t, true)
+	r := newSpreadRig(t, spreadOptions{plainB: true})
 	old := r.openAll(16)
 	r.setSlots(movedSlots)
 	resets := 0

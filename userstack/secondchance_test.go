@@ -43,6 +43,22 @@ func (b bridgeSide) next(wait time.Duration) ([]byte, uint32) {
 	return nil, 0
 }
 
+// stackOnPair is a stack with addrA over a shm stream whose bridge end the
+// test drives.
+func stackOnPair(t *testing.T) (*Stack, *fabric.BridgeStream) {
+	t.Helper()
+	br, app, err := fabric.NewPair(fabric.Config{RxSlots: 64, TxSlots: 64})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := newStack(app, LinkConfig{MTU: 1500, MaxPacket: app.MaxPayload()}, addrA, &grantAll{}, app.Close)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close(); br.Close() })
+	return s, br
+}
+
 func tcpOf(t *testing.T, pkt []byte) *layers.TCP {
 	t.Helper()
 	first := layers.LayerTypeIPv4
@@ -61,15 +77,7 @@ func tcpOf(t *testing.T, pkt []byte) *layers.TCP {
 // MarkNotMine; unmarked, the stack resets it as before. A marked SYN, and
 // the marked segments of a connection the stack has, go up as usual.
 func TestMarkedStrangersGoBack(t *testing.T) {
-	br, app, err := fabric.NewPair(fabric.Config{RxSlots: 64, TxSlots: 64})
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := newStack(app, LinkConfig{MTU: 1500, MaxPacket: app.MaxPayload()}, addrA, &grantAll{}, app.Close)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { s.Close(); br.Close() })
+	s, br := stackOnPair(t)
 	l, err := s.Listen("tcp", "198.18.0.1:80")
 	if err != nil {
 		t.Fatal(err)
@@ -152,15 +160,7 @@ func (l *markedReplay) SendMeta(pkts [][]byte, meta []uint32) (int, error) {
 
 // Handing strays back allocates nothing.
 func TestHandingBackAllocatesNothing(t *testing.T) {
-	br, app, err := fabric.NewPair(fabric.Config{RxSlots: 64, TxSlots: 64})
-	if err != nil {
-		t.Fatal(err)
-	}
-	s, err := newStack(app, LinkConfig{MTU: 1500, MaxPacket: app.MaxPayload()}, addrA, &grantAll{}, app.Close)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { s.Close(); br.Close() })
+	s, _ := stackOnPair(t)
 	var strays [][]byte
 	for i := range 32 {
 		strays = append(strays, ippkt.TCP(netip.AddrPortFrom(netip.MustParseAddr("198.18.9.9"), uint16(40000+i)), netip.AddrPortFrom(addrA[0], 80), 1, 1, false, true, false, pattern(100)))

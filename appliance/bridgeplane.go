@@ -403,7 +403,7 @@ func rejects(w *metrics.Writer, f metrics.Family, r bridge.Rejects, labels ...me
 		reason string
 		n      uint64
 	}{{"version", r.Version}, {"header_length", r.HeaderLength}, {"total_length", r.TotalLength}, {"mtu", r.MTU},
-		{"source_addr", r.SourceAddr}, {"protocol", r.Protocol}, {"source_port", r.SourcePort}} {
+		{"source_addr", r.SourceAddr}, {"protocol", r.Protocol}, {"source_port", r.SourcePort}, {"second_chance", r.SecondChance}} {
 		w.AddUint(f, x.n, append(labels, metrics.Label{Name: "reason", Value: x.reason})...)
 	}
 }

@@ -18,6 +18,7 @@ const rejectLogBurst = 10
 var reasonNames = [numReasons]string{
 	accepted: "accepted", rejVersion: "version", rejHeader: "header_length", rejLength: "total_length",
 	rejMTU: "mtu", rejSourceAddr: "source_addr", rejProtocol: "protocol", rejSourcePort: "source_port",
+	rejSecondChance: "second_chance",
 }
 
 func (r reason) String() string {

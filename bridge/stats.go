@@ -68,6 +68,10 @@ type StreamStats struct {
 	TxPackets, TxBytes uint64
 	TxViaKernel        uint64
 	TxRejects          Rejects
+	// TxHandedOn counts packets the stream handed back (fabric.MarkNotMine)
+	// that went to the other owner of their Spread slot; the receiving
+	// stream counts them in RxPackets.
+	TxHandedOn uint64
 	// Broken: the TX side found the stream broken or closed and stopped
 	// draining it; the control plane should remove it.
 	Broken bool
@@ -101,7 +105,7 @@ func (b *Bridge) Stats() Stats {
 			ID:        e.id,
 			RxPackets: e.rxPackets.Load(), RxBytes: e.rxBytes.Load(), RxRingFull: e.rxRingFull.Load(), RxTooBig: e.rxTooBig.Load(),
 			TxPackets: e.txPackets.Load(), TxBytes: e.txBytes.Load(), TxViaKernel: e.txKernel.Load(),
-			Broken: e.dead.Load(),
+			TxHandedOn: e.txHandedOn.Load(), Broken: e.dead.Load(),
 		}
 		var rej [numReasons]uint64
 		for r := range rej {

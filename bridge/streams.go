@@ -22,7 +22,8 @@ type streamEntry struct {
 	rxTooBig                       atomic.Uint64
 	txPackets, txBytes, txKernel   atomic.Uint64
 	txRejects                      [numReasons]atomic.Uint64
-	dead                           atomic.Bool // TX found it broken or closed
+	txHandedOn                     atomic.Uint64 // handed back and given a second chance elsewhere
+	dead                           atomic.Bool   // TX found it broken or closed
 	capture                        atomic.Pointer[captureHook]
 }
 
@@ -109,7 +110,7 @@ func (d *dispatcher) frame(frame []byte, m *classifier.Meta) {
 		d.cur = e
 	}
 	d.pkts[d.n] = pkt[:n]
-	d.meta[d.n] = m.RuleID
+	d.meta[d.n] = deliveryWord(m)
 	d.ts[d.n] = m.RxTimestampNs
 	d.n++
 }

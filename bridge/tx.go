@@ -57,6 +57,7 @@ type txSide struct {
 	toks   [64]int
 	bufs   [64][]byte
 	pkts   [64][]byte
+	meta   [64]uint32 // the streams' words for pkts: their marks
 	budget int
 	l2     *l2cache
 	srcMAC [6]byte
@@ -65,6 +66,10 @@ type txSide struct {
 	maxPacket int
 	c         txCounters
 	fragBuf   []byte // sendFragments's, made on first use
+
+	// handed and handedMeta are handOn's one-packet batch.
+	handed     [1][]byte
+	handedMeta [1]uint32
 
 	rejectLogSecond time.Time // logReject's rate limit: the second it counts in
 	rejectLogged    int       // and the lines it wrote in it
@@ -170,7 +175,7 @@ func (t *txSide) serve(tok int, e *streamEntry) bool {
 	for i := 0; i < k; i++ {
 		t.pkts[i] = t.bufs[i][ethHeader:]
 	}
-	got, err := e.s.TryRecv(t.pkts[:k])
+	got, err := e.s.TryRecvMeta(t.pkts[:k], t.meta[:k])
 	if err != nil {
 		// Broken or closed: nothing more will come from it. The control
 		// plane still owns its removal.
@@ -189,6 +194,15 @@ func (t *txSide) serve(tok int, e *streamEntry) bool {
 	queued := false
 	for i := 0; i < got; i++ {
 		p := t.pkts[i]
+		if t.meta[i]&fabric.MarkNotMine != 0 {
+			// Not for the wire: an inbound packet the application
+			// gives back.
+			if !t.handOn(e, p) {
+				sc.rejects[rejSecondChance]++
+				t.logReject(e, rejSecondChance, p)
+			}
+			continue
+		}
 		r := verify(p, own, mtu)
 		if r == rejMTU {
 			// Sent before the application heard the MTU went down.

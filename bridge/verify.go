@@ -97,14 +97,15 @@ func (o *ownership) hasAddr(a netip.Addr) bool {
 type reason uint8
 
 const (
-	accepted      reason = iota
-	rejVersion           // not IPv4 or IPv6
-	rejHeader            // header length field broken, or a header does not fit
-	rejLength            // the IP length field disagrees with the packet
-	rejMTU               // longer than the interface's MTU
-	rejSourceAddr        // source address not the stream's
-	rejProtocol          // not TCP or UDP, or a protocol the stream owns no port of
-	rejSourcePort        // source port not the stream's
+	accepted        reason = iota
+	rejVersion             // not IPv4 or IPv6
+	rejHeader              // header length field broken, or a header does not fit
+	rejLength              // the IP length field disagrees with the packet
+	rejMTU                 // longer than the interface's MTU
+	rejSourceAddr          // source address not the stream's
+	rejProtocol            // not TCP or UDP, or a protocol the stream owns no port of
+	rejSourcePort          // source port not the stream's
+	rejSecondChance        // handed back (fabric.MarkNotMine) where no second chance takes it
 	numReasons
 )
 
@@ -117,18 +118,24 @@ type Rejects struct {
 	SourceAddr   uint64 // source address not among the stream's
 	Protocol     uint64 // not TCP or UDP, or no port of that protocol owned
 	SourcePort   uint64 // source port not owned by the stream
+	// SecondChance counts packets handed back with fabric.MarkNotMine that
+	// were not passed on: no Spread slot steers them, the stream is
+	// neither the slot's current nor its previous owner, or the other
+	// owner's stream is gone or full.
+	SecondChance uint64
 }
 
 func rejectsFrom(c *[numReasons]uint64) Rejects {
 	return Rejects{
 		Version: c[rejVersion], HeaderLength: c[rejHeader], TotalLength: c[rejLength], MTU: c[rejMTU],
 		SourceAddr: c[rejSourceAddr], Protocol: c[rejProtocol], SourcePort: c[rejSourcePort],
+		SecondChance: c[rejSecondChance],
 	}
 }
 
 // Total is the sum over reasons.
 func (r Rejects) Total() uint64 {
-	return r.Version + r.HeaderLength + r.TotalLength + r.MTU + r.SourceAddr + r.Protocol + r.SourcePort
+	return r.Version + r.HeaderLength + r.TotalLength + r.MTU + r.SourceAddr + r.Protocol + r.SourcePort + r.SecondChance
 }
 
 var be = binary.BigEndian

@@ -16,6 +16,10 @@ type BridgeEnd interface {
 	// TryRecv takes up to len(bufs) of the application's packets without
 	// waiting (see Link.Recv for the buffer contract).
 	TryRecv(bufs [][]byte) (int, error)
+	// TryRecvMeta is TryRecv returning each packet's metadata word into
+	// meta (nil, or as long as bufs): the application's marks (MarkMask)
+	// on either transport.
+	TryRecvMeta(bufs [][]byte, meta []uint32) (int, error)
 	// MaxPayload is the largest packet either direction carries.
 	MaxPayload() int
 	Health() Health

@@ -29,6 +29,16 @@ import (
 //	class 0xFFF0, type 0x02, length 0: goodbye, the sender closed the
 //	    stream; the receiver breaks its end once it has drained it.
 //
+// Data packets carry one option of the same class, only when they have
+// something to say, so that a plain packet's datagram is what it always
+// was and a receiver that does not know the option skips it (it is not
+// critical):
+//
+//	class 0xFFF0, type 0x03, length 1 word: marks, the u32 big-endian
+//	    high bits of the packet's metadata word in its stream (see
+//	    MarkMayReturn). The rule id in the low bits is the bridge's own
+//	    business and does not travel.
+//
 // A control packet with another protocol type, or a data packet with the
 // O bit, is refused as malformed. Because the standard port and header
 // are used, tshark and Wireshark decode the traffic as GENEVE without
@@ -47,6 +57,8 @@ const (
 	fabricOptClass = 0xFFF0
 	creditOptType  = 0x01
 	closeOptType   = 0x02
+	marksOptType   = 0x03
+	marksOptLen    = 8 // the marks option, header included
 	creditMsgLen   = geneveHdrLen + 8
 	closeMsgLen    = geneveHdrLen + 4
 	maxVNI         = 1<<24 - 1
@@ -72,6 +84,15 @@ func putCredit(b []byte, vni, consumed uint32) {
 	binary.BigEndian.PutUint32(b[12:], consumed)
 }
 
+// putMarks writes the marks option behind a data packet's base header,
+// which putGeneve wrote with two option words.
+func putMarks(b []byte, marks uint32) {
+	binary.BigEndian.PutUint16(b[8:], fabricOptClass)
+	b[10] = marksOptType
+	b[11] = 1
+	binary.BigEndian.PutUint32(b[12:], marks)
+}
+
 func putGoodbye(b []byte, vni uint32) {
 	putGeneve(b, vni, protoControl, 1, true)
 	binary.BigEndian.PutUint16(b[8:], fabricOptClass)
@@ -87,6 +108,7 @@ type geneveMsg struct {
 	hasCredit bool
 	credit    uint32
 	goodbye   bool
+	marks     uint32 // of a data packet: MarkMask bits only
 	payload   []byte
 }
 
@@ -121,6 +143,8 @@ func parseGeneve(b []byte) (geneveMsg, error) {
 			m.hasCredit, m.credit = true, binary.BigEndian.Uint32(opts[4:])
 		case class == fabricOptClass && typ == closeOptType && l == 4:
 			m.goodbye = true
+		case class == fabricOptClass && typ == marksOptType && l == 8:
+			m.marks = binary.BigEndian.Uint32(opts[4:]) & MarkMask
 		case typ&0x80 != 0 && critical:
 			return m, errMalformed // unknown critical option: must drop
 		}

@@ -91,8 +91,9 @@ const (
 	// maxDatagram is the largest UDP payload that fits an IPv6 (or, with
 	// room to spare, an IPv4) packet without jumbograms.
 	maxDatagram = 0xFFFF - 40 - 8
-	// maxInner is the largest inner packet a GENEVE datagram can carry.
-	maxInner = maxDatagram - geneveHdrLen
+	// maxInner is the largest inner packet a GENEVE datagram can carry,
+	// with room for the marks option.
+	maxInner = maxDatagram - geneveHdrLen - marksOptLen
 )
 
 var cmsgSegLen = unix.CmsgSpace(2) // UDP_SEGMENT: u16 segment size
@@ -132,10 +133,11 @@ type Remote struct {
 	names [remoteBatch]unix.RawSockaddrInet6
 	ctrl  [remoteBatch][32]byte // UDP_GRO control message
 	// Data packets of one stream (cur), waiting to be queued together.
-	cur  *RemoteStream
-	held [remoteBatch][]byte
-	nh   int
-	pfd  [1]unix.PollFd
+	cur      *RemoteStream
+	held     [remoteBatch][]byte
+	heldMeta [remoteBatch]uint32 // their marks
+	nh       int
+	pfd      [1]unix.PollFd
 }
 
 // LocalAddr is the bound address.
@@ -194,7 +196,6 @@ func (r *Remote) Register(vni uint32, peer netip.AddrPort) (*RemoteStream, error
 		h.Name = (*byte)(unsafe.Pointer(&s.peer.sa))
 		h.Namelen = s.peer.len
 		s.siovs[2*i].Base = &s.shdrs[i][0]
-		s.siovs[2*i].SetLen(geneveHdrLen)
 		ch := (*unix.Cmsghdr)(unsafe.Pointer(&s.scmsg[i][0]))
 		ch.Level, ch.Type = unix.SOL_UDP, unix.UDP_SEGMENT
 		ch.SetLen(unix.CmsgLen(2))

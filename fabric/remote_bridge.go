@@ -20,14 +20,22 @@ func (s *RemoteStream) Bridge() *RemoteBridge { return &s.bridged }
 
 // SendMeta sends packets to the application without waiting: what its
 // credit does not cover, or the socket's buffer does not take, is dropped
-// and counted (Health turns Sick). Metadata does not cross the wire. It
-// returns how many left or were dropped as no IP packet of at most
-// MaxPayload bytes, and an error only once the stream is dead.
-func (b *RemoteBridge) SendMeta(pkts [][]byte, _ []uint32) (int, error) { return b.s.send(pkts, true) }
+// and counted (Health turns Sick). Of the metadata words only the marks
+// cross the wire (the rule id stays on the bridge). It returns how many
+// left or were dropped as no IP packet of at most MaxPayload bytes, and an
+// error only once the stream is dead.
+func (b *RemoteBridge) SendMeta(pkts [][]byte, meta []uint32) (int, error) {
+	return b.s.send(pkts, meta, true)
+}
 
 // TryRecv takes up to len(bufs) of the application's packets without
 // waiting (see RemoteStream.TryRecv).
 func (b *RemoteBridge) TryRecv(bufs [][]byte) (int, error) { return b.s.TryRecv(bufs) }
+
+// TryRecvMeta is TryRecv returning each packet's marks as its metadata word.
+func (b *RemoteBridge) TryRecvMeta(bufs [][]byte, meta []uint32) (int, error) {
+	return b.s.TryRecvMeta(bufs, meta)
+}
 
 // MaxPayload is the largest packet either direction carries.
 func (b *RemoteBridge) MaxPayload() int { return b.s.MaxPayload() }

@@ -11,14 +11,20 @@ import (
 
 // offerAll hands pkts to a bridge end the way the bridge's loop would,
 // offering again whatever it dropped for want of credit until all went.
-func offerAll(b BridgeEnd, pkts [][]byte) error {
+func offerAll(b BridgeEnd, pkts [][]byte) error { return offerAllMeta(b, pkts, nil) }
+
+// offerAllMeta is offerAll with metadata words (meta may be nil).
+func offerAllMeta(b BridgeEnd, pkts [][]byte, meta []uint32) error {
 	deadline := time.Now().Add(10 * time.Second)
 	for len(pkts) > 0 {
-		n, err := b.SendMeta(pkts, nil)
+		n, err := b.SendMeta(pkts, meta)
 		if err != nil {
 			return err
 		}
 		pkts = pkts[n:]
+		if meta != nil {
+			meta = meta[n:]
+		}
 		if len(pkts) > 0 {
 			if time.Now().After(deadline) {
 				return errors.New("packets never found credit")

@@ -144,6 +144,7 @@ func (r *Remote) deliverOne(m map[uint32]*RemoteStream, b []byte, name *unix.Raw
 		r.cur = s
 	}
 	r.held[r.nh] = g.payload
+	r.heldMeta[r.nh] = g.marks
 	r.nh++
 }
 
@@ -157,7 +158,7 @@ func (r *Remote) flush() {
 	}
 	s, k := r.cur, r.nh
 	r.cur, r.nh = nil, 0
-	n, _ := s.rxP.Produce(r.held[:k])
+	n, _ := s.rxP.ProduceMeta(r.held[:k], r.heldMeta[:k])
 	if lost := k - n; lost > 0 {
 		r.overflow.Add(uint64(lost))
 		s.dropped.Add(uint64(lost))

@@ -20,13 +20,22 @@ import (
 // refuses a segment size (EMSGSIZE: it exceeds the MTU, where a single
 // datagram would have been fragmented) makes the stream send that size
 // and larger ones singly from then on.
-func (s *RemoteStream) Send(pkts [][]byte) (int, error) { return s.send(pkts, false) }
+func (s *RemoteStream) Send(pkts [][]byte) (int, error) { return s.send(pkts, nil, false) }
+
+// SendMeta is Send with a metadata word per packet (meta may be nil), of
+// which the marks (MarkMask) travel: see the marks option in geneve.go.
+func (s *RemoteStream) SendMeta(pkts [][]byte, meta []uint32) (int, error) {
+	return s.send(pkts, meta, false)
+}
 
 // send is Send, or with drop set the bridge's SendMeta (see RemoteBridge):
 // instead of waiting for credit or socket buffer it drops the rest, and
 // instead of failing on a packet it cannot send it drops that one, each
 // counted.
-func (s *RemoteStream) send(pkts [][]byte, drop bool) (int, error) {
+func (s *RemoteStream) send(pkts [][]byte, meta []uint32, drop bool) (int, error) {
+	if meta != nil && len(meta) < len(pkts) {
+		panic("fabric: SendMeta: fewer metadata words than packets")
+	}
 	s.sendMu.Lock()
 	defer s.sendMu.Unlock()
 	flags := 0
@@ -55,7 +64,11 @@ loop:
 			continue
 		}
 		batch := pkts[done : done+min(allow, len(pkts)-done, remoteBatch)]
-		ok := s.stage(batch, maxLen)
+		var marks []uint32
+		if meta != nil {
+			marks = meta[done:]
+		}
+		ok := s.stage(batch, marks, maxLen)
 		if ok < len(batch) && !drop {
 			return done, fmt.Errorf("%w: packet %d is not an IP packet of at most %d bytes", ErrTooBig, done+ok, maxLen)
 		}
@@ -97,14 +110,27 @@ func icmpReported(errno unix.Errno) bool {
 
 // stage writes the GENEVE header and iovecs of each packet of batch, up to
 // the first that is not an IP packet of at most maxLen bytes, and returns
-// how many it staged.
-func (s *RemoteStream) stage(batch [][]byte, maxLen int) int {
+// how many it staged. A packet whose metadata word (meta may be nil) has
+// marks gets the marks option.
+func (s *RemoteStream) stage(batch [][]byte, meta []uint32, maxLen int) int {
 	for i, pkt := range batch {
 		proto, ok := protoFor(pkt)
 		if !ok || len(pkt) > maxLen {
 			return i
 		}
-		putGeneve(s.shdrs[i][:], s.vni, proto, 0, false)
+		var marks uint32
+		if meta != nil {
+			marks = meta[i] & MarkMask
+		}
+		if marks == 0 {
+			putGeneve(s.shdrs[i][:], s.vni, proto, 0, false)
+			s.shlen[i] = geneveHdrLen
+		} else {
+			putGeneve(s.shdrs[i][:], s.vni, proto, marksOptLen/4, false)
+			putMarks(s.shdrs[i][:], marks)
+			s.shlen[i] = geneveHdrLen + marksOptLen
+		}
+		s.siovs[2*i].SetLen(s.shlen[i])
 		s.siovs[2*i+1].Base = &pkt[0]
 		s.siovs[2*i+1].SetLen(len(pkt))
 	}
@@ -145,7 +171,7 @@ func (s *RemoteStream) transmit(batch [][]byte, flags int) (int, unix.Errno) {
 	}
 	s.gate.sent += uint32(k - left)
 	if errno != 0 && s.scount[0] > 1 && (errno == unix.EMSGSIZE || errno == unix.EINVAL || errno == unix.EIO) {
-		s.gsoLimit = geneveHdrLen + len(batch[0]) - 1
+		s.gsoLimit = s.shlen[0] + len(batch[0]) - 1
 		errno = 0
 	}
 	return k - left, errno
@@ -155,15 +181,17 @@ func (s *RemoteStream) transmit(batch [][]byte, flags int) (int, unix.Errno) {
 // as sendmmsg entries and returns how many. Without GSO every packet is
 // an entry; with it, a run of packets of one length, ended by at most
 // one shorter packet, shares an entry with a UDP_SEGMENT control message,
-// as the kernel requires (every segment full-sized but the last).
+// as the kernel requires (every segment full-sized but the last). A marked
+// packet (a longer header) travels alone: the segments of an entry share
+// the first one's header length.
 func (s *RemoteStream) group(batch [][]byte) int {
 	nmsg := 0
 	for i := 0; i < len(batch); {
-		seg := geneveHdrLen + len(batch[i])
+		seg := s.shlen[i] + len(batch[i])
 		j := i + 1
-		if s.r.gso && seg <= s.gsoLimit {
+		if s.r.gso && seg <= s.gsoLimit && s.shlen[i] == geneveHdrLen {
 			total := seg
-			for j < len(batch) && j-i < maxGSOSegs {
+			for j < len(batch) && j-i < maxGSOSegs && s.shlen[j] == geneveHdrLen {
 				l := geneveHdrLen + len(batch[j])
 				if l > seg || total+l > maxDatagram {
 					break

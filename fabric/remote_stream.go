@@ -51,7 +51,8 @@ type RemoteStream struct {
 	gsoLimit int // largest segment the path took as GSO; smaller after EMSGSIZE
 	smsgs    [remoteBatch]unix.Mmsghdr
 	siovs    [2 * remoteBatch]unix.Iovec
-	shdrs    [remoteBatch][geneveHdrLen]byte
+	shdrs    [remoteBatch][geneveHdrLen + marksOptLen]byte
+	shlen    [remoteBatch]int // bytes of shdrs in use: a marked packet's are longer
 	scmsg    [remoteBatch][24]byte
 	scount   [remoteBatch]int // packets in each message
 	sent     atomic.Uint64    // packets sent, as the credit check sees them (wraps)
@@ -94,13 +95,23 @@ func (s *RemoteStream) VNI() uint32 { return s.vni }
 // Recv waits for packets of this stream (buffer contract as in Link).
 func (s *RemoteStream) Recv(bufs [][]byte) (int, error) { return s.RecvTimeout(bufs, -1) }
 
+// RecvMeta is Recv returning each packet's metadata word too: the marks
+// the peer sent with it (see the marks option in geneve.go), 0 if none.
+func (s *RemoteStream) RecvMeta(bufs [][]byte, meta []uint32) (int, error) {
+	return s.recvTimeoutMeta(bufs, meta, -1)
+}
+
 // RecvTimeout is Recv giving up with ErrTimeout after d (d < 0: never).
 // Packets that arrived before the peer went away are delivered first.
 func (s *RemoteStream) RecvTimeout(bufs [][]byte, d time.Duration) (int, error) {
+	return s.recvTimeoutMeta(bufs, nil, d)
+}
+
+func (s *RemoteStream) recvTimeoutMeta(bufs [][]byte, meta []uint32, d time.Duration) (int, error) {
 	s.recvMu.Lock()
 	defer s.recvMu.Unlock()
 	for {
-		n, err := s.tryRecvLocked(bufs)
+		n, err := s.tryRecvLocked(bufs, meta)
 		if n > 0 || err != nil || len(bufs) == 0 {
 			return n, err
 		}
@@ -111,13 +122,16 @@ func (s *RemoteStream) RecvTimeout(bufs [][]byte, d time.Duration) (int, error) 
 }
 
 // TryRecv takes up to len(bufs) packets without waiting.
-func (s *RemoteStream) TryRecv(bufs [][]byte) (int, error) {
+func (s *RemoteStream) TryRecv(bufs [][]byte) (int, error) { return s.TryRecvMeta(bufs, nil) }
+
+// TryRecvMeta is TryRecv returning the metadata words too (see RecvMeta).
+func (s *RemoteStream) TryRecvMeta(bufs [][]byte, meta []uint32) (int, error) {
 	s.recvMu.Lock()
 	defer s.recvMu.Unlock()
-	return s.tryRecvLocked(bufs)
+	return s.tryRecvLocked(bufs, meta)
 }
 
-func (s *RemoteStream) tryRecvLocked(bufs [][]byte) (int, error) {
+func (s *RemoteStream) tryRecvLocked(bufs [][]byte, meta []uint32) (int, error) {
 	if s.closed.Load() {
 		return 0, ErrClosed
 	}
@@ -125,7 +139,7 @@ func (s *RemoteStream) tryRecvLocked(bufs [][]byte) (int, error) {
 	// packets before it marks the stream broken, so a ring found empty
 	// after broken was seen is empty for good.
 	broken := s.broken.Load()
-	n, err := s.rxC.Consume(bufs)
+	n, err := s.rxC.ConsumeMeta(bufs, meta)
 	if n > 0 {
 		s.consumed.Add(uint32(n))
 		s.publish(true, false)

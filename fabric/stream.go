@@ -322,11 +322,20 @@ func (s *end) tryRecvIn(bufs [][]byte, meta []uint32) (int, error) {
 
 // Recv waits until at least one packet is there and takes up to len(bufs).
 func (s *end) Recv(bufs [][]byte) (int, error) {
-	return s.RecvTimeout(bufs, -1)
+	return s.recvTimeoutMeta(bufs, nil, -1)
+}
+
+// RecvMeta is Recv returning the metadata words too (meta as long as bufs).
+func (s *end) RecvMeta(bufs [][]byte, meta []uint32) (int, error) {
+	return s.recvTimeoutMeta(bufs, meta, -1)
 }
 
 // RecvTimeout is Recv giving up with ErrTimeout after d (d < 0: never).
 func (s *end) RecvTimeout(bufs [][]byte, d time.Duration) (int, error) {
+	return s.recvTimeoutMeta(bufs, nil, d)
+}
+
+func (s *end) recvTimeoutMeta(bufs [][]byte, meta []uint32, d time.Duration) (int, error) {
 	if !s.rg.enter() {
 		return 0, s.failure()
 	}
@@ -334,7 +343,7 @@ func (s *end) RecvTimeout(bufs [][]byte, d time.Duration) (int, error) {
 	defer func() { s.rg.leave(n) }()
 	for {
 		var err error
-		n, err = s.tryRecvIn(bufs, nil)
+		n, err = s.tryRecvIn(bufs, meta)
 		if n > 0 || err != nil || len(bufs) == 0 {
 			return n, err
 		}

@@ -11,6 +11,9 @@ import (
 	"gvisor.dev/gvisor/pkg/tcpip/header"
 	"gvisor.dev/gvisor/pkg/tcpip/stack"
 	"gvisor.dev/gvisor/pkg/tcpip/stack/gro"
+	"gvisor.dev/gvisor/pkg/tcpip/transport/tcp"
+
+	"github.com/fabricbridge/fabricbridge/fabric"
 )
 
 // Link is what a stack runs over: the application end of a fabric stream.
@@ -25,6 +28,19 @@ import (
 type Link interface {
 	Send(pkts [][]byte) (int, error)
 	Recv(bufs [][]byte) (int, error)
+}
+
+// MarkedLink is a Link that also carries each packet's metadata word, as
+// *fabric.Stream and *fabric.RemoteStream do. Only over one does the
+// endpoint take part in the second chance of a listener several instances
+// share: a packet the bridge marks fabric.MarkMayReturn that belongs to
+// no connection of this stack goes back with fabric.MarkNotMine instead of
+// up the stack (which would reset it), for the bridge to offer to the
+// instance that had the flow's slot before.
+type MarkedLink interface {
+	Link
+	RecvMeta(bufs [][]byte, meta []uint32) (int, error)
+	SendMeta(pkts [][]byte, meta []uint32) (int, error)
 }
 
 // LinkConfig shapes a LinkEndpoint.
@@ -81,7 +97,11 @@ const gsoMaxSize = 65000
 // transmit gVisor computes checksums, except TCP's, which the endpoint
 // completes while segmenting.
 type LinkEndpoint struct {
-	link      Link
+	link   Link
+	marked MarkedLink // link, if it carries metadata words; else nil
+	// conns answers whether a segment belongs to a connection of the
+	// stack (see handsBack); set once, before the stack attaches.
+	conns     *stack.Stack
 	mtu       atomic.Uint32
 	maxPacket int
 	batch     int
@@ -124,6 +144,7 @@ type linkCounters struct {
 	rxBadChecksum                          atomic.Uint64
 	txPackets, txBytes, txBatches          atomic.Uint64
 	txSegmented, txDropped                 atomic.Uint64
+	rxMayReturn, txNotMine                 atomic.Uint64
 }
 
 // LinkStats are a LinkEndpoint's counters.
@@ -134,6 +155,11 @@ type LinkStats struct {
 	TxPackets, TxBytes, TxBatches uint64
 	TxSegmented                   uint64 // offload packets cut into MSS-sized segments
 	TxDropped                     uint64 // packets refused: malformed offload packet or link error
+	// RxMayReturn counts received packets the bridge marked
+	// fabric.MarkMayReturn (their listener's slot changed hands); of them,
+	// TxNotMine counts those that belonged to no connection here and went
+	// back to the bridge (they are in RxPackets, not in TxPackets).
+	RxMayReturn, TxNotMine uint64
 }
 
 // NewLinkEndpoint returns an endpoint over l. Its receive loop starts when
@@ -165,6 +191,7 @@ func NewLinkEndpoint(l Link, cfg LinkConfig) (*LinkEndpoint, error) {
 		groOn:     !cfg.NoGRO,
 		done:      make(chan struct{}),
 	}
+	e.marked, _ = l.(MarkedLink)
 	e.mtu.Store(uint32(cfg.MTU))
 	e.tx.bufs = make([][]byte, cfg.Batch)
 	for i := range e.tx.bufs {
@@ -183,6 +210,7 @@ func (e *LinkEndpoint) Stats() LinkStats {
 		RxNotIP: c.rxNotIP.Load(), RxBadChecksum: c.rxBadChecksum.Load(),
 		TxPackets: c.txPackets.Load(), TxBytes: c.txBytes.Load(), TxBatches: c.txBatches.Load(),
 		TxSegmented: c.txSegmented.Load(), TxDropped: c.txDropped.Load(),
+		RxMayReturn: c.rxMayReturn.Load(), TxNotMine: c.txNotMine.Load(),
 	}
 }
 
@@ -313,12 +341,21 @@ type receiver struct {
 	e     *LinkEndpoint
 	views []*buffer.View // the views the next Recv fills; nil once handed up
 	bufs  [][]byte
+	meta  []uint32 // the packets' metadata words; all 0 over a plain Link
 	gro   gro.GRO
 	gro6  gro6
+	// back collects the batch's packets that go back to the bridge (see
+	// handsBack), backMeta their words; their views stay with the receiver.
+	back     [][]byte
+	backMeta []uint32
 }
 
 func newReceiver(e *LinkEndpoint) *receiver {
-	r := &receiver{e: e, views: make([]*buffer.View, e.batch), bufs: make([][]byte, e.batch)}
+	r := &receiver{e: e, views: make([]*buffer.View, e.batch), bufs: make([][]byte, e.batch), meta: make([]uint32, e.batch),
+		back: make([][]byte, 0, e.batch), backMeta: make([]uint32, e.batch)}
+	for i := range r.backMeta {
+		r.backMeta[i] = fabric.MarkNotMine
+	}
 	r.gro.Init(e.groOn)
 	r.gro6.disabled = !e.groOn
 	return r
@@ -333,7 +370,13 @@ func (r *receiver) once() error {
 		}
 		r.bufs[i] = v.AsSlice()
 	}
-	n, err := r.e.link.Recv(r.bufs)
+	var n int
+	var err error
+	if r.e.marked != nil {
+		n, err = r.e.marked.RecvMeta(r.bufs, r.meta)
+	} else {
+		n, err = r.e.link.Recv(r.bufs)
+	}
 	if n > 0 {
 		r.deliver(n)
 		// Delivering readied goroutines: gVisor's TCP processor (runnext
@@ -376,10 +419,19 @@ func (r *receiver) deliver(n int) {
 			e.stats.rxNotIP.Add(1)
 			continue
 		}
-		switch check(r.bufs[i]) {
-		case corrupt:
+		verdict := check(r.bufs[i])
+		if verdict == corrupt {
 			e.stats.rxBadChecksum.Add(1)
 			continue // the view stays for the next batch
+		}
+		if r.meta[i]&fabric.MarkMayReturn != 0 {
+			e.stats.rxMayReturn.Add(1)
+			if e.handsBack(r.bufs[i]) {
+				r.back = append(r.back, r.bufs[i])
+				continue // the view stays too: sent back below
+			}
+		}
+		switch verdict {
 		case verified:
 			r.views[i] = nil
 			v.CapLength(size)
@@ -414,6 +466,11 @@ func (r *receiver) deliver(n int) {
 	}
 	r.gro.Flush()
 	r.gro6.flush(d)
+	if len(r.back) > 0 {
+		e.sendBack(r.back, r.backMeta[:len(r.back)])
+		clear(r.back)
+		r.back = r.back[:0]
+	}
 	if icmpErrors && e.afterICMPError != nil && d != nil {
 		e.afterICMPError()
 	}
@@ -428,6 +485,77 @@ func (r *receiver) release() {
 			v.Release()
 			r.views[i] = nil
 		}
+	}
+}
+
+// handsBack reports whether p, a verified packet the bridge marked
+// fabric.MarkMayReturn, goes back to it: a TCP segment without SYN of no
+// connection of this stack, which the stack would answer with a reset
+// (a listener's SYN cookie is no connection yet: the bridge brings the
+// segment back unmarked if the previous owner does not know it either).
+// A SYN opens a connection here; other protocols, fragments and IPv6
+// extension headers have no second chance at the bridge and go up.
+func (e *LinkEndpoint) handsBack(p []byte) bool {
+	if e.conns == nil {
+		return false
+	}
+	var netProto tcpip.NetworkProtocolNumber
+	var id stack.TransportEndpointID
+	var l4 []byte
+	switch p[0] >> 4 {
+	case 4:
+		ip := header.IPv4(p)
+		if len(p) < header.IPv4MinimumSize || ip.TransportProtocol() != header.TCPProtocolNumber || ip.More() || ip.FragmentOffset() != 0 {
+			return false
+		}
+		netProto, l4 = header.IPv4ProtocolNumber, p[min(int(ip.HeaderLength()), len(p)):]
+		id.LocalAddress, id.RemoteAddress = ip.DestinationAddress(), ip.SourceAddress()
+	case 6:
+		ip := header.IPv6(p)
+		if len(p) < header.IPv6MinimumSize || ip.TransportProtocol() != header.TCPProtocolNumber {
+			return false
+		}
+		netProto, l4 = header.IPv6ProtocolNumber, p[header.IPv6MinimumSize:]
+		id.LocalAddress, id.RemoteAddress = ip.DestinationAddress(), ip.SourceAddress()
+	default:
+		return false
+	}
+	if len(l4) < header.TCPMinimumSize {
+		return false
+	}
+	seg := header.TCP(l4)
+	if seg.Flags()&header.TCPFlagSyn != 0 {
+		return false
+	}
+	id.LocalPort, id.RemotePort = seg.DestinationPort(), seg.SourcePort()
+	return !isConnection(e.conns.FindTransportEndpoint(netProto, header.TCPProtocolNumber, id, nicID))
+}
+
+// isConnection reports whether ep, what the stack's demultiplexer finds for
+// a segment, is a connection of its own rather than a listener or a bound
+// socket (which it falls back to) or nothing.
+func isConnection(ep stack.TransportEndpoint) bool {
+	t, ok := ep.(*tcp.Endpoint)
+	if !ok {
+		return ep != nil // not gVisor's TCP: let the stack judge
+	}
+	switch t.EndpointState() {
+	case tcp.StateListen, tcp.StateInitial, tcp.StateBound, tcp.StateClose, tcp.StateError:
+		return false
+	}
+	return true
+}
+
+// sendBack returns packets to the bridge with fabric.MarkNotMine, through
+// the transmit side's lock (the link has one sender at a time).
+func (e *LinkEndpoint) sendBack(pkts [][]byte, meta []uint32) {
+	e.tx.Lock()
+	n, _ := e.marked.SendMeta(pkts, meta) // a broken link is the receive loop's to report
+	e.tx.Unlock()
+	n = max(n, 0)
+	e.stats.txNotMine.Add(uint64(n))
+	if lost := len(pkts) - n; lost > 0 {
+		e.stats.txDropped.Add(uint64(lost))
 	}
 }
 

@@ -67,6 +67,7 @@ func newNetstack(ep *LinkEndpoint, addrs []netip.Addr, rcvMax int) (*stack.Stack
 		TransportProtocols: []stack.TransportProtocolFactory{tcpFactory(), udp.NewProtocol},
 		HandleLocal:        true,
 	})
+	ep.conns = s
 	fail := func(what string, err tcpip.Error) (*stack.Stack, error) {
 		s.Destroy()
 		return nil, fmt.Errorf("userstack: %s: %v", what, err)

@@ -76,7 +76,11 @@ func (r *relink) fail(l Link, err error) {
 }
 
 // Recv implements Link.
-func (r *relink) Recv(bufs [][]byte) (int, error) {
+func (r *relink) Recv(bufs [][]byte) (int, error) { return r.RecvMeta(bufs, nil) }
+
+// RecvMeta implements MarkedLink; over a stream that carries no words they
+// are 0.
+func (r *relink) RecvMeta(bufs [][]byte, meta []uint32) (int, error) {
 	for {
 		l, changed, closed := r.current()
 		if closed {
@@ -86,7 +90,14 @@ func (r *relink) Recv(bufs [][]byte) (int, error) {
 			<-changed
 			continue
 		}
-		n, err := l.Recv(bufs)
+		var n int
+		var err error
+		if ml, ok := l.(MarkedLink); ok && meta != nil {
+			n, err = ml.RecvMeta(bufs, meta)
+		} else {
+			n, err = l.Recv(bufs)
+			clear(meta[:min(max(n, 0), len(meta))])
+		}
 		if n > 0 || err == nil {
 			return n, nil // an error with packets comes back on the next call
 		}
@@ -98,12 +109,21 @@ func (r *relink) Recv(bufs [][]byte) (int, error) {
 // reported as sent: the stack above must not take the bridge's absence
 // for an error of its own, which would fail connections TCP can carry
 // across the gap.
-func (r *relink) Send(pkts [][]byte) (int, error) {
+func (r *relink) Send(pkts [][]byte) (int, error) { return r.SendMeta(pkts, nil) }
+
+// SendMeta implements MarkedLink; a stream that carries no words drops them.
+func (r *relink) SendMeta(pkts [][]byte, meta []uint32) (int, error) {
 	l, _, _ := r.current()
 	if l == nil {
 		return len(pkts), nil
 	}
-	n, err := l.Send(pkts)
+	var n int
+	var err error
+	if ml, ok := l.(MarkedLink); ok && meta != nil {
+		n, err = ml.SendMeta(pkts, meta)
+	} else {
+		n, err = l.Send(pkts)
+	}
 	if err == nil || errors.Is(err, fabric.ErrTooBig) {
 		return n, err
 	}

@@ -76,31 +76,33 @@ func recvMeta(t *testing.T, app *fabric.Stream, n int, wait time.Duration) ([][]
 
 // A packet steered by a slot with a previous owner reaches its current
 // owner with MarkMayReturn next to the rule id; other packets carry the
-// rule id alone. The AF_PACKET path only: it classifies with the reference
-// classifier, while the XDP program learns Spread separately.
+// rule id alone, on both paths: the XDP program and the reference
+// classifier steer and flag by the slots alike.
 func TestSecondChanceMarksDelivery(t *testing.T) {
-	r, apps := secondChanceRig(t, Config{Path: PathAFPacket, Mode: ModeStrict})
-	moved, kept, same := r.inboundIn(0, "moved"), r.inboundIn(1, "kept"), r.inboundIn(3, "same")
-	eth := func(p []byte) []byte { return ippkt.Ether(r.v.A.MAC, r.v.B.MAC, p) }
-	injector(t, r.out, r.v.B.Index)(eth(moved), eth(kept), eth(same))
-	for _, c := range []struct {
-		app  *fabric.Stream
-		pkts [][]byte
-		want []uint32
-	}{
-		{apps[2], [][]byte{moved, same}, []uint32{scListener | fabric.MarkMayReturn, scListener}},
-		{apps[1], [][]byte{kept}, []uint32{scListener}},
-	} {
-		got, words := recvMeta(t, c.app, len(c.pkts), 3*time.Second)
-		if len(got) != len(c.pkts) {
-			t.Fatalf("got %d of %d packets: %+v", len(got), len(c.pkts), r.b.Stats())
-		}
-		for i := range got {
-			if !bytes.Equal(got[i], c.pkts[i]) || words[i] != c.want[i] {
-				t.Errorf("packet %d: word %#x, want %#x\n%s", i, words[i], c.want[i], r.describe(got[i]))
+	forEachPath(t, func(t *testing.T, cfg Config) {
+		r, apps := secondChanceRig(t, cfg)
+		moved, kept, same := r.inboundIn(0, "moved"), r.inboundIn(1, "kept"), r.inboundIn(3, "same")
+		eth := func(p []byte) []byte { return ippkt.Ether(r.v.A.MAC, r.v.B.MAC, p) }
+		injector(t, r.out, r.v.B.Index)(eth(moved), eth(kept), eth(same))
+		for _, c := range []struct {
+			app  *fabric.Stream
+			pkts [][]byte
+			want []uint32
+		}{
+			{apps[2], [][]byte{moved, same}, []uint32{scListener | fabric.MarkMayReturn, scListener}},
+			{apps[1], [][]byte{kept}, []uint32{scListener}},
+		} {
+			got, words := recvMeta(t, c.app, len(c.pkts), 3*time.Second)
+			if len(got) != len(c.pkts) {
+				t.Fatalf("got %d of %d packets: %+v", len(got), len(c.pkts), r.b.Stats())
+			}
+			for i := range got {
+				if !bytes.Equal(got[i], c.pkts[i]) || words[i] != c.want[i] {
+					t.Errorf("packet %d: word %#x, want %#x\n%s", i, words[i], c.want[i], r.describe(got[i]))
+				}
 			}
 		}
-	}
+	})
 }
 
 // A packet handed back with MarkNotMine goes from a slot's current owner to

@@ -28,8 +28,8 @@ import (
 // know, as before marks).
 type plainLink struct{ Link }
 
-// spreadRig is one bridge (the AF_PACKET path: its reference classifier
-// steers by Spread) with two instances, in-process stacks on streams 1 (A)
+// spreadRig is one bridge (either path: the XDP program and the AF_PACKET
+// path's reference classifier both steer by Spread) with two instances, in-process stacks on streams 1 (A)
 // and 2 (B), that share a TCP listener on port 80, and the outside host's
 // kernel as the client.
 type spreadRig struct {
@@ -47,9 +47,9 @@ const (
 	spreadPort  = 80
 )
 
-// spreadOptions vary the rig: B's stack over a plainLink, or B on another
-// host over the GENEVE transport.
-type spreadOptions struct{ plainB, remoteB bool }
+// spreadOptions vary the rig: B's stack over a plainLink, B on another
+// host over the GENEVE transport, the bridge on the XDP path.
+type spreadOptions struct{ plainB, remoteB, xdp bool }
 
 func newSpreadRig(t *testing.T, opts spreadOptions) *spreadRig {
 	testenv.RequirePrivileged(t)
@@ -60,8 +60,12 @@ func newSpreadRig(t *testing.T, opts spreadOptions) *spreadRig {
 	r := &spreadRig{t: t, out: out,
 		local: []netip.Addr{wire.B.Addr4.Addr(), wire.B.Addr6.Addr()}, outside: []netip.Addr{wire.A.Addr4.Addr(), wire.A.Addr6.Addr()}}
 	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	path := bridge.PathAFPacket
+	if opts.xdp {
+		path = bridge.PathNativeCopy
+	}
 	if err := br.Do(func() (err error) {
-		r.b, err = bridge.Open(bridge.Config{Interface: wire.B.Name, Logger: log, Path: bridge.PathAFPacket, Mode: bridge.ModeStrict})
+		r.b, err = bridge.Open(bridge.Config{Interface: wire.B.Name, Logger: log, Path: path, Mode: bridge.ModeStrict})
 		return err
 	}); err != nil {
 		t.Fatal(err)
@@ -249,6 +253,7 @@ func movedSlots(i int) classifier.Slot {
 func TestSpreadKeepsEstablishedConnections(t *testing.T) {
 	t.Run("local", func(t *testing.T) { keepsEstablished(t, spreadOptions{}) })
 	t.Run("remote", func(t *testing.T) { keepsEstablished(t, spreadOptions{remoteB: true}) })
+	t.Run("xdp", func(t *testing.T) { keepsEstablished(t, spreadOptions{xdp: true}) })
 }
 
 func keepsEstablished(t *testing.T, opts spreadOptions) {

@@ -175,6 +175,7 @@ const (
 	bpfMapListeners        = "listeners"
 	bpfMapRuleCounters     = "rule_counters"
 	bpfMapRulesets         = "rulesets"
+	bpfMapStampSteered     = "stamp_steered"
 	bpfMapVerdictCounters  = "verdict_counters"
 	bpfMapXsks             = "xsks"
 	bpfProgFabricbridge    = "fabricbridge"
@@ -250,6 +251,7 @@ type bpfMapSpecs struct {
 	Listeners       *ebpf.MapSpec `ebpf:"listeners"`
 	RuleCounters    *ebpf.MapSpec `ebpf:"rule_counters"`
 	Rulesets        *ebpf.MapSpec `ebpf:"rulesets"`
+	StampSteered    *ebpf.MapSpec `ebpf:"stamp_steered"`
 	VerdictCounters *ebpf.MapSpec `ebpf:"verdict_counters"`
 	Xsks            *ebpf.MapSpec `ebpf:"xsks"`
 }
@@ -299,6 +301,7 @@ type bpfMaps struct {
 	Listeners       *ebpf.Map `ebpf:"listeners"`
 	RuleCounters    *ebpf.Map `ebpf:"rule_counters"`
 	Rulesets        *ebpf.Map `ebpf:"rulesets"`
+	StampSteered    *ebpf.Map `ebpf:"stamp_steered"`
 	VerdictCounters *ebpf.Map `ebpf:"verdict_counters"`
 	Xsks            *ebpf.Map `ebpf:"xsks"`
 }
@@ -313,6 +316,7 @@ func (m *bpfMaps) Close() error {
 		m.Listeners,
 		m.RuleCounters,
 		m.Rulesets,
+		m.StampSteered,
 		m.VerdictCounters,
 		m.Xsks,
 	)

@@ -201,6 +201,7 @@ const (
 	bpfMapRuleCounters     = "rule_counters"
 	bpfMapRulesets         = "rulesets"
 	bpfMapSpreads          = "spreads"
+	bpfMapStampSteered     = "stamp_steered"
 	bpfMapVerdictCounters  = "verdict_counters"
 	bpfMapXsks             = "xsks"
 	bpfProgFabricbridge    = "fabricbridge"
@@ -278,6 +279,7 @@ type bpfMapSpecs struct {
 	RuleCounters    *ebpf.MapSpec `ebpf:"rule_counters"`
 	Rulesets        *ebpf.MapSpec `ebpf:"rulesets"`
 	Spreads         *ebpf.MapSpec `ebpf:"spreads"`
+	StampSteered    *ebpf.MapSpec `ebpf:"stamp_steered"`
 	VerdictCounters *ebpf.MapSpec `ebpf:"verdict_counters"`
 	Xsks            *ebpf.MapSpec `ebpf:"xsks"`
 }
@@ -329,6 +331,7 @@ type bpfMaps struct {
 	RuleCounters    *ebpf.Map `ebpf:"rule_counters"`
 	Rulesets        *ebpf.Map `ebpf:"rulesets"`
 	Spreads         *ebpf.Map `ebpf:"spreads"`
+	StampSteered    *ebpf.Map `ebpf:"stamp_steered"`
 	VerdictCounters *ebpf.Map `ebpf:"verdict_counters"`
 	Xsks            *ebpf.Map `ebpf:"xsks"`
 }
@@ -344,6 +347,7 @@ func (m *bpfMaps) Close() error {
 		m.RuleCounters,
 		m.Rulesets,
 		m.Spreads,
+		m.StampSteered,
 		m.VerdictCounters,
 		m.Xsks,
 	)

@@ -39,6 +39,10 @@ func newPair(tb testing.TB) *pair {
 		tb.Fatal(err)
 	}
 	tb.Cleanup(func() { p.Close() })
+	// Stamped, so that agree can demand the timestamp of every steered frame.
+	if err := p.StampSteered(true); err != nil {
+		tb.Fatal(err)
+	}
 	t, err := classifier.Compile(&classifier.RuleSet{})
 	if err != nil {
 		tb.Fatal(err)

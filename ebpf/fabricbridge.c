@@ -918,13 +918,34 @@ static __always_inline int ingest(struct xdp_md *ctx, struct fb_meta *m, struct 
 	return ret;
 }
 
+// Whether steered frames carry an RX timestamp: user space sets the one
+// entry while something reads them (Program.StampSteered; a packet capture
+// is the only reader). Unread, the clock is not worth reading: on a virtual
+// machine's kvm-clock it is a third of a flow hit. Ingest frames are always
+// stamped, since their consumer reads every record's time.
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u32);
+} stamp_steered SEC(".maps");
+
+static __always_inline int stamping_steered(void)
+{
+	__u32 zero = 0;
+	__u32 *on = bpf_map_lookup_elem(&stamp_steered, &zero);
+
+	return on && *on;
+}
+
 // redirect hands a steered frame to the AF_XDP socket of its queue with m in
 // front of it.
 static __always_inline int redirect(struct xdp_md *ctx, struct fb_meta *m)
 {
 	long ret;
 
-	m->rx_timestamp_ns = bpf_ktime_get_ns();
+	if (stamping_steered())
+		m->rx_timestamp_ns = bpf_ktime_get_ns();
 	if (size_meta(ctx, sizeof(*m)))
 		return XDP_PASS;
 	struct fb_meta *meta = (void *)(long)ctx->data_meta;

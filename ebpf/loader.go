@@ -303,6 +303,24 @@ func (p *Program) XSKMap() *ebpf.Map { return p.objs.Xsks }
 // the queue a frame goes to the kernel whole.
 func (p *Program) IngestXSKMap() *ebpf.Map { return p.objs.IngestXsks }
 
+// StampSteered has steered frames carry their RX timestamp
+// (classifier.Meta.RxTimestampNs, CLOCK_MONOTONIC) or leave it 0, as they
+// do after Load. Turn it on only while something reads the timestamps, a
+// packet capture: reading the clock is a large part of a steered frame's
+// cost where the clock is a hypervisor's. Ingest frames are always
+// stamped. The setting is the program's: a program adopted from a pin
+// directory keeps its predecessor's until set.
+func (p *Program) StampSteered(on bool) error {
+	var v uint32
+	if on {
+		v = 1
+	}
+	if err := p.objs.StampSteered.Put(uint32(0), v); err != nil {
+		return fmt.Errorf("ebpf: stamp steered frames: %w", err)
+	}
+	return nil
+}
+
 // FlowCapacity is how many exact flows the program's table holds.
 func (p *Program) FlowCapacity() int { return int(p.objs.Flows.MaxEntries()) }
 

@@ -196,6 +196,7 @@ func (p *Program) reuse(spec *ebpf.CollectionSpec, build string) bool {
 		bpfMapIngestXsks: &objs.IngestXsks, bpfMapLastMeta: &objs.LastMeta, bpfMapListeners: &objs.Listeners,
 		bpfMapRuleCounters: &objs.RuleCounters, bpfMapRulesets: &objs.Rulesets, bpfMapSpreads: &objs.Spreads,
 		bpfMapVerdictCounters: &objs.VerdictCounters, bpfMapXsks: &objs.Xsks,
+		bpfMapStampSteered: &objs.StampSteered,
 	} {
 		m := byName[kernelName(name)]
 		if m == nil || spec.Maps[name].Compatible(m) != nil {

@@ -165,6 +165,7 @@ type Bridge struct {
 	tables     atomic.Pointer[classifier.Tables]
 	kernelErrs atomic.Uint64
 	closed     bool
+	captures   int // streams with a capture hook, under mu: the XDP program stamps steered frames while any
 
 	// Receive VLAN stripping (see vlanstrip.go), under mu.
 	feats       *features.Interface // nil for a device without ethtool features
@@ -834,6 +835,11 @@ func (b *Bridge) RemoveStream(id uint32) error {
 		done := make(chan struct{})
 		b.queues[e.txQueue].tx.command(txCmd{remove: e, done: done})
 		<-done
+	}
+	if e.capture.Load() != nil {
+		if b.captures--; b.captures == 0 && !b.closed {
+			b.stampSteered(false)
+		}
 	}
 	return nil
 }

@@ -60,7 +60,24 @@ func (b *Bridge) SetCapture(id uint32, fn CaptureFunc) error {
 	if fn != nil {
 		h = &captureHook{fn: fn}
 	}
+	had := e.capture.Load() != nil
+	// The XDP program reads the clock for steered frames only while a
+	// capture wants the time: on before the first hook sees a frame, off
+	// once the last is gone.
+	if fn != nil && !had && b.captures == 0 {
+		if err := b.stampSteered(true); err != nil {
+			return err
+		}
+	}
 	e.capture.Store(h)
+	switch {
+	case fn != nil && !had:
+		b.captures++
+	case fn == nil && had:
+		if b.captures--; b.captures == 0 {
+			b.stampSteered(false)
+		}
+	}
 	// Wait until no loop still works on a batch that loaded the old hook:
 	// the RX sides through their epochs, the stream's TX side by a round
 	// trip through its loop's commands (run between rounds, on the loop).
@@ -68,6 +85,17 @@ func (b *Bridge) SetCapture(id uint32, fn CaptureFunc) error {
 	done := make(chan struct{})
 	b.queues[e.txQueue].tx.command(txCmd{done: done})
 	<-done
+	return nil
+}
+
+// stampSteered has the XDP program stamp steered frames, or stop.
+func (b *Bridge) stampSteered(on bool) error {
+	if b.prog == nil {
+		return nil
+	}
+	if err := b.prog.StampSteered(on); err != nil {
+		return fmt.Errorf("bridge: receive timestamps for the capture: %w", err)
+	}
 	return nil
 }
 

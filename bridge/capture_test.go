@@ -54,9 +54,11 @@ func TestCapture(t *testing.T) {
 			t.Fatal("SetCapture on a missing stream succeeded")
 		}
 		var rec, rec2 recorder
+		r.wantStamping(false, "before any capture")
 		if err := r.b.SetCapture(1, rec.hook); err != nil {
 			t.Fatal(err)
 		}
+		r.wantStamping(true, "while a stream is captured")
 		before := time.Now()
 
 		c := udpSocket(t, r.out, netip.AddrPortFrom(r.remote4, remotePort))
@@ -135,6 +137,7 @@ func TestCapture(t *testing.T) {
 		if err := r.b.SetCapture(1, nil); err != nil {
 			t.Fatal(err)
 		}
+		r.wantStamping(false, "once the capture is gone")
 		sendTo(t, c, netip.AddrPortFrom(r.local4, udpPort1), payloads(3, "no hook"))
 		if n := len(recvN(t, app1, 3, 3*time.Second)); n != 3 {
 			t.Fatalf("stream got %d of 3 after removing the hook", n)
@@ -152,4 +155,20 @@ func TestCapture(t *testing.T) {
 			}
 		}
 	})
+}
+
+// wantStamping checks that the XDP program stamps steered frames exactly
+// while a capture reads the timestamps (nothing to check on AF_PACKET).
+func (r *rig) wantStamping(want bool, when string) {
+	r.t.Helper()
+	if r.b.prog == nil {
+		return
+	}
+	on, err := r.b.prog.StampsSteered()
+	if err != nil {
+		r.t.Fatal(err)
+	}
+	if on != want {
+		r.t.Errorf("%s: the XDP program stamps steered frames: %v, want %v", when, on, want)
+	}
 }

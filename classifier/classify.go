@@ -49,7 +49,7 @@ const MetaSize = 24
 // package ebpf checks field by field that the two agree), so user space never
 // parses a frame twice.
 type Meta struct {
-	RxTimestampNs uint64 // CLOCK_MONOTONIC; set by the receive path, 0 from Classify
+	RxTimestampNs uint64 // CLOCK_MONOTONIC; set by the receive path for ingest frames, and for steered ones while a capture asks (ebpf.Program.StampSteered); 0 from Classify
 	StreamID      uint32 // stream (steer) or ingest buffer (ingest); 0 otherwise
 	RuleID        uint32 // the flow, listener or rule that decided; 0 for none
 	L3Offset      uint16 // start of the IP header

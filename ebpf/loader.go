@@ -321,6 +321,16 @@ func (p *Program) StampSteered(on bool) error {
 	return nil
 }
 
+// StampsSteered reports whether steered frames carry their RX timestamp
+// (StampSteered).
+func (p *Program) StampsSteered() (bool, error) {
+	var v uint32
+	if err := p.objs.StampSteered.Lookup(uint32(0), &v); err != nil {
+		return false, fmt.Errorf("ebpf: stamp steered frames: %w", err)
+	}
+	return v != 0, nil
+}
+
 // FlowCapacity is how many exact flows the program's table holds.
 func (p *Program) FlowCapacity() int { return int(p.objs.Flows.MaxEntries()) }
 

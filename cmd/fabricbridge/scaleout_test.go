@@ -1,3 +1,5 @@
+//go:build scaleoutdraft
+
 package main
 
 import (

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"gvisor.dev/gvisor/pkg/tcpip"
+	"gvisor.dev/gvisor/pkg/tcpip/header"
 
 	"github.com/fabricbridge/fabricbridge/control"
 )
@@ -342,8 +343,17 @@ func (b *bridgeSet) addNICLocked(i int, at attached) error {
 		return err
 	}
 	ep.afterICMPError = b.s.wakeDatagramReaders
-	if err := addNIC(b.s.ns, b.nextNIC, ep, b.s.addrs); err != nil {
+	nic := b.nextNIC
+	if err := addNIC(b.s.ns, nic, ep, b.s.addrs); err != nil {
 		return err
+	}
+	// A connection accepted through this NIC routes through it: a default
+	// route of its own, after NIC 1's, which routes everything else.
+	if b.s.has(4) {
+		b.s.ns.AddRoute(tcpip.Route{Destination: header.IPv4EmptySubnet, NIC: nic})
+	}
+	if b.s.has(6) {
+		b.s.ns.AddRoute(tcpip.Route{Destination: header.IPv6EmptySubnet, NIC: nic})
 	}
 	b.nextNIC++
 	b.eps[i] = ep

@@ -318,3 +318,40 @@ func TestInstanceServesThroughEitherBox(t *testing.T) {
 		}
 	}
 }
+
+// TestInstanceJoinsABoxThatWasDown: a box that is down when the
+// application opens its stack does not keep it from serving through the
+// other; once the box is up, the stack registers with it in the
+// background, asks it for the listener made meanwhile, and sends through
+// it, the first of the list.
+func TestInstanceJoinsABoxThatWasDown(t *testing.T) {
+	g := newTwoBoxes(t)
+	g.boxes[0].stop()
+	events := &bridgeEvents{}
+	s := g.open(events.add)
+	if st := s.Bridges(); st[0].Up || !st[1].Up || !st[1].Sending {
+		t.Fatalf("after Open with box a down: %+v", st)
+	}
+	l, err := s.Listen("tcp", ":8080")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	go echo(l)
+	g.via(1)
+	if err := roundTrip(g.dial(8080), "through b, a down"); err != nil {
+		t.Fatalf("through box b while box a is down: %v", err)
+	}
+	g.boxes[0].start(t)
+	events.await(t, BridgeBack, 1)
+	if !eventually(5*time.Second, func() bool { st := s.Bridges(); return st[0].Up && st[0].Sending }) {
+		t.Fatalf("box a is up and does not send: %+v", s.Bridges())
+	}
+	g.via(0)
+	if err := roundTrip(g.dial(8080), "through a, joined"); err != nil {
+		t.Fatalf("through box a after it joined: %v", err)
+	}
+	if st := s.Bridges(); st[0].Link.RxPackets == 0 || st[0].TxPackets == 0 {
+		t.Fatalf("box a's stream carried nothing: %+v", st)
+	}
+}

@@ -15,6 +15,7 @@ import (
 
 	"gvisor.dev/gvisor/pkg/tcpip"
 	"gvisor.dev/gvisor/pkg/tcpip/header"
+	"gvisor.dev/gvisor/pkg/tcpip/transport/tcp"
 
 	"github.com/fabricbridge/fabricbridge/control"
 )
@@ -133,8 +134,7 @@ type bridgeSet struct {
 	ready    chan struct{} // closed once Open has built the stack, or failed
 	capMTU   int
 	noGRO    bool
-	events   func(Event) // the caller's
-	eventsMu sync.Mutex  // one event at a time, from any bridge's goroutine
+	events   eventQueue
 	closeFns []func() error
 
 	mu      sync.Mutex
@@ -142,6 +142,7 @@ type bridgeSet struct {
 	eps     []*LinkEndpoint // by bridge; nil until its first registration
 	mtus    []int           // by bridge: its MTU (0: not known yet)
 	nextNIC tcpip.NICID
+	rcvMax  int           // the TCP receive buffer's bound (receiveBufferMax)
 	wake    chan struct{} // closed, and replaced, when a bridge attaches
 
 	claimsMu  sync.Mutex
@@ -154,7 +155,7 @@ func openBridges(ctx context.Context, opts Options) (*Stack, error) {
 	n := len(opts.Bridges)
 	b := &bridgeSet{
 		names: make([]string, n), atts: make([]*attachment, n), counts: make([]bridgeCounters, n),
-		closing: make(chan struct{}), ready: make(chan struct{}), capMTU: opts.MTU, noGRO: opts.NoGRO, events: opts.Events,
+		closing: make(chan struct{}), ready: make(chan struct{}), capMTU: opts.MTU, noGRO: opts.NoGRO,
 		eps: make([]*LinkEndpoint, n), mtus: make([]int, n), nextNIC: nicID, wake: make(chan struct{}),
 		claims: make(map[uint64][]uint64),
 	}
@@ -197,6 +198,7 @@ func openBridges(ctx context.Context, opts Options) (*Stack, error) {
 			first[i] = attached{} // it tries again, and is refused, in the background
 		}
 	}
+	b.events.init(opts.Events, b.closing) // ends with closeAttachments
 	for i := range b.atts {
 		join := func(ctx context.Context) (attached, error) {
 			at, err := dials[i](ctx)
@@ -244,6 +246,7 @@ func (b *bridgeSet) build(first []attached, home int, opts Options) (*Stack, err
 	}
 	b.s, s.bridges = s, b
 	b.eps[home] = s.ep
+	b.rcvMax = receiveBufferMax(at.rxDepth, int(s.ep.MTU()))
 	b.nextNIC++
 	for i, at := range first {
 		if at.client != nil && i != home {
@@ -358,6 +361,14 @@ func (b *bridgeSet) addNICLocked(i int, at attached) error {
 	b.nextNIC++
 	b.eps[i] = ep
 	b.applyMTULocked()
+	// Windows must fit the smallest ring that drops (a local stream's),
+	// whichever bridge came first.
+	if m := receiveBufferMax(at.rxDepth, int(ep.MTU())); m < b.rcvMax {
+		if err := b.s.ns.SetTransportProtocolOption(tcp.ProtocolNumber, receiveBufferOption(m)); err != nil {
+			return fmt.Errorf("userstack: bounding TCP receive buffers: %v", err)
+		}
+		b.rcvMax = m
+	}
 	return nil
 }
 
@@ -408,11 +419,67 @@ func (b *bridgeSet) eventsOf(i int) func(Event) {
 			b.wake = make(chan struct{})
 			b.mu.Unlock()
 		}
-		if b.events != nil {
-			e.Bridge = b.names[i]
-			b.eventsMu.Lock()
-			defer b.eventsMu.Unlock()
-			b.events(e)
+		e.Bridge = b.names[i]
+		b.events.push(e)
+	}
+}
+
+// eventQueue hands a stack's events to the caller's handler on a goroutine
+// of its own, one at a time and in order. The bridges' goroutines, and a
+// claim that a bridge refused, only queue them: a handler may make claims,
+// whose refusals are events again.
+type eventQueue struct {
+	fn   func(Event)
+	mu   sync.Mutex
+	q    []Event
+	kick chan struct{}
+}
+
+func (e *eventQueue) init(fn func(Event), done <-chan struct{}) {
+	if fn == nil {
+		return
+	}
+	e.fn, e.kick = fn, make(chan struct{}, 1)
+	go e.run(done)
+}
+
+func (e *eventQueue) push(ev Event) {
+	if e.fn == nil {
+		return
+	}
+	e.mu.Lock()
+	e.q = append(e.q, ev)
+	e.mu.Unlock()
+	select {
+	case e.kick <- struct{}{}:
+	default:
+	}
+}
+
+// run calls the handler until done, and for what was queued by then.
+func (e *eventQueue) run(done <-chan struct{}) {
+	for {
+		e.mu.Lock()
+		q := e.q
+		e.q = nil
+		e.mu.Unlock()
+		for _, ev := range q {
+			e.fn(ev)
+		}
+		if len(q) > 0 {
+			continue
+		}
+		select {
+		case <-e.kick:
+		case <-done:
+			e.mu.Lock()
+			q := e.q
+			e.q = nil
+			e.mu.Unlock()
+			for _, ev := range q {
+				e.fn(ev)
+			}
+			return
 		}
 	}
 }

@@ -47,6 +47,11 @@ func receiveBufferMax(rxDepth, mtu int) int {
 	return min(max(2*rxDepth*(mtu-header.IPv4MinimumSize-header.TCPMinimumSize), tcpBufMin), tcpBufMax)
 }
 
+// receiveBufferOption bounds TCP receive buffers at rcvMax.
+func receiveBufferOption(rcvMax int) *tcpip.TCPReceiveBufferSizeRangeOption {
+	return &tcpip.TCPReceiveBufferSizeRangeOption{Min: tcpBufMin, Default: min(tcpBufDefault, rcvMax), Max: rcvMax}
+}
+
 // tcpProbe, when a test sets it, sees every TCP endpoint's complete state
 // after each segment it handles (gVisor's TCP probe). Nil in production.
 var tcpProbe atomic.Pointer[tcp.TCPProbeFunc]
@@ -75,7 +80,7 @@ func newNetstack(ep *LinkEndpoint, addrs []netip.Addr, rcvMax int) (*stack.Stack
 	}
 	opts := []tcpip.SettableTransportProtocolOption{
 		func() *tcpip.TCPSACKEnabled { v := tcpip.TCPSACKEnabled(true); return &v }(),
-		&tcpip.TCPReceiveBufferSizeRangeOption{Min: tcpBufMin, Default: min(tcpBufDefault, rcvMax), Max: rcvMax},
+		receiveBufferOption(rcvMax),
 		&tcpip.TCPSendBufferSizeRangeOption{Min: tcpBufMin, Default: tcpBufDefault, Max: tcpBufMax},
 		func() *tcpip.TCPModerateReceiveBufferOption {
 			v := tcpip.TCPModerateReceiveBufferOption(true)

@@ -62,8 +62,9 @@ type Options struct {
 	// Give a few tens of µs when the application has cores to itself.
 	Spin time.Duration
 	// Events, if set, is told when the bridge goes away and when it is
-	// back (see EventKind). It is called once at a time, in order for each
-	// bridge, and should return quickly: reattaching waits for it.
+	// back (see EventKind). It is called from one goroutine, in order,
+	// and should return quickly: with one bridge, reattaching waits for it
+	// (with several, events are queued).
 	Events func(Event)
 }
 

@@ -459,29 +459,28 @@ func (e *eventQueue) push(ev Event) {
 // run calls the handler until done, and for what was queued by then.
 func (e *eventQueue) run(done <-chan struct{}) {
 	for {
-		e.mu.Lock()
-		q := e.q
-		e.q = nil
-		e.mu.Unlock()
-		for _, ev := range q {
-			e.fn(ev)
-		}
-		if len(q) > 0 {
+		if e.drain() > 0 {
 			continue
 		}
 		select {
 		case <-e.kick:
 		case <-done:
-			e.mu.Lock()
-			q := e.q
-			e.q = nil
-			e.mu.Unlock()
-			for _, ev := range q {
-				e.fn(ev)
-			}
+			e.drain()
 			return
 		}
 	}
+}
+
+// drain hands the handler what is queued and says how much that was.
+func (e *eventQueue) drain() int {
+	e.mu.Lock()
+	q := e.q
+	e.q = nil
+	e.mu.Unlock()
+	for _, ev := range q {
+		e.fn(ev)
+	}
+	return len(q)
 }
 
 // lead is the first attached bridge, the one that grants claims, waiting
@@ -507,13 +506,13 @@ func (b *bridgeSet) lead(ctx context.Context) (int, *control.Client, uint64, err
 }
 
 // claim has the lead grant a claim, then every other bridge adopt it.
-func (b *bridgeSet) claim(ctx context.Context, ask func(*control.Client) (control.Claim, error), h func(control.Claim) heldClaim) (control.Claim, error) {
+func (b *bridgeSet) claim(ctx context.Context, r claimRequest) (control.Claim, error) {
 	for {
 		i, c, gen, err := b.lead(ctx)
 		if err != nil {
 			return control.Claim{}, err
 		}
-		cl, err := b.atts[i].grantAt(c, gen, ask, h)
+		cl, err := b.atts[i].grantAt(c, gen, r)
 		if errors.Is(err, errStale) {
 			continue
 		}
@@ -529,7 +528,7 @@ func (b *bridgeSet) claim(ctx context.Context, ask func(*control.Client) (contro
 		}
 		ids := make([]uint64, len(b.atts))
 		ids[i] = cl.ID
-		held := h(cl)
+		held := r.held(cl)
 		for j, a := range b.atts {
 			if j == i {
 				continue
@@ -550,18 +549,12 @@ func (b *bridgeSet) claim(ctx context.Context, ask func(*control.Client) (contro
 
 // Listen implements claimer.
 func (b *bridgeSet) Listen(ctx context.Context, proto string, addr netip.Addr, port uint16) (control.Claim, error) {
-	return b.claim(ctx,
-		func(c *control.Client) (control.Claim, error) { return c.Listen(ctx, proto, addr, port) },
-		func(cl control.Claim) heldClaim { return heldClaim{proto: proto, addr: addr, port: cl.Port} })
+	return b.claim(ctx, listenRequest(ctx, proto, addr, port))
 }
 
 // Connect implements claimer.
 func (b *bridgeSet) Connect(ctx context.Context, proto string, local netip.Addr, remote netip.AddrPort) (control.Claim, error) {
-	return b.claim(ctx,
-		func(c *control.Client) (control.Claim, error) { return c.Connect(ctx, proto, local, remote) },
-		func(cl control.Claim) heldClaim {
-			return heldClaim{proto: proto, addr: cl.Addr, port: cl.Port, remote: remote}
-		})
+	return b.claim(ctx, connectRequest(ctx, proto, local, remote))
 }
 
 // Release implements claimer: every bridge gives the claim back.

@@ -409,15 +409,15 @@ func (a *attachment) client(ctx context.Context) (*control.Client, uint64, error
 	}
 }
 
-// grant runs ask at the current bridge and records what it granted as h
-// says, under an id of the attachment's own.
-func (a *attachment) grant(ctx context.Context, ask func(*control.Client) (control.Claim, error), h func(control.Claim) heldClaim) (control.Claim, error) {
+// grant runs r at the current bridge and records what it granted, under an
+// id of the attachment's own.
+func (a *attachment) grant(ctx context.Context, r claimRequest) (control.Claim, error) {
 	for {
 		c, gen, err := a.client(ctx)
 		if err != nil {
 			return control.Claim{}, err
 		}
-		cl, err := a.grantAt(c, gen, ask, h)
+		cl, err := a.grantAt(c, gen, r)
 		if errors.Is(err, errStale) {
 			continue
 		}
@@ -437,7 +437,7 @@ func (a *attachment) grant(ctx context.Context, ask func(*control.Client) (contr
 var errStale = errors.New("userstack: bridge replaced")
 
 // grantAt is one attempt of grant at c, the client of attachment gen.
-func (a *attachment) grantAt(c *control.Client, gen uint64, ask func(*control.Client) (control.Claim, error), h func(control.Claim) heldClaim) (control.Claim, error) {
+func (a *attachment) grantAt(c *control.Client, gen uint64, r claimRequest) (control.Claim, error) {
 	a.claimMu.RLock()
 	defer a.claimMu.RUnlock()
 	a.mu.Lock()
@@ -446,9 +446,9 @@ func (a *attachment) grantAt(c *control.Client, gen uint64, ask func(*control.Cl
 	if stale {
 		return control.Claim{}, errStale
 	}
-	cl, err := ask(c)
+	cl, err := r.ask(c)
 	if err == nil {
-		held := h(cl)
+		held := r.held(cl)
 		held.bridgeID, held.gen = cl.ID, gen
 		a.mu.Lock()
 		a.nextID++
@@ -497,18 +497,35 @@ func (a *attachment) adopt(ctx context.Context, h heldClaim) (uint64, error) {
 
 // Listen implements claimer.
 func (a *attachment) Listen(ctx context.Context, proto string, addr netip.Addr, port uint16) (control.Claim, error) {
-	return a.grant(ctx,
-		func(c *control.Client) (control.Claim, error) { return c.Listen(ctx, proto, addr, port) },
-		func(cl control.Claim) heldClaim { return heldClaim{proto: proto, addr: addr, port: cl.Port} })
+	return a.grant(ctx, listenRequest(ctx, proto, addr, port))
 }
 
 // Connect implements claimer.
 func (a *attachment) Connect(ctx context.Context, proto string, local netip.Addr, remote netip.AddrPort) (control.Claim, error) {
-	return a.grant(ctx,
-		func(c *control.Client) (control.Claim, error) { return c.Connect(ctx, proto, local, remote) },
-		func(cl control.Claim) heldClaim {
+	return a.grant(ctx, connectRequest(ctx, proto, local, remote))
+}
+
+// claimRequest asks a bridge for a claim (ask) and says what the stack
+// holds of what it granted (held), to ask other bridges for it again.
+type claimRequest struct {
+	ask  func(*control.Client) (control.Claim, error)
+	held func(control.Claim) heldClaim
+}
+
+func listenRequest(ctx context.Context, proto string, addr netip.Addr, port uint16) claimRequest {
+	return claimRequest{
+		ask:  func(c *control.Client) (control.Claim, error) { return c.Listen(ctx, proto, addr, port) },
+		held: func(cl control.Claim) heldClaim { return heldClaim{proto: proto, addr: addr, port: cl.Port} },
+	}
+}
+
+func connectRequest(ctx context.Context, proto string, local netip.Addr, remote netip.AddrPort) claimRequest {
+	return claimRequest{
+		ask: func(c *control.Client) (control.Claim, error) { return c.Connect(ctx, proto, local, remote) },
+		held: func(cl control.Claim) heldClaim {
 			return heldClaim{proto: proto, addr: cl.Addr, port: cl.Port, remote: remote}
-		})
+		},
+	}
 }
 
 // Release implements claimer. A claim granted by a bridge that has gone

@@ -133,6 +133,10 @@ type Stack struct {
 // name, with backoff, asks the new bridge for its listeners and the flows
 // of its open connections again, and carries on over the new stream (see
 // EventKind for what the stack does meanwhile).
+//
+// With several Options.Bridges it does so with each of them, and needs only
+// one to answer now: it registers with the others in the background
+// (bridges.go).
 func Open(ctx context.Context, opts Options) (*Stack, error) {
 	set := 0
 	for _, v := range []bool{opts.Control != "", opts.Remote != nil, len(opts.Bridges) > 0} {

@@ -2,6 +2,7 @@ package userstack
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -353,5 +354,48 @@ func TestInstanceJoinsABoxThatWasDown(t *testing.T) {
 	}
 	if st := s.Bridges(); st[0].Link.RxPackets == 0 || st[0].TxPackets == 0 {
 		t.Fatalf("box a's stream carried nothing: %+v", st)
+	}
+}
+
+// TestClaimRefusedByOneBoxIsReported: a port that another application
+// holds on box b does not fail a Listen that box a granted; the refusal is
+// a ClaimLost event naming box b and counted in its state, and the
+// listener serves through box a.
+func TestClaimRefusedByOneBoxIsReported(t *testing.T) {
+	g := newTwoBoxes(t)
+	var other *Stack
+	if err := g.boxes[0].ns.Do(func() (err error) {
+		other, err = Open(testCtx(t, 10*time.Second), Options{App: "other", Remote: &RemoteOptions{Control: g.boxes[1].tcp, Secret: g.secret}})
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	ol, err := other.Listen("tcp", ":8081")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ol.Close()
+
+	events := &bridgeEvents{}
+	s := g.open(events.add)
+	l, err := s.Listen("tcp", ":8081")
+	if err != nil {
+		t.Fatalf("Listen failed for box b's refusal: %v", err)
+	}
+	defer l.Close()
+	go echo(l)
+	events.await(t, ClaimLost, 1)
+	events.mu.Lock()
+	lost := events.events[0]
+	events.mu.Unlock()
+	if lost.Kind != ClaimLost || lost.Bridge != g.boxes[1].tcp || !errors.Is(lost.Err, control.ErrPortInUse) {
+		t.Fatalf("event %v, want box b's ClaimLost for a port in use", lost)
+	}
+	if st := s.Bridges(); st[0].ClaimFailures != 0 || st[1].ClaimFailures != 1 {
+		t.Fatalf("states %+v", st)
+	}
+	if err := roundTrip(g.dial(8081), "through a"); err != nil {
+		t.Fatalf("through box a, which granted the listener: %v", err)
 	}
 }

@@ -249,13 +249,26 @@ func (f clientTLSFiles) config(remote string) (*tls.Config, error) {
 
 // serveApp runs the application until ctx ends.
 func serveApp(ctx context.Context, o appOptions, stdout io.Writer) error {
-	o.stack.Events = func(e userstack.Event) { logBridgeEvent(stdout, o.kind, e) }
+	var opened atomic.Pointer[userstack.Stack]
+	o.stack.Events = func(e userstack.Event) {
+		logBridgeEvent(stdout, o.kind, e)
+		if s := opened.Load(); s != nil && e.Bridge != "" && (e.Kind == userstack.BridgeLost || e.Kind == userstack.BridgeBack) {
+			logSending(stdout, o.kind, s.Bridges())
+		}
+	}
 	st, err := userstack.Open(ctx, o.stack)
 	if err != nil {
 		return fmt.Errorf("app %s: %w", o.kind, err)
 	}
 	defer st.Close()
+	opened.Store(st)
 	fmt.Fprintf(stdout, "%s: application %q on a user-space stack, addresses %v\n", o.kind, o.name, st.Addrs())
+	if bs := st.Bridges(); len(bs) > 1 {
+		for _, b := range bs {
+			fmt.Fprintf(stdout, "%s: bridge %s up %v\n", o.kind, b.Name, b.Up)
+		}
+		logSending(stdout, o.kind, bs)
+	}
 	switch o.kind {
 	case "http":
 		return serveHTTP(ctx, st, o.listen, o.size, o.rateMbit*1e6/8, stdout, nil)
@@ -282,6 +295,17 @@ func logBridgeEvent(w io.Writer, kind string, e userstack.Event) {
 	default:
 		fmt.Fprintf(w, "%s: %v\n", kind, e)
 	}
+}
+
+// logSending says which of several bridges the stack sends through now.
+func logSending(w io.Writer, kind string, bridges []userstack.BridgeState) {
+	for _, b := range bridges {
+		if b.Sending {
+			fmt.Fprintf(w, "%s: sending through bridge %s\n", kind, b.Name)
+			return
+		}
+	}
+	fmt.Fprintf(w, "%s: no bridge up, sending nowhere (connections wait)\n", kind)
 }
 
 // httpCounters are what the HTTP application served.

@@ -249,7 +249,7 @@ func (s *Stack) Dial(ctx context.Context, network, address string) (net.Conn, er
 		if k.proto == "udp" {
 			flow.proto = uint8(udp.ProtocolNumber)
 		}
-		s.ep.unreach.take(flow) // a note left from an earlier use of the tuple
+		s.takeUnreach(flow) // a note left from an earlier use of the tuple
 		l := s.newLease(cl.ID)
 		c, terr := s.connect(ctx, k, cl, raddr, l)
 		if terr == nil {

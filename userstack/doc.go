@@ -33,6 +33,11 @@
 // cores. Options.Spin trades a core for wake-ups where the application has
 // cores of its own.
 //
+// An instance of an application behind several bridge boxes (a scale-out
+// group behind ECMP) lists them in Options.Bridges: one stack, registered
+// with every box, so that a connection is served whichever box its packets
+// reach (docs/userstack.md#several-bridges-one-instance-every-box).
+//
 // Claims, the data path, checksums, defaults and ICMP handling in detail:
 // docs/userstack.md.
 package userstack

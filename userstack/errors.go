@@ -72,7 +72,7 @@ func (s *Stack) withNoted(err error, standIn syscall.Errno, k flowKey) error {
 	if err == nil || !errors.Is(err, standIn) {
 		return err
 	}
-	errno, ok := s.ep.unreach.take(k)
+	errno, ok := s.takeUnreach(k)
 	if !ok {
 		return err
 	}

@@ -3,6 +3,7 @@ package userstack
 import (
 	"fmt"
 	"net/netip"
+	"slices"
 	"sync/atomic"
 
 	"gvisor.dev/gvisor/pkg/tcpip"
@@ -14,7 +15,8 @@ import (
 	"gvisor.dev/gvisor/pkg/tcpip/transport/udp"
 )
 
-// nicID is the stack's only interface: the stream.
+// nicID is the stack's interface to its bridge's stream; with several
+// bridges, the one the stack routes through (the others' follow it).
 const nicID tcpip.NICID = 1
 
 // TCP buffer sizes. A data-centre path of 10-100 Gbit/s and 50-500 µs RTT
@@ -43,6 +45,11 @@ func receiveBufferMax(rxDepth, mtu int) int {
 		return tcpBufMax
 	}
 	return min(max(2*rxDepth*(mtu-header.IPv4MinimumSize-header.TCPMinimumSize), tcpBufMin), tcpBufMax)
+}
+
+// receiveBufferOption bounds TCP receive buffers at rcvMax.
+func receiveBufferOption(rcvMax int) *tcpip.TCPReceiveBufferSizeRangeOption {
+	return &tcpip.TCPReceiveBufferSizeRangeOption{Min: tcpBufMin, Default: min(tcpBufDefault, rcvMax), Max: rcvMax}
 }
 
 // tcpProbe, when a test sets it, sees every TCP endpoint's complete state
@@ -74,7 +81,7 @@ func newNetstack(ep *LinkEndpoint, addrs []netip.Addr, rcvMax int) (*stack.Stack
 	}
 	opts := []tcpip.SettableTransportProtocolOption{
 		func() *tcpip.TCPSACKEnabled { v := tcpip.TCPSACKEnabled(true); return &v }(),
-		&tcpip.TCPReceiveBufferSizeRangeOption{Min: tcpBufMin, Default: min(tcpBufDefault, rcvMax), Max: rcvMax},
+		receiveBufferOption(rcvMax),
 		&tcpip.TCPSendBufferSizeRangeOption{Min: tcpBufMin, Default: tcpBufDefault, Max: tcpBufMax},
 		func() *tcpip.TCPModerateReceiveBufferOption {
 			v := tcpip.TCPModerateReceiveBufferOption(true)
@@ -111,26 +118,12 @@ func newNetstack(ep *LinkEndpoint, addrs []netip.Addr, rcvMax int) (*stack.Stack
 	// application send it: generating errors here would only be dropped.
 	s.SetICMPLimit(0)
 	s.SetICMPBurst(0)
-	if err := s.CreateNICWithOptions(nicID, withHopTrace(ep), stack.NICOptions{Name: "fabric"}); err != nil {
-		return fail("creating the NIC", err)
+	if err := addNIC(s, nicID, ep, addrs); err != nil {
+		s.Destroy()
+		return nil, err
 	}
-	var have4, have6 bool
-	for _, a := range addrs {
-		proto, bits := ipv4.ProtocolNumber, 32
-		if a.Is6() {
-			proto, bits = ipv6.ProtocolNumber, 128
-			have6 = true
-		} else {
-			have4 = true
-		}
-		pa := tcpip.ProtocolAddress{
-			Protocol:          proto,
-			AddressWithPrefix: tcpip.AddressWithPrefix{Address: tcpip.AddrFromSlice(a.AsSlice()), PrefixLen: bits},
-		}
-		if err := s.AddProtocolAddress(nicID, pa, stack.AddressProperties{}); err != nil {
-			return fail(fmt.Sprintf("adding %v", a), err)
-		}
-	}
+	have4 := slices.ContainsFunc(addrs, netip.Addr.Is4)
+	have6 := slices.ContainsFunc(addrs, netip.Addr.Is6)
 	// Everything goes to the bridge, which routes with the kernel's tables.
 	var routes []tcpip.Route
 	if have4 {
@@ -141,6 +134,31 @@ func newNetstack(ep *LinkEndpoint, addrs []netip.Addr, rcvMax int) (*stack.Stack
 	}
 	s.SetRouteTable(routes)
 	return s, nil
+}
+
+// addNIC attaches ep to s as NIC id, with the application's addresses.
+func addNIC(s *stack.Stack, id tcpip.NICID, ep *LinkEndpoint, addrs []netip.Addr) error {
+	name := "fabric"
+	if id != nicID {
+		name = fmt.Sprintf("fabric%d", id-nicID)
+	}
+	if err := s.CreateNICWithOptions(id, withHopTrace(ep), stack.NICOptions{Name: name}); err != nil {
+		return fmt.Errorf("userstack: creating NIC %d: %v", id, err)
+	}
+	for _, a := range addrs {
+		proto, bits := ipv4.ProtocolNumber, 32
+		if a.Is6() {
+			proto, bits = ipv6.ProtocolNumber, 128
+		}
+		pa := tcpip.ProtocolAddress{
+			Protocol:          proto,
+			AddressWithPrefix: tcpip.AddressWithPrefix{Address: tcpip.AddrFromSlice(a.AsSlice()), PrefixLen: bits},
+		}
+		if err := s.AddProtocolAddress(id, pa, stack.AddressProperties{}); err != nil {
+			return fmt.Errorf("userstack: adding %v to NIC %d: %v", a, id, err)
+		}
+	}
+	return nil
 }
 
 func tcpFactory() stack.TransportProtocolFactory {

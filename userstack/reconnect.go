@@ -59,16 +59,25 @@ type Event struct {
 	Kind EventKind
 	Err  error         // BridgeLost: why; ClaimLost: which claim and why
 	Down time.Duration // BridgeBack: since the bridge was lost
+	// Bridge names the bridge of a stack opened with several
+	// (Options.Bridges): its control socket or address. Empty with one.
+	Bridge string
 }
 
 func (e Event) String() string {
+	var s string
 	switch {
 	case e.Kind == BridgeBack:
-		return fmt.Sprintf("%v after %v", e.Kind, e.Down.Round(time.Millisecond))
+		s = fmt.Sprintf("%v after %v", e.Kind, e.Down.Round(time.Millisecond))
 	case e.Err != nil:
-		return fmt.Sprintf("%v: %v", e.Kind, e.Err)
+		s = fmt.Sprintf("%v: %v", e.Kind, e.Err)
+	default:
+		s = e.Kind.String()
 	}
-	return e.Kind.String()
+	if e.Bridge != "" {
+		s = e.Bridge + ": " + s
+	}
+	return s
 }
 
 // ErrBridgeUnavailable is what Dial, Listen and ListenPacket report when
@@ -96,6 +105,9 @@ const (
 // refusal reports whether err is a bridge's answer that registering again
 // now would only repeat, rather than the absence of a bridge.
 func refusal(err error) bool {
+	if errors.Is(err, errBridgeMismatch) {
+		return true
+	}
 	switch control.ErrorCode(err) {
 	case "", "bridge_gone", "internal":
 		return false
@@ -186,13 +198,26 @@ func newAttachment(ctx context.Context, dial func(context.Context) (attached, er
 	if err != nil {
 		return nil, attached{}, err
 	}
-	a := &attachment{dial: dial, backoff: backoff, events: events, cur: at, gen: 1, up: make(chan struct{}), book: make(map[uint64]*heldClaim), loss: make(chan uint64, 1), done: make(chan struct{})}
-	close(a.up)
+	return startAttachment(dial, backoff, events, at), at, nil
+}
+
+// startAttachment watches the attachment at (none: the zero value, and the
+// watcher registers in the background until a bridge answers).
+func startAttachment(dial func(context.Context) (attached, error), backoff time.Duration, events func(Event), at attached) *attachment {
+	a := &attachment{dial: dial, backoff: backoff, events: events, cur: at, up: make(chan struct{}), book: make(map[uint64]*heldClaim), loss: make(chan uint64, 1), done: make(chan struct{})}
 	a.ctx, a.cancel = context.WithCancel(context.Background())
 	a.link = newRelink(at.link, a.linkFailed)
-	a.watchMTU(at, false)
-	go a.run()
-	return a, at, nil
+	pending := at.client == nil
+	if !pending {
+		a.gen = 1
+		close(a.up)
+		a.watchMTU(at, false)
+	} else {
+		a.lostAt = time.Now()
+		a.lost = fmt.Errorf("%w: not registered yet", control.ErrBridgeGone)
+	}
+	go a.run(pending)
+	return a
 }
 
 // linkFailed is the relink's report that stream l failed.
@@ -216,9 +241,12 @@ func (a *attachment) emit(e Event) {
 }
 
 // run watches the attachment and attaches again when it is lost, until
-// Close.
-func (a *attachment) run() {
+// Close; pending: attach first.
+func (a *attachment) run(pending bool) {
 	defer close(a.done)
+	if pending && !a.reattach() {
+		return
+	}
 	for {
 		a.mu.Lock()
 		c, gen := a.cur.client, a.gen
@@ -381,33 +409,18 @@ func (a *attachment) client(ctx context.Context) (*control.Client, uint64, error
 	}
 }
 
-// grant runs ask at the current bridge and records what it granted as h
-// says, under an id of the attachment's own.
-func (a *attachment) grant(ctx context.Context, ask func(*control.Client) (control.Claim, error), h func(control.Claim) heldClaim) (control.Claim, error) {
+// grant runs r at the current bridge and records what it granted, under an
+// id of the attachment's own.
+func (a *attachment) grant(ctx context.Context, r claimRequest) (control.Claim, error) {
 	for {
 		c, gen, err := a.client(ctx)
 		if err != nil {
 			return control.Claim{}, err
 		}
-		a.claimMu.RLock()
-		a.mu.Lock()
-		stale := gen != a.gen
-		a.mu.Unlock()
-		if stale {
-			a.claimMu.RUnlock()
+		cl, err := a.grantAt(c, gen, r)
+		if errors.Is(err, errStale) {
 			continue
 		}
-		cl, err := ask(c)
-		if err == nil {
-			held := h(cl)
-			held.bridgeID, held.gen = cl.ID, gen
-			a.mu.Lock()
-			a.nextID++
-			cl.ID = a.nextID
-			a.book[cl.ID] = &held
-			a.mu.Unlock()
-		}
-		a.claimMu.RUnlock()
 		if errors.Is(err, control.ErrBridgeGone) && ctx.Err() == nil {
 			// The bridge went during the call: wait for the next one.
 			select {
@@ -420,20 +433,99 @@ func (a *attachment) grant(ctx context.Context, ask func(*control.Client) (contr
 	}
 }
 
+// errStale: the bridge that grantAt was to ask is no longer the current one.
+var errStale = errors.New("userstack: bridge replaced")
+
+// grantAt is one attempt of grant at c, the client of attachment gen.
+func (a *attachment) grantAt(c *control.Client, gen uint64, r claimRequest) (control.Claim, error) {
+	a.claimMu.RLock()
+	defer a.claimMu.RUnlock()
+	a.mu.Lock()
+	stale := gen != a.gen
+	a.mu.Unlock()
+	if stale {
+		return control.Claim{}, errStale
+	}
+	cl, err := r.ask(c)
+	if err == nil {
+		held := r.held(cl)
+		held.bridgeID, held.gen = cl.ID, gen
+		a.mu.Lock()
+		a.nextID++
+		cl.ID = a.nextID
+		a.book[cl.ID] = &held
+		a.mu.Unlock()
+	}
+	return cl, err
+}
+
+// current is the attached bridge's client and its generation; nil while
+// the bridge is away.
+func (a *attachment) current() (*control.Client, uint64) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.cur.client, a.gen
+}
+
+// adopt books h, a claim another bridge granted, and asks this bridge for
+// exactly it (Reclaim) if one is attached; a bridge that is away is asked
+// when it is back, as for every claim in the book. The claim stays booked
+// when the bridge refuses it (err), so that its next registration asks
+// again.
+func (a *attachment) adopt(ctx context.Context, h heldClaim) (uint64, error) {
+	a.claimMu.RLock()
+	defer a.claimMu.RUnlock()
+	a.mu.Lock()
+	c, gen := a.cur.client, a.gen
+	a.nextID++
+	id := a.nextID
+	held := h
+	a.book[id] = &held
+	a.mu.Unlock()
+	if c == nil {
+		return id, nil
+	}
+	cl, err := c.Reclaim(ctx, h.proto, h.addr, h.port, h.remote)
+	if errors.Is(err, control.ErrBridgeGone) {
+		return id, nil // its next registration asks again
+	}
+	a.mu.Lock()
+	held.bridgeID, held.gen = cl.ID, gen
+	a.mu.Unlock()
+	return id, err
+}
+
 // Listen implements claimer.
 func (a *attachment) Listen(ctx context.Context, proto string, addr netip.Addr, port uint16) (control.Claim, error) {
-	return a.grant(ctx,
-		func(c *control.Client) (control.Claim, error) { return c.Listen(ctx, proto, addr, port) },
-		func(cl control.Claim) heldClaim { return heldClaim{proto: proto, addr: addr, port: cl.Port} })
+	return a.grant(ctx, listenRequest(ctx, proto, addr, port))
 }
 
 // Connect implements claimer.
 func (a *attachment) Connect(ctx context.Context, proto string, local netip.Addr, remote netip.AddrPort) (control.Claim, error) {
-	return a.grant(ctx,
-		func(c *control.Client) (control.Claim, error) { return c.Connect(ctx, proto, local, remote) },
-		func(cl control.Claim) heldClaim {
+	return a.grant(ctx, connectRequest(ctx, proto, local, remote))
+}
+
+// claimRequest asks a bridge for a claim (ask) and says what the stack
+// holds of what it granted (held), to ask other bridges for it again.
+type claimRequest struct {
+	ask  func(*control.Client) (control.Claim, error)
+	held func(control.Claim) heldClaim
+}
+
+func listenRequest(ctx context.Context, proto string, addr netip.Addr, port uint16) claimRequest {
+	return claimRequest{
+		ask:  func(c *control.Client) (control.Claim, error) { return c.Listen(ctx, proto, addr, port) },
+		held: func(cl control.Claim) heldClaim { return heldClaim{proto: proto, addr: addr, port: cl.Port} },
+	}
+}
+
+func connectRequest(ctx context.Context, proto string, local netip.Addr, remote netip.AddrPort) claimRequest {
+	return claimRequest{
+		ask: func(c *control.Client) (control.Claim, error) { return c.Connect(ctx, proto, local, remote) },
+		held: func(cl control.Claim) heldClaim {
 			return heldClaim{proto: proto, addr: cl.Addr, port: cl.Port, remote: remote}
-		})
+		},
+	}
 }
 
 // Release implements claimer. A claim granted by a bridge that has gone

@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/vishvananda/netns"
@@ -25,8 +26,8 @@ import (
 	"github.com/fabricbridge/fabricbridge/fabric"
 )
 
-// Options say how to reach the bridge. Exactly one of Control and Remote
-// is set.
+// Options say how to reach the bridge: exactly one of Control, Remote and
+// Bridges is set.
 type Options struct {
 	// App is the application's name, as the bridge's configuration knows it.
 	App string
@@ -36,6 +37,15 @@ type Options struct {
 	// Remote reaches a bridge on another node: control over TCP, packets
 	// over GENEVE.
 	Remote *RemoteOptions
+	// Bridges registers the application with every bridge of a scale-out
+	// group (docs/scale-out.md), in order of preference for sending
+	// (bridges.go). One entry is the same as Control or Remote.
+	Bridges []Bridge
+	// Instance names this process among its application's instances, the
+	// same at every bridge (control.Request.Instance). Empty: with one
+	// bridge none is sent, as before instances existed; with several,
+	// the host's name and the process id.
+	Instance string
 	// RxSlots and TxSlots ask for ring depths (local streams only); 0 takes
 	// the bridge's default.
 	RxSlots, TxSlots int
@@ -53,7 +63,8 @@ type Options struct {
 	Spin time.Duration
 	// Events, if set, is told when the bridge goes away and when it is
 	// back (see EventKind). It is called from one goroutine, in order,
-	// and should return quickly: reattaching waits for it.
+	// and should return quickly: with one bridge, reattaching waits for it
+	// (with several, events are queued).
 	Events func(Event)
 }
 
@@ -95,9 +106,17 @@ type claimer interface {
 // is sent; closing what they return gives the tuples back.
 type Stack struct {
 	ns     *stack.Stack
-	ep     *LinkEndpoint
+	ep     *LinkEndpoint // NIC 1's
 	addrs  []netip.Addr
 	claims claimer
+	// bridges is the stack's bridges when there are several; nil with one.
+	bridges *bridgeSet
+	// single is the one bridge's state otherwise (Bridges).
+	single struct {
+		name   string
+		a      *attachment
+		counts *bridgeCounters
+	}
 
 	datagramsMu sync.Mutex
 	datagrams   map[*waiter.Queue]struct{} // UDP endpoints' queues (wakeDatagramReaders)
@@ -114,16 +133,44 @@ type Stack struct {
 // name, with backoff, asks the new bridge for its listeners and the flows
 // of its open connections again, and carries on over the new stream (see
 // EventKind for what the stack does meanwhile).
+//
+// With several Options.Bridges it does so with each of them, and needs only
+// one to answer now: it registers with the others in the background
+// (bridges.go).
 func Open(ctx context.Context, opts Options) (*Stack, error) {
-	if (opts.Control == "") == (opts.Remote == nil) {
-		return nil, errors.New("userstack: set exactly one of Options.Control and Options.Remote")
+	set := 0
+	for _, v := range []bool{opts.Control != "", opts.Remote != nil, len(opts.Bridges) > 0} {
+		if v {
+			set++
+		}
+	}
+	if set != 1 {
+		return nil, errors.New("userstack: set exactly one of Options.Control, Options.Remote and Options.Bridges")
+	}
+	for i, b := range opts.Bridges {
+		if (b.Control == "") == (b.Remote == nil) {
+			return nil, fmt.Errorf("userstack: bridge %d: set exactly one of Control and Remote", i+1)
+		}
+	}
+	if len(opts.Bridges) > 1 {
+		return openBridges(ctx, opts)
+	}
+	if len(opts.Bridges) == 1 {
+		opts.Control, opts.Remote, opts.Bridges = opts.Bridges[0].Control, opts.Bridges[0].Remote, nil
 	}
 	dial, closeTransport, backoff := localDialer(opts), func() error { return nil }, backoffMaxLocal
 	if opts.Remote != nil {
 		rd := &remoteDialer{opts: opts}
 		dial, closeTransport, backoff = rd.dial, rd.close, backoffMaxRemote
 	}
-	a, first, err := newAttachment(ctx, dial, backoff, opts.Events)
+	counts := new(bridgeCounters)
+	events := func(e Event) {
+		counts.count(e)
+		if opts.Events != nil {
+			opts.Events(e)
+		}
+	}
+	a, first, err := newAttachment(ctx, dial, backoff, events)
 	if err != nil {
 		closeTransport()
 		return nil, err
@@ -137,6 +184,7 @@ func Open(ctx context.Context, opts Options) (*Stack, error) {
 		closeTransport()
 		return nil, err
 	}
+	s.single.name, s.single.a, s.single.counts = Bridge{Control: opts.Control, Remote: opts.Remote}.String(), a, counts
 	s.followMTU(a, opts.MTU)
 	return s, nil
 }
@@ -149,6 +197,7 @@ func localDialer(opts Options) func(context.Context) (attached, error) {
 		if err != nil {
 			return attached{}, err
 		}
+		c.SetInstance(opts.Instance)
 		reg, st, err := c.RegisterLocal(ctx, opts.RxSlots, opts.TxSlots)
 		if err != nil {
 			c.Close()
@@ -168,14 +217,23 @@ type remoteDialer struct {
 	// registrations dial from a goroutine of their own, whose thread may
 	// be in another (an application that opened its stack inside
 	// netns.Set, as the tests' remote hosts do).
-	ns netns.NsHandle
+	ns     netns.NsHandle
+	pinned bool
+}
+
+// pinNetns makes the calling thread's network namespace the one every
+// registration dials from.
+func (d *remoteDialer) pinNetns() {
+	var err error
+	if d.ns, err = netns.Get(); err != nil {
+		d.ns = netns.None()
+	}
+	d.pinned = true
 }
 
 func (d *remoteDialer) dial(ctx context.Context) (at attached, err error) {
-	if d.r == nil {
-		if d.ns, err = netns.Get(); err != nil {
-			d.ns = netns.None()
-		}
+	if !d.pinned {
+		d.pinNetns()
 		return d.dialHere(ctx)
 	}
 	if nerr := inNetns(d.ns, func() { at, err = d.dialHere(ctx) }); nerr != nil {
@@ -233,6 +291,7 @@ func (d *remoteDialer) dialHere(ctx context.Context) (attached, error) {
 	if err != nil {
 		return attached{}, err
 	}
+	c.SetInstance(d.opts.Instance)
 	fail := func(err error) (attached, error) {
 		c.Close()
 		return attached{}, err
@@ -331,8 +390,62 @@ func (s *Stack) removeDatagramQueue(wq *waiter.Queue) {
 // Addrs are the addresses the stack sends from.
 func (s *Stack) Addrs() []netip.Addr { return slices.Clone(s.addrs) }
 
-// LinkStats are the counters of the stack's link endpoint.
-func (s *Stack) LinkStats() LinkStats { return s.ep.Stats() }
+// LinkStats are the counters of the stack's link endpoint; with several
+// bridges, the sums over their NICs.
+func (s *Stack) LinkStats() LinkStats {
+	if s.bridges == nil {
+		return s.ep.Stats()
+	}
+	var t LinkStats
+	for _, ep := range s.bridges.endpoints() {
+		st := ep.Stats()
+		t.RxPackets += st.RxPackets
+		t.RxBytes += st.RxBytes
+		t.RxBatches += st.RxBatches
+		t.RxNotIP += st.RxNotIP
+		t.RxBadChecksum += st.RxBadChecksum
+		t.TxPackets += st.TxPackets
+		t.TxBytes += st.TxBytes
+		t.TxBatches += st.TxBatches
+		t.TxSegmented += st.TxSegmented
+		t.TxDropped += st.TxDropped
+	}
+	return t
+}
+
+// Bridges is the state of each of the stack's bridges, in the order they
+// were given.
+func (s *Stack) Bridges() []BridgeState {
+	if s.bridges != nil {
+		return s.bridges.states()
+	}
+	if s.single.a == nil {
+		return nil // a stack of the tests', over a bare link
+	}
+	c, _ := s.single.a.current()
+	st := s.ep.Stats()
+	return []BridgeState{{
+		Name: s.single.name, Up: c != nil, Sending: c != nil,
+		Losses: s.single.counts.losses.Load(), ClaimFailures: s.single.counts.claimFailures.Load(),
+		TxPackets: st.TxPackets, Link: st,
+	}}
+}
+
+// takeUnreach takes the errno noted for flow k by whichever NIC's receive
+// loop saw the ICMP error (unreach6.go).
+func (s *Stack) takeUnreach(k flowKey) (syscall.Errno, bool) {
+	if s.bridges == nil {
+		return s.ep.unreach.take(k)
+	}
+	var errno syscall.Errno
+	found := false
+	for _, ep := range s.bridges.endpoints() {
+		if e, ok := ep.unreach.take(k); ok && !found {
+			errno, found = e, true
+		}
+	}
+	return errno, found
+}
 
 // Close aborts every connection (peers get a reset), ends the control
 // connection, whereupon the bridge releases everything this stack held,

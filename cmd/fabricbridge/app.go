@@ -10,6 +10,8 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -33,9 +35,10 @@ type appOptions struct {
 	udp                bool
 	every              time.Duration
 
-	// Where the bridge is, turned into stack.Control or stack.Remote by
-	// resolve.
+	// Where the bridge is, turned into stack.Control, stack.Remote or
+	// stack.Bridges by resolve.
 	config, control, remote, secretFile string
+	bridges                             []string
 	tls                                 clientTLSFiles
 }
 
@@ -76,7 +79,14 @@ func newServeCommand(kind, listen, short, long string) *cobra.Command {
 It registers with the bridge as --name, over the control socket of the local
 bridge (--control, or the one --config names) or over TCP to a bridge on
 another node (--remote, with its shared secret and, for a bridge with
-auth: tls, a client certificate), and serves on its own user-space stack.`,
+auth: tls, a client certificate), and serves on its own user-space stack.
+
+With --bridge, once for each bridge box of a scale-out group, it registers
+with all of them as instance --instance, so that whichever box the routers
+pick steers its connections here: "local" is the local bridge (--control or
+--config), an absolute path another local control socket, HOST:PORT a bridge
+on another node (with --secret-file and --tls-*, the same for every one).
+Packets leave through the first bridge of the list that is up.`,
 		Args: cobra.NoArgs,
 		RunE: func(c *cobra.Command, _ []string) error {
 			if err := o.resolve(); err != nil {
@@ -91,6 +101,8 @@ auth: tls, a client certificate), and serves on its own user-space stack.`,
 	fs.StringVar(&o.config, "config", "", "the bridge's configuration, for its control socket (default "+DefaultConfig+")")
 	fs.StringVar(&o.control, "control", "", "the bridge's control socket (overrides --config)")
 	fs.StringVar(&o.remote, "remote", "", "a bridge on another node, HOST:PORT (control over TCP, stream over GENEVE)")
+	fs.StringArrayVar(&o.bridges, "bridge", nil, "a bridge of a scale-out group, once for each: local, a control socket's path, or HOST:PORT; the first that is up sends")
+	fs.StringVar(&o.stack.Instance, "instance", "", "this instance's name, the same at every bridge (default: with several --bridge, HOST-PID)")
 	fs.StringVar(&o.secretFile, "secret-file", "", "the secret shared with that bridge (required with --remote)")
 	fs.StringVar(&o.tls.cert, "tls-cert", "", "client certificate, for a bridge with auth: tls (with --tls-key)")
 	fs.StringVar(&o.tls.key, "tls-key", "", "the client certificate's private key")
@@ -110,49 +122,94 @@ auth: tls, a client certificate), and serves on its own user-space stack.`,
 	return c
 }
 
-// resolve checks the flags and finds the bridge: over TCP, by its control
-// socket, or by the socket its configuration names.
+// resolve checks the flags and finds the bridges: over TCP, by their
+// control sockets, or by the socket the configuration names.
 func (o *appOptions) resolve() error {
 	if o.size < 0 || o.stack.MTU < 0 || o.rateMbit < 0 || (o.kind == "sink" && o.every <= 0) {
 		return fmt.Errorf("app %s: --size, --mtu and --rate must not be negative, --every must be positive", o.kind)
 	}
 	o.stack.App = o.name
-	if o.remote == "" && (o.secretFile != "" || o.tls != clientTLSFiles{}) {
-		return errors.New("app: --secret-file and --tls-* go with --remote")
+	remotes := o.remote != "" || slices.ContainsFunc(o.bridges, isRemoteBridge)
+	if !remotes && (o.secretFile != "" || o.tls != clientTLSFiles{}) {
+		return errors.New("app: --secret-file and --tls-* go with --remote or a --bridge HOST:PORT")
 	}
-	switch {
-	case o.remote != "":
-		if o.secretFile == "" {
-			return errors.New("app: --remote needs --secret-file")
+	if len(o.bridges) > 0 {
+		if o.remote != "" {
+			return errors.New("app: --remote and --bridge do not go together: give the remote bridge as one more --bridge")
 		}
-		secret, err := os.ReadFile(o.secretFile)
-		if err != nil {
-			return fmt.Errorf("app: --secret-file: %w", err)
-		}
-		o.stack.Remote = &userstack.RemoteOptions{Control: o.remote, Secret: []byte(strings.TrimRight(string(secret), "\r\n"))}
-		if o.tls != (clientTLSFiles{}) {
-			if o.stack.Remote.TLS, err = o.tls.config(o.remote); err != nil {
+		for _, b := range o.bridges {
+			br, err := o.bridge(b)
+			if err != nil {
 				return err
 			}
+			o.stack.Bridges = append(o.stack.Bridges, br)
 		}
-	case o.control != "":
-		o.stack.Control = o.control
-	default:
-		path := o.config
-		if path == "" {
-			path = DefaultConfig
-		}
-		if _, err := os.Stat(path); err != nil && o.config == "" {
-			o.stack.Control = config.DefaultSocket
-			break
-		}
-		c, err := config.Load(path)
-		if err != nil {
-			return err
-		}
-		o.stack.Control = c.Control.Socket
+		return nil
 	}
-	return nil
+	var err error
+	if o.remote != "" {
+		o.stack.Remote, err = o.remoteOptions(o.remote)
+	} else {
+		o.stack.Control, err = o.localSocket()
+	}
+	return err
+}
+
+// isRemoteBridge says whether a --bridge names a bridge on another node.
+func isRemoteBridge(b string) bool { return b != "local" && !filepath.IsAbs(b) }
+
+// bridge resolves one --bridge.
+func (o *appOptions) bridge(b string) (userstack.Bridge, error) {
+	switch {
+	case b == "local":
+		path, err := o.localSocket()
+		return userstack.Bridge{Control: path}, err
+	case filepath.IsAbs(b):
+		return userstack.Bridge{Control: b}, nil
+	}
+	if _, _, err := net.SplitHostPort(b); err != nil {
+		return userstack.Bridge{}, fmt.Errorf("app: --bridge %q is neither local, an absolute path nor HOST:PORT", b)
+	}
+	ro, err := o.remoteOptions(b)
+	return userstack.Bridge{Remote: ro}, err
+}
+
+// remoteOptions reach the bridge at addr with --secret-file and --tls-*.
+func (o *appOptions) remoteOptions(addr string) (*userstack.RemoteOptions, error) {
+	if o.secretFile == "" {
+		return nil, fmt.Errorf("app: the bridge at %s needs --secret-file", addr)
+	}
+	secret, err := os.ReadFile(o.secretFile)
+	if err != nil {
+		return nil, fmt.Errorf("app: --secret-file: %w", err)
+	}
+	ro := &userstack.RemoteOptions{Control: addr, Secret: []byte(strings.TrimRight(string(secret), "\r\n"))}
+	if o.tls != (clientTLSFiles{}) {
+		if ro.TLS, err = o.tls.config(addr); err != nil {
+			return nil, err
+		}
+	}
+	return ro, nil
+}
+
+// localSocket is the local bridge's control socket: --control, or the one
+// the configuration names.
+func (o *appOptions) localSocket() (string, error) {
+	if o.control != "" {
+		return o.control, nil
+	}
+	path := o.config
+	if path == "" {
+		path = DefaultConfig
+	}
+	if _, err := os.Stat(path); err != nil && o.config == "" {
+		return config.DefaultSocket, nil
+	}
+	c, err := config.Load(path)
+	if err != nil {
+		return "", err
+	}
+	return c.Control.Socket, nil
 }
 
 // clientTLSFiles are the --tls-* flags: the client's side of mutual TLS
@@ -192,13 +249,26 @@ func (f clientTLSFiles) config(remote string) (*tls.Config, error) {
 
 // serveApp runs the application until ctx ends.
 func serveApp(ctx context.Context, o appOptions, stdout io.Writer) error {
-	o.stack.Events = func(e userstack.Event) { logBridgeEvent(stdout, o.kind, e) }
+	var opened atomic.Pointer[userstack.Stack]
+	o.stack.Events = func(e userstack.Event) {
+		logBridgeEvent(stdout, o.kind, e)
+		if s := opened.Load(); s != nil && e.Bridge != "" && (e.Kind == userstack.BridgeLost || e.Kind == userstack.BridgeBack) {
+			logSending(stdout, o.kind, s.Bridges())
+		}
+	}
 	st, err := userstack.Open(ctx, o.stack)
 	if err != nil {
 		return fmt.Errorf("app %s: %w", o.kind, err)
 	}
 	defer st.Close()
+	opened.Store(st)
 	fmt.Fprintf(stdout, "%s: application %q on a user-space stack, addresses %v\n", o.kind, o.name, st.Addrs())
+	if bs := st.Bridges(); len(bs) > 1 {
+		for _, b := range bs {
+			fmt.Fprintf(stdout, "%s: bridge %s up %v\n", o.kind, b.Name, b.Up)
+		}
+		logSending(stdout, o.kind, bs)
+	}
 	switch o.kind {
 	case "http":
 		return serveHTTP(ctx, st, o.listen, o.size, o.rateMbit*1e6/8, stdout, nil)
@@ -211,15 +281,31 @@ func serveApp(ctx context.Context, o appOptions, stdout io.Writer) error {
 
 // logBridgeEvent tells the operator that the bridge went away or came
 // back, or that a claim did not survive its absence.
+// With several bridges, each line names the bridge.
 func logBridgeEvent(w io.Writer, kind string, e userstack.Event) {
+	bridge := "bridge"
+	if e.Bridge != "" {
+		bridge += " " + e.Bridge
+	}
 	switch e.Kind {
 	case userstack.BridgeLost:
-		fmt.Fprintf(w, "%s: bridge lost, reconnecting (connections wait): %v\n", kind, e.Err)
+		fmt.Fprintf(w, "%s: %s lost, reconnecting (connections wait): %v\n", kind, bridge, e.Err)
 	case userstack.BridgeBack:
-		fmt.Fprintf(w, "%s: bridge back after %v\n", kind, e.Down.Round(time.Millisecond))
+		fmt.Fprintf(w, "%s: %s back after %v\n", kind, bridge, e.Down.Round(time.Millisecond))
 	default:
 		fmt.Fprintf(w, "%s: %v\n", kind, e)
 	}
+}
+
+// logSending says which of several bridges the stack sends through now.
+func logSending(w io.Writer, kind string, bridges []userstack.BridgeState) {
+	for _, b := range bridges {
+		if b.Sending {
+			fmt.Fprintf(w, "%s: sending through bridge %s\n", kind, b.Name)
+			return
+		}
+	}
+	fmt.Fprintf(w, "%s: no bridge up, sending nowhere (connections wait)\n", kind)
 }
 
 // httpCounters are what the HTTP application served.

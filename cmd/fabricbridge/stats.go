@@ -169,7 +169,9 @@ func scrape(ctx context.Context, c *http.Client, url string) (snapshot, error) {
 		return snapshot{}, err
 	}
 	snap := newSnapshot(time.Now(), s)
-	snap.groups = scrapeGroups(ctx, c, strings.TrimSuffix(url, "/metrics")+"/v1/groups")
+	if len(metrics.Find(s, "fabricbridge_spread_info")) > 0 {
+		snap.groups = scrapeGroups(ctx, c, strings.TrimSuffix(url, "/metrics")+"/v1/groups")
+	}
 	return snap, nil
 }
 

@@ -32,6 +32,9 @@ type AppsResponse struct {
 type App struct {
 	// Name is the name it registered under.
 	Name string `json:"name"`
+	// Instance is the name it registered under among the instances of its
+	// application (docs/scale-out.md); absent for a sole process.
+	Instance string `json:"instance,omitempty"`
 	// Stream is its stream id: the id the classifier steers its packets
 	// with, and the "stream" label of its metrics.
 	Stream uint32 `json:"stream"`
@@ -214,6 +217,7 @@ func (d *Daemon) routeReadOnly(mux *http.ServeMux) {
 	mux.HandleFunc("GET /readyz", d.serveReadyz)
 	mux.HandleFunc("GET /v1/apps", d.serveApps)
 	mux.HandleFunc("GET /v1/flows", d.serveFlows)
+	mux.HandleFunc("GET /v1/groups", d.serveGroups)
 	mux.HandleFunc("GET /v1/rules", d.sampled(d.rulesView))
 	mux.HandleFunc("GET /v1/streams", d.sampled(d.streamsView))
 	mux.HandleFunc("GET /v1/ingest", d.sampled(d.ingestView))
@@ -253,7 +257,7 @@ func (d *Daemon) samples() ([]metrics.Sample, error) {
 func (d *Daemon) serveApps(w http.ResponseWriter, r *http.Request) {
 	resp := AppsResponse{Apps: []App{}}
 	for _, a := range d.Apps() {
-		app := App{Name: a.Name, Stream: a.Stream, Listeners: a.Listeners, Flows: a.Flows, Ports: []Port{}}
+		app := App{Name: a.Name, Instance: a.Instance, Stream: a.Stream, Listeners: a.Listeners, Flows: a.Flows, Ports: []Port{}}
 		for _, p := range a.Ports {
 			app.Ports = append(app.Ports, Port{Protocol: p.Proto.String(), Port: p.Port})
 		}

@@ -165,10 +165,15 @@ func boolGauge(b bool) float64 {
 // serveDrain is POST /drain on the admin socket: the box withdraws its
 // addresses for good (until it restarts) and keeps serving; the answer
 // comes after withdraw_delay, once the routers have moved the new
-// connections away, so that the operator may then stop the daemon.
+// connections away, so that the operator may then stop the daemon. With
+// ?app=&instance= it drains that one instance instead (drainInstance).
 func (d *Daemon) serveDrain(w http.ResponseWriter, r *http.Request) {
 	if r.Method != http.MethodPost {
 		http.Error(w, "drain: POST only", http.StatusMethodNotAllowed)
+		return
+	}
+	if q := r.URL.Query(); q.Has("app") || q.Has("instance") {
+		d.drainInstance(w, q.Get("app"), q.Get("instance"))
 		return
 	}
 	a := d.announcer

@@ -118,6 +118,7 @@ func (d *Daemon) collect(w *metrics.Writer) {
 	d.collectAnnounce(w)
 	if d.server != nil {
 		collectControl(w, d.server.Refusals())
+		collectGroups(w, d.server.Groups(), d.server.DrainStats())
 	}
 	byStream := map[uint32]string{}
 	for _, a := range apps {
@@ -125,6 +126,9 @@ func (d *Daemon) collect(w *metrics.Writer) {
 		s := strconv.FormatUint(uint64(a.Stream), 10)
 		w.Add(famAppClaims, float64(a.Listeners), metrics.L("app", a.Name, "stream", s, "kind", "listener")...)
 		w.Add(famAppClaims, float64(a.Flows), metrics.L("app", a.Name, "stream", s, "kind", "flow")...)
+		if a.Instance != "" {
+			w.Add(famAppInstance, 1, metrics.L("app", a.Name, "stream", s, "instance", a.Instance)...)
+		}
 	}
 	names := cfg.RuleNames()
 	d.plane.Collect(w, func(id uint32) string {

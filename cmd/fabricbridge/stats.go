@@ -3,6 +3,7 @@ package main
 import (
 	"cmp"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/spf13/cobra"
 
+	"github.com/fabricbridge/fabricbridge/appliance"
 	"github.com/fabricbridge/fabricbridge/appliance/config"
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 )
@@ -32,10 +34,13 @@ func newStatsCommand() *cobra.Command {
 	c := &cobra.Command{
 		Use:   "stats [flags]",
 		Short: "Show a live table of the daemon's counters and rates",
-		Long: `Shows the daemon's verdicts, rules, streams, queues and ingest rings as a
-table that refreshes like top: rates are the difference between two scrapes of
-its /metrics, read from the metrics address of its configuration, or through
-its admin socket when that address is off.`,
+		Long: `Shows the daemon's verdicts, rules, streams (with the instance name of each
+application that registered as one), queues, ingest rings and instance groups
+(the listeners that instances of one application share, with the instances
+taking new connections, those draining, and the digest to compare between
+boxes) as a table that refreshes like top: rates are the difference between
+two scrapes of its /metrics, read from the metrics address of its
+configuration, or through its admin socket when that address is off.`,
 		Args: cobra.NoArgs,
 		RunE: func(c *cobra.Command, _ []string) error {
 			return showStats(c.Context(), o, c.OutOrStdout())
@@ -141,6 +146,9 @@ type snapshot struct {
 	at      time.Time
 	samples []metrics.Sample
 	byKey   map[string]float64
+	// groups are the shared listeners from /v1/groups, nil when the daemon
+	// does not serve it.
+	groups []appliance.Group
 }
 
 func scrape(ctx context.Context, c *http.Client, url string) (snapshot, error) {
@@ -160,7 +168,31 @@ func scrape(ctx context.Context, c *http.Client, url string) (snapshot, error) {
 	if err != nil {
 		return snapshot{}, err
 	}
-	return newSnapshot(time.Now(), s), nil
+	snap := newSnapshot(time.Now(), s)
+	if len(metrics.Find(s, "fabricbridge_spread_info")) > 0 {
+		snap.groups = scrapeGroups(ctx, c, strings.TrimSuffix(url, "/metrics")+"/v1/groups")
+	}
+	return snap, nil
+}
+
+// scrapeGroups reads the instance names of the shared listeners, which the
+// metrics only count. A daemon that does not serve them shows the counts
+// alone, so any failure is nil.
+func scrapeGroups(ctx context.Context, c *http.Client, url string) []appliance.Group {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return nil
+	}
+	resp, err := c.Do(req)
+	if err != nil {
+		return nil
+	}
+	defer resp.Body.Close()
+	var g appliance.GroupsResponse
+	if resp.StatusCode != http.StatusOK || json.NewDecoder(io.LimitReader(resp.Body, 1<<20)).Decode(&g) != nil {
+		return nil
+	}
+	return g.Groups
 }
 
 func newSnapshot(at time.Time, s []metrics.Sample) snapshot {
@@ -255,8 +287,14 @@ func render(w io.Writer, source string, prev, cur snapshot) {
 	table(w, "RULE", []string{"PACKETS", "PKT/S", "BYTES", "RATE"}, rowsOf(prev, cur, "fabricbridge_rule_packets_total", "fabricbridge_rule_bytes_total",
 		func(x metrics.Sample) string { return x.Label("id") + " " + x.Label("name") },
 		func(a, b metrics.Sample) int { return cmp.Compare(atoi(a.Label("id")), atoi(b.Label("id"))) }))
+	instances := map[string]string{}
+	for _, x := range metrics.Find(cur.samples, "fabricbridge_application_instance") {
+		instances[x.Label("stream")] = "/" + x.Label("instance")
+	}
 	streams := rowsOf(prev, cur, "fabricbridge_stream_rx_packets_total", "fabricbridge_stream_rx_bytes_total",
-		func(x metrics.Sample) string { return x.Label("stream") + " " + x.Label("app") },
+		func(x metrics.Sample) string {
+			return x.Label("stream") + " " + x.Label("app") + instances[x.Label("stream")]
+		},
 		func(a, b metrics.Sample) int { return cmp.Compare(atoi(a.Label("stream")), atoi(b.Label("stream"))) })
 	for i := range streams {
 		l := streams[i].labels
@@ -296,6 +334,40 @@ func render(w io.Writer, source string, prev, cur snapshot) {
 			human(cur.sum("fabricbridge_ingest_drops_total", "ring", r)), consumer)
 	}
 	table(w, "INGEST", []string{"RECORDS", "REC/S", "BYTES", "RATE", "BUFFERS", "DROPS", "CONSUMER"}, rings)
+	if groups := groupRows(cur); len(groups) > 0 {
+		table(w, "GROUP", []string{"INSTANCES", "DRAINING", "DIGEST"}, groups)
+		fmt.Fprintf(w, "drains  %s started, %s expired by the deadline\n",
+			human(cur.get("fabricbridge_spread_drains_started_total")), human(cur.get("fabricbridge_spread_drains_expired_total")))
+	}
+}
+
+// groupRows are the shared listeners, one row per fabricbridge_spread_info
+// series: the instances by name where /v1/groups gave them, else counted.
+func groupRows(cur snapshot) []row {
+	named := map[string]appliance.Group{}
+	for _, g := range cur.groups {
+		named[g.App+" "+g.Listener] = g
+	}
+	var rows []row
+	for _, x := range metrics.Find(cur.samples, "fabricbridge_spread_info") {
+		app, listener := x.Label("app"), x.Label("listener")
+		name := app + " " + listener
+		in := human(cur.get("fabricbridge_spread_instances", "app", app, "listener", listener))
+		out := human(cur.get("fabricbridge_spread_draining", "app", app, "listener", listener))
+		if g, ok := named[name]; ok {
+			in, out = orNone(g.Instances), orNone(g.Draining)
+		}
+		rows = append(rows, row{name: name, cells: []string{in, out, x.Label("digest")}})
+	}
+	return rows
+}
+
+// orNone is names joined by commas, or "-" for none.
+func orNone(names []string) string {
+	if len(names) == 0 {
+		return "-"
+	}
+	return strings.Join(names, ",")
 }
 
 type row struct {

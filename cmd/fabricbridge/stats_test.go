@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/fabricbridge/fabricbridge/appliance"
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 )
 
@@ -122,6 +123,39 @@ fabricbridge_attach_fallback{interface="eth1",from="generic",to="afpacket",reaso
 	} {
 		if !strings.Contains(b.String(), want) {
 			t.Errorf("lacks %q:\n%s", want, b.String())
+		}
+	}
+}
+
+// TestRenderGroups: a stream shows its application's instance name, and
+// each shared listener its instances and digest: by name where /v1/groups
+// answered, counted from the metrics where it did not.
+func TestRenderGroups(t *testing.T) {
+	text := `fabricbridge_application_instance{app="web",stream="2",instance="web-b"} 1
+fabricbridge_stream_rx_packets_total{interface="eth1",stream="2",app="web"} 10
+fabricbridge_stream_rx_bytes_total{interface="eth1",stream="2",app="web"} 1000
+fabricbridge_spread_instances{app="web",listener="tcp/*:80"} 2
+fabricbridge_spread_draining{app="web",listener="tcp/*:80"} 1
+fabricbridge_spread_info{app="web",listener="tcp/*:80",digest="00112233aabbccdd"} 1
+fabricbridge_spread_drains_started_total 4
+fabricbridge_spread_drains_expired_total 3
+`
+	cur := newSnapshot(time.Unix(2000, 0), exposition(t, text))
+	for _, tc := range []struct {
+		groups []appliance.Group
+		row    string
+	}{
+		{nil, `(?m)^ +web tcp/\*:80 +2 +1 +00112233aabbccdd\s*$`},
+		{[]appliance.Group{{App: "web", Listener: "tcp/*:80", Instances: []string{"web-a", "web-c"}, Draining: []string{"web-b"}}},
+			`(?m)^ +web tcp/\*:80 +web-a,web-c +web-b +00112233aabbccdd\s*$`},
+	} {
+		cur.groups = tc.groups
+		var b bytes.Buffer
+		render(&b, "admin.sock", cur, cur)
+		for _, re := range []string{tc.row, `(?m)^ +2 web/web-b +`, `(?m)^drains  4 started, 3 expired by the deadline$`} {
+			if !regexp.MustCompile(re).MatchString(b.String()) {
+				t.Errorf("groups %v: no line matching %s:\n%s", tc.groups, re, b.String())
+			}
 		}
 	}
 }

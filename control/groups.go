@@ -143,6 +143,14 @@ func (r *registry) changeGroup(key groupKey, change func(g *group)) (restore fun
 		delete(r.groups, key)
 		return restore, nil
 	}
+	var gone []string // members that left for good: nothing of theirs to find
+	if old != nil {
+		for name := range old.members {
+			if _, ok := g.members[name]; !ok {
+				gone = append(gone, name)
+			}
+		}
+	}
 	if names := g.tableNames(); !slices.Equal(names, g.table) {
 		t, err := maglev.New(names, r.spread.Seed, maglev.DefaultSize)
 		if err != nil {
@@ -150,16 +158,13 @@ func (r *registry) changeGroup(key groupKey, change func(g *group)) (restore fun
 		}
 		if g.chain == nil {
 			g.chain = maglev.NewChain(t)
-		} else if g.chain, err = g.chain.Advance(t); err != nil {
+		} else if g.chain, err = g.chain.AdvanceWithout(t, gone...); err != nil {
 			return nil, err
 		}
 		g.table = names
-	}
-	if old != nil {
-		for name := range old.members {
-			if _, ok := g.members[name]; !ok {
-				g.chain = g.chain.Forget(name)
-			}
+	} else {
+		for _, name := range gone {
+			g.chain = g.chain.Forget(name)
 		}
 	}
 	g.spread = g.buildSpread(r.spread.Seed)

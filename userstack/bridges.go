@@ -346,6 +346,7 @@ func (b *bridgeSet) addNICLocked(i int, at attached) error {
 		return err
 	}
 	ep.afterICMPError = b.s.wakeDatagramReaders
+	ep.conns = b.s.ns // to tell a stranger's segment the bridge may take back
 	nic := b.nextNIC
 	if err := addNIC(b.s.ns, nic, ep, b.s.addrs); err != nil {
 		return err
@@ -669,3 +670,14 @@ type nicLink struct {
 
 func (l nicLink) Recv(bufs [][]byte) (int, error) { return l.rx.Recv(bufs) }
 func (l nicLink) Send(pkts [][]byte) (int, error) { return l.tx.Send(pkts) }
+
+func (l nicLink) RecvMeta(bufs [][]byte, meta []uint32) (int, error) {
+	return l.rx.RecvMeta(bufs, meta)
+}
+
+// SendMeta hands packets back (fabric.MarkNotMine) to the bridge they came
+// through, whose tables decide where they go next, not to the one that
+// sends for the stack.
+func (l nicLink) SendMeta(pkts [][]byte, meta []uint32) (int, error) {
+	return l.rx.SendMeta(pkts, meta)
+}

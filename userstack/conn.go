@@ -45,15 +45,41 @@ const timeWaitHold = time.Second
 // "host:port" where host is empty (every address of the stack) or one of
 // the stack's addresses, and port 0 asks the bridge for a free one.
 func (s *Stack) Listen(network, address string) (net.Listener, error) {
-	k, claimAddr, np, cl, l, err := s.announce(network, address, "tcp")
+	k, claimAddr, np, port, err := s.resolve(network, address, "tcp")
 	if err != nil {
 		return nil, err
 	}
-	addr := tcpAddr(claimAddr, cl.Port)
+	// A fixed port listens in the stack before the bridge steers to it: an
+	// instance that joins a shared listener gets its first connections
+	// the moment the bridge grants the claim, and must not refuse them.
 	var wq waiter.Queue
-	ep, terr := s.ns.NewEndpoint(tcp.ProtocolNumber, np, &wq)
+	var ep tcpip.Endpoint
+	if port != 0 {
+		if ep, err = s.listenEndpoint(k, np, claimAddr, port, &wq); err != nil {
+			return nil, err
+		}
+	}
+	cl, l, err := s.claim(k, "tcp", claimAddr, port)
+	if err != nil {
+		if ep != nil {
+			ep.Close()
+		}
+		return nil, err
+	}
+	if ep == nil {
+		if ep, err = s.listenEndpoint(k, np, claimAddr, cl.Port, &wq); err != nil {
+			l.drop()
+			return nil, err
+		}
+	}
+	return &tcpListener{ep: ep, wq: &wq, lease: l, addr: tcpAddr(claimAddr, cl.Port), done: make(chan struct{})}, nil
+}
+
+// listenEndpoint is a TCP endpoint listening on addr:port in the stack.
+func (s *Stack) listenEndpoint(k netKind, np tcpip.NetworkProtocolNumber, addr netip.Addr, port uint16, wq *waiter.Queue) (tcpip.Endpoint, error) {
+	ep, terr := s.ns.NewEndpoint(tcp.ProtocolNumber, np, wq)
 	if terr == nil {
-		if terr = ep.Bind(fullAddr(claimAddr, cl.Port)); terr == nil {
+		if terr = ep.Bind(fullAddr(addr, port)); terr == nil {
 			terr = ep.Listen(listenBacklog)
 		}
 		if terr != nil {
@@ -61,43 +87,58 @@ func (s *Stack) Listen(network, address string) (net.Listener, error) {
 		}
 	}
 	if terr != nil {
-		l.drop()
-		return nil, opError("listen", k, addr, tcpipErr{terr})
+		return nil, opError("listen", k, tcpAddr(addr, port), tcpipErr{terr})
 	}
-	return &tcpListener{ep: ep, wq: &wq, lease: l, addr: addr, done: make(chan struct{})}, nil
+	return ep, nil
 }
 
 // announce is the common first half of Listen and ListenPacket: it checks
 // the network and address, and claims the local address and port (port 0:
 // any free one) with the bridge. The errors are ready to return.
 func (s *Stack) announce(network, address, proto string) (k netKind, claimAddr netip.Addr, np tcpip.NetworkProtocolNumber, cl control.Claim, l *lease, err error) {
+	var port uint16
+	if k, claimAddr, np, port, err = s.resolve(network, address, proto); err != nil {
+		return k, claimAddr, np, cl, nil, err
+	}
+	cl, l, err = s.claim(k, proto, claimAddr, port)
+	return k, claimAddr, np, cl, l, err
+}
+
+// resolve checks network and address and finds the local address to claim.
+func (s *Stack) resolve(network, address, proto string) (k netKind, claimAddr netip.Addr, np tcpip.NetworkProtocolNumber, port uint16, err error) {
 	k, err = parseNetwork(network)
 	if err == nil && k.proto != proto {
 		err = net.UnknownNetworkError(network)
 	}
 	if err != nil {
-		return k, claimAddr, np, cl, nil, opError("listen", netKind{proto: network}, nil, err)
+		return k, claimAddr, np, 0, opError("listen", netKind{proto: network}, nil, err)
 	}
 	a, port, err := parseAddr(address)
 	if err != nil {
-		return k, claimAddr, np, cl, nil, opError("listen", k, nil, err)
+		return k, claimAddr, np, 0, opError("listen", k, nil, err)
 	}
 	if err = s.checkOpen(); err != nil {
-		return k, claimAddr, np, cl, nil, opError("listen", k, nil, err)
+		return k, claimAddr, np, 0, opError("listen", k, nil, err)
 	}
 	if claimAddr, np, err = s.localFor(k, a); err != nil {
-		return k, claimAddr, np, cl, nil, opError("listen", k, nil, err)
+		return k, claimAddr, np, 0, opError("listen", k, nil, err)
 	}
+	return k, claimAddr, np, port, nil
+}
+
+// claim claims proto claimAddr:port (0: any free one) with the bridge.
+func (s *Stack) claim(k netKind, proto string, claimAddr netip.Addr, port uint16) (control.Claim, *lease, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), controlTimeout)
 	defer cancel()
-	if cl, err = s.claims.Listen(ctx, proto, claimAddr, port); err != nil {
+	cl, err := s.claims.Listen(ctx, proto, claimAddr, port)
+	if err != nil {
 		addr := net.Addr(tcpAddr(claimAddr, port))
 		if proto == "udp" {
 			addr = udpAddr(claimAddr, port)
 		}
-		return k, claimAddr, np, cl, nil, opError("listen", k, addr, err)
+		return cl, nil, opError("listen", k, addr, err)
 	}
-	return k, claimAddr, np, cl, s.newLease(cl.ID), nil
+	return cl, s.newLease(cl.ID), nil
 }
 
 // tcpListener is a listening endpoint; it and each connection it accepted

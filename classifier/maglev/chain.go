@@ -1,6 +1,9 @@
 package maglev
 
-import "fmt"
+import (
+	"fmt"
+	"slices"
+)
 
 // Chain is a table together with, for every slot, the owner the slot had
 // before it last changed hands: Beamer's "daisy chain" of length one.
@@ -42,6 +45,31 @@ func (c *Chain) Advance(next *Table) (*Chain, error) {
 		} else {
 			out.previous[s] = c.previous[s]
 		}
+	}
+	return out, nil
+}
+
+// AdvanceWithout is Advance for a change in which the instances gone left
+// for good (died, or drained to their deadline): they hold no connection,
+// so a slot that passes from one of them keeps the previous owner it had
+// before — whose connections may well be alive, a drained instance's say
+// — rather than remembering an owner with nothing to find; and gone are
+// forgotten as previous owners everywhere.
+func (c *Chain) AdvanceWithout(next *Table, gone ...string) (*Chain, error) {
+	if next.Size() != c.current.Size() {
+		return nil, fmt.Errorf("maglev: a chain of %d slots cannot advance to a table of %d", c.current.Size(), next.Size())
+	}
+	out := &Chain{current: next, previous: make([]string, next.Size())}
+	for s := range out.previous {
+		was, now := c.current.SlotOwner(s), next.SlotOwner(s)
+		prev := c.previous[s]
+		if was != now && !slices.Contains(gone, was) {
+			prev = was
+		}
+		if slices.Contains(gone, prev) {
+			prev = ""
+		}
+		out.previous[s] = prev
 	}
 	return out, nil
 }

@@ -201,6 +201,66 @@ func TestChainKeepsEstablishedConnections(t *testing.T) {
 	}
 }
 
+// An instance that dies while a drained one still finishes its
+// connections must not take the drained one's second chance with it: the
+// slots that pass on from the dead instance keep the previous owner they
+// had. Plain Advance then Forget loses a third of them; AdvanceWithout
+// only those whose slot also moved between the living.
+func TestChainSurvivesADeathAfterADrain(t *testing.T) {
+	base := names(4)
+	start := NewChain(mustNew(t, base, 3))
+	rng := rand.New(rand.NewPCG(5, 6))
+	drained := make(map[uint64]bool) // flows web-0 accepted
+	for range 100_000 {
+		h := rng.Uint64()
+		if cur, _ := start.Lookup(h); cur == "web-0" {
+			drained[h] = true
+		}
+	}
+	afterDrain, err := start.Advance(mustNew(t, base[1:], 3)) // web-0 drains
+	if err != nil {
+		t.Fatal(err)
+	}
+	lost := func(c *Chain) int {
+		n := 0
+		for h := range drained {
+			if cur, prev := c.Lookup(h); cur != "web-0" && prev != "web-0" {
+				n++
+			}
+		}
+		return n
+	}
+	if n := lost(afterDrain); n != 0 {
+		t.Fatalf("the drain alone lost %d of web-0's %d flows", n, len(drained))
+	}
+	next := mustNew(t, base[2:], 3) // web-1 dies
+	with, err := afterDrain.AdvanceWithout(next, "web-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Maglev moves a few slots between the instances that stay, too; a
+	// flow of such a slot has now changed hands twice and is lost.
+	kept := lost(with)
+	t.Logf("AdvanceWithout lost %d of web-0's %d flows when web-1 died", kept, len(drained))
+	if kept > len(drained)/200 {
+		t.Errorf("AdvanceWithout lost %d of web-0's %d flows when web-1 died", kept, len(drained))
+	}
+	plain, err := afterDrain.Advance(next)
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := lost(plain.Forget("web-1"))
+	t.Logf("Advance then Forget would have lost %d of web-0's %d flows", n, len(drained))
+	if n == 0 {
+		t.Error("the case does not arise: no slot of web-0's passed to web-1 and on")
+	}
+	for h := range drained {
+		if cur, prev := with.Lookup(h); cur == "web-1" || prev == "web-1" {
+			t.Fatal("web-1 still gets packets after it died")
+		}
+	}
+}
+
 func TestChainAdvanceRefusesOtherSize(t *testing.T) {
 	a, _ := New([]string{"a"}, 0, 101)
 	b, _ := New([]string{"a"}, 0, 103)

@@ -164,7 +164,7 @@ func TestScaleOut(t *testing.T) {
 		time.Sleep(2 * time.Second)
 		res := l.stop()
 		settled := at.Add(time.Second)
-		t.Logf("%s: new connections %s", what, res.summary(settled))
+		t.Logf("%s: new connections: %s", what, res.byServer(settled))
 		if f := res.failed(settled); f != 0 {
 			t.Errorf("%s: %d new connections opened a second after it failed; last: %v", what, f, res.lastErr)
 		}
@@ -431,4 +431,21 @@ func (k *keepers) stop() {
 		close(k.stopc)
 	}
 	k.wg.Wait()
+}
+
+// byServer sums up a load's requests by who served them, in all and from
+// mark on.
+func (r loadResult) byServer(mark time.Time) string {
+	all, after := map[string]int{}, map[string]int{}
+	for _, q := range r.requests {
+		who := q.box
+		if who == "" {
+			who = "failed"
+		}
+		all[who]++
+		if q.start.After(mark) {
+			after[who]++
+		}
+	}
+	return fmt.Sprintf("%d requests %v; from a second after the event on %v; last error %v", len(r.requests), all, after, r.lastErr)
 }

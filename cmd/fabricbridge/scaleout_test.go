@@ -206,10 +206,24 @@ func TestScaleOut(t *testing.T) {
 	waitInstances(t, bns, boxes[1].d, 3)
 	r.WaitHops(t, 30*time.Second, "box b back: ECMP over both",
 		map[netip.Addr][]netip.Addr{service: {la.B.Addr4.Addr(), lb.B.Addr4.Addr()}})
-	event("box a is killed (kill -9; BFD)", func() {
-		boxes[0].d.signal(t, syscall.SIGKILL)
-		r.WaitHops(t, 1500*time.Millisecond, "box a dead: BFD takes it out",
+	// A box that hangs (its kernel still answers the BGP session's TCP):
+	// only BFD can tell. Then a box whose daemon is killed: its sessions
+	// close with it.
+	event("box a hangs (SIGSTOP; BFD)", func() {
+		boxes[0].d.signal(t, syscall.SIGSTOP)
+		r.WaitHops(t, 1500*time.Millisecond, "box a hung: BFD takes it out",
 			map[netip.Addr][]netip.Addr{service: {lb.B.Addr4.Addr()}})
+	})
+	boxes[0].d.signal(t, syscall.SIGKILL)
+	<-boxes[0].d.done
+	startBox(boxes[0])
+	waitInstances(t, ans, boxes[0].d, 3)
+	r.WaitHops(t, 30*time.Second, "box a back: ECMP over both",
+		map[netip.Addr][]netip.Addr{service: {la.B.Addr4.Addr(), lb.B.Addr4.Addr()}})
+	event("box b is killed (kill -9)", func() {
+		boxes[1].d.signal(t, syscall.SIGKILL)
+		r.WaitHops(t, 1500*time.Millisecond, "box b killed: withdrawn",
+			map[netip.Addr][]netip.Addr{service: {la.B.Addr4.Addr()}})
 	})
 	keep.check(t, "the end", dead)
 	t.Logf("keep-alive connections: %s", keep.summary())

@@ -69,8 +69,9 @@ type BridgeState struct {
 	// Sending: the stack's packets leave through this bridge.
 	Sending bool
 	// Losses counts the times the bridge went away; ClaimFailures the
-	// claims it refused (ClaimLost events).
-	Losses, ClaimFailures uint64
+	// claims it refused (ClaimLost events); DrainFailures the times it
+	// would not drain the stack (DrainFailed events).
+	Losses, ClaimFailures, DrainFailures uint64
 	// TxPackets counts the packets sent through this bridge.
 	TxPackets uint64
 	// Link is the counters of the bridge's NIC: its Rx* count what arrived
@@ -92,7 +93,7 @@ const openGrace = time.Second
 
 // bridgeCounters are one bridge's counts for BridgeState.
 type bridgeCounters struct {
-	losses, claimFailures atomic.Uint64
+	losses, claimFailures, drainFailures atomic.Uint64
 }
 
 // count notes e in c.
@@ -102,6 +103,8 @@ func (c *bridgeCounters) count(e Event) {
 		c.losses.Add(1)
 	case ClaimLost:
 		c.claimFailures.Add(1)
+	case DrainFailed:
+		c.drainFailures.Add(1)
 	}
 }
 
@@ -603,6 +606,7 @@ func (b *bridgeSet) states() []BridgeState {
 		out[i] = BridgeState{
 			Name: b.names[i], Up: c != nil, Sending: i == sending,
 			Losses: b.counts[i].losses.Load(), ClaimFailures: b.counts[i].claimFailures.Load(),
+			DrainFailures: b.counts[i].drainFailures.Load(),
 			TxPackets: b.tx.sent[i].Load(),
 		}
 		if eps[i] != nil {

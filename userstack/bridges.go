@@ -349,6 +349,7 @@ func (b *bridgeSet) addNICLocked(i int, at attached) error {
 		return err
 	}
 	ep.afterICMPError = b.s.wakeDatagramReaders
+	ep.conns = b.s.ns // for the second chance, as NIC 1's (newNetstack)
 	nic := b.nextNIC
 	if err := addNIC(b.s.ns, nic, ep, b.s.addrs); err != nil {
 		return err
@@ -607,7 +608,7 @@ func (b *bridgeSet) states() []BridgeState {
 			Name: b.names[i], Up: c != nil, Sending: i == sending,
 			Losses: b.counts[i].losses.Load(), ClaimFailures: b.counts[i].claimFailures.Load(),
 			DrainFailures: b.counts[i].drainFailures.Load(),
-			TxPackets: b.tx.sent[i].Load(),
+			TxPackets:     b.tx.sent[i].Load(),
 		}
 		if eps[i] != nil {
 			out[i].Link = eps[i].Stats()
@@ -665,7 +666,10 @@ func (t *txPath) sending() int {
 }
 
 // nicLink is the Link of one bridge's NIC: it receives from that bridge's
-// stream and sends through the txPath.
+// stream and sends through the txPath. It is a MarkedLink, so that the
+// stack takes part in the second chance of a listener it shares: without
+// it, a drained instance's connections, or those of an instance that joined,
+// would be reset by the instance whose slot they now hash to.
 type nicLink struct {
 	rx *relink
 	tx *txPath
@@ -673,3 +677,16 @@ type nicLink struct {
 
 func (l nicLink) Recv(bufs [][]byte) (int, error) { return l.rx.Recv(bufs) }
 func (l nicLink) Send(pkts [][]byte) (int, error) { return l.tx.Send(pkts) }
+
+func (l nicLink) RecvMeta(bufs [][]byte, meta []uint32) (int, error) {
+	return l.rx.RecvMeta(bufs, meta)
+}
+
+// SendMeta hands packets back to the bridge they arrived through, whose
+// tables know the slot's previous owner; under the txPath's lock, which
+// keeps that stream's Send single-producer.
+func (l nicLink) SendMeta(pkts [][]byte, meta []uint32) (int, error) {
+	l.tx.mu.Lock()
+	defer l.tx.mu.Unlock()
+	return l.rx.SendMeta(pkts, meta)
+}

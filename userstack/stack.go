@@ -428,7 +428,7 @@ func (s *Stack) Bridges() []BridgeState {
 		Name: s.single.name, Up: c != nil, Sending: c != nil,
 		Losses: s.single.counts.losses.Load(), ClaimFailures: s.single.counts.claimFailures.Load(),
 		DrainFailures: s.single.counts.drainFailures.Load(),
-		TxPackets: st.TxPackets, Link: st,
+		TxPackets:     st.TxPackets, Link: st,
 	}}
 }
 

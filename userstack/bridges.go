@@ -607,8 +607,7 @@ func (b *bridgeSet) states() []BridgeState {
 		out[i] = BridgeState{
 			Name: b.names[i], Up: c != nil, Sending: i == sending,
 			Losses: b.counts[i].losses.Load(), ClaimFailures: b.counts[i].claimFailures.Load(),
-			DrainFailures: b.counts[i].drainFailures.Load(),
-			TxPackets:     b.tx.sent[i].Load(),
+			DrainFailures: b.counts[i].drainFailures.Load(), TxPackets: b.tx.sent[i].Load(),
 		}
 		if eps[i] != nil {
 			out[i].Link = eps[i].Stats()

@@ -318,7 +318,7 @@ func drainApp(st *userstack.Stack, conns *openConns, timeout time.Duration, w io
 	deadline := time.NewTimer(timeout)
 	defer deadline.Stop()
 	n, _ := conns.open()
-	fmt.Fprintf(w, "%s: draining: no new connections; serving the %d open ones for %v at most\n", kind, n, timeout)
+	fmt.Fprintf(w, "%s: draining: the bridges send no new connections; %d open, served until they end or %v passes\n", kind, n, timeout)
 	ctx, cancel := context.WithTimeout(context.Background(), min(timeout, drainRequestTimeout))
 	err := st.Drain(ctx)
 	cancel()

@@ -93,8 +93,8 @@ Packets leave through the first bridge of the list that is up.
 On SIGTERM or Ctrl-C, an instance of a shared listener (--instance, or
 several --bridge) drains before it exits: every bridge sends it no new
 connections, and it serves the open ones until they end or --drain-timeout
-passes; then it exits 0. A second signal ends it at once. Without them, it
-stops at once.`,
+passes; then it exits 0. A second signal ends it at once. Any other
+application stops at once.`,
 		Args: cobra.NoArgs,
 		RunE: func(c *cobra.Command, _ []string) error {
 			if err := o.resolve(); err != nil {
@@ -318,7 +318,7 @@ func drainApp(st *userstack.Stack, conns *openConns, timeout time.Duration, w io
 	deadline := time.NewTimer(timeout)
 	defer deadline.Stop()
 	n, _ := conns.open()
-	fmt.Fprintf(w, "%s: draining: the bridges send no new connections; %d open, served until they end or %v passes\n", kind, n, timeout)
+	fmt.Fprintf(w, "%s: draining: the bridges are to send no new connections; %d open, served until they end or %v passes\n", kind, n, timeout)
 	ctx, cancel := context.WithTimeout(context.Background(), min(timeout, drainRequestTimeout))
 	err := st.Drain(ctx)
 	cancel()

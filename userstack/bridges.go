@@ -69,8 +69,9 @@ type BridgeState struct {
 	// Sending: the stack's packets leave through this bridge.
 	Sending bool
 	// Losses counts the times the bridge went away; ClaimFailures the
-	// claims it refused (ClaimLost events).
-	Losses, ClaimFailures uint64
+	// claims it refused (ClaimLost events); DrainFailures the times it
+	// would not drain the stack (DrainFailed events).
+	Losses, ClaimFailures, DrainFailures uint64
 	// TxPackets counts the packets sent through this bridge.
 	TxPackets uint64
 	// Link is the counters of the bridge's NIC: its Rx* count what arrived
@@ -92,7 +93,7 @@ const openGrace = time.Second
 
 // bridgeCounters are one bridge's counts for BridgeState.
 type bridgeCounters struct {
-	losses, claimFailures atomic.Uint64
+	losses, claimFailures, drainFailures atomic.Uint64
 }
 
 // count notes e in c.
@@ -102,6 +103,8 @@ func (c *bridgeCounters) count(e Event) {
 		c.losses.Add(1)
 	case ClaimLost:
 		c.claimFailures.Add(1)
+	case DrainFailed:
+		c.drainFailures.Add(1)
 	}
 }
 
@@ -346,7 +349,7 @@ func (b *bridgeSet) addNICLocked(i int, at attached) error {
 		return err
 	}
 	ep.afterICMPError = b.s.wakeDatagramReaders
-	ep.conns = b.s.ns // to tell a stranger's segment the bridge may take back
+	ep.conns = b.s.ns // for the second chance, as NIC 1's (newNetstack)
 	nic := b.nextNIC
 	if err := addNIC(b.s.ns, nic, ep, b.s.addrs); err != nil {
 		return err
@@ -604,7 +607,7 @@ func (b *bridgeSet) states() []BridgeState {
 		out[i] = BridgeState{
 			Name: b.names[i], Up: c != nil, Sending: i == sending,
 			Losses: b.counts[i].losses.Load(), ClaimFailures: b.counts[i].claimFailures.Load(),
-			TxPackets: b.tx.sent[i].Load(),
+			DrainFailures: b.counts[i].drainFailures.Load(), TxPackets: b.tx.sent[i].Load(),
 		}
 		if eps[i] != nil {
 			out[i].Link = eps[i].Stats()
@@ -662,7 +665,10 @@ func (t *txPath) sending() int {
 }
 
 // nicLink is the Link of one bridge's NIC: it receives from that bridge's
-// stream and sends through the txPath.
+// stream and sends through the txPath. It is a MarkedLink, so that the
+// stack takes part in the second chance of a listener it shares: without
+// it, a drained instance's connections, or those of an instance that joined,
+// would be reset by the instance whose slot they now hash to.
 type nicLink struct {
 	rx *relink
 	tx *txPath
@@ -675,9 +681,11 @@ func (l nicLink) RecvMeta(bufs [][]byte, meta []uint32) (int, error) {
 	return l.rx.RecvMeta(bufs, meta)
 }
 
-// SendMeta hands packets back (fabric.MarkNotMine) to the bridge they came
-// through, whose tables decide where they go next, not to the one that
-// sends for the stack.
+// SendMeta hands packets back to the bridge they arrived through, whose
+// tables know the slot's previous owner; under the txPath's lock, which
+// keeps that stream's Send single-producer.
 func (l nicLink) SendMeta(pkts [][]byte, meta []uint32) (int, error) {
+	l.tx.mu.Lock()
+	defer l.tx.mu.Unlock()
 	return l.rx.SendMeta(pkts, meta)
 }

@@ -168,9 +168,15 @@ func (g *twoBoxes) via(i int) {
 // open starts the application on box a, registered with both boxes.
 func (g *twoBoxes) open(events func(Event)) *Stack {
 	g.t.Helper()
+	return g.openInstance("web-1", events)
+}
+
+// openInstance is open for instance name of the application.
+func (g *twoBoxes) openInstance(name string, events func(Event)) *Stack {
+	g.t.Helper()
 	var s *Stack
 	if err := g.boxes[0].ns.Do(func() (err error) {
-		s, err = Open(testCtx(g.t, 10*time.Second), Options{App: "web", Instance: "web-1", Events: events, Bridges: []Bridge{
+		s, err = Open(testCtx(g.t, 10*time.Second), Options{App: "web", Instance: name, Events: events, Bridges: []Bridge{
 			{Control: g.boxes[0].path},
 			{Remote: &RemoteOptions{Control: g.boxes[1].tcp, Secret: g.secret}},
 		}})

@@ -37,6 +37,10 @@ const (
 	// every refusedBackoff from then on; the event comes again only when
 	// the reason changes.
 	BridgeRefused
+	// DrainFailed: a bridge would not drain a stack that drains
+	// (Stack.Drain), while another did or when it came back (Event.Err
+	// says why). It may send the stack new connections.
+	DrainFailed
 )
 
 func (k EventKind) String() string {
@@ -49,6 +53,8 @@ func (k EventKind) String() string {
 		return "claim lost"
 	case BridgeRefused:
 		return "bridge refused"
+	case DrainFailed:
+		return "drain failed"
 	}
 	return fmt.Sprintf("EventKind(%d)", int(k))
 }
@@ -186,6 +192,9 @@ type attachment struct {
 	book   map[uint64]*heldClaim
 	nextID uint64
 	loss   chan uint64 // generations whose stream failed
+	// draining: Stack.Drain was called; every bridge that attaches from
+	// then on is asked to drain the stack once it holds the claims again.
+	draining bool
 
 	mtu atomic.Pointer[func(int)] // the stack's MTU follower (followMTU)
 }
@@ -383,6 +392,16 @@ func (a *attachment) reclaim(ctx context.Context, at attached) []Event {
 			events = append(events, Event{Kind: ClaimLost, Err: fmt.Errorf("userstack: %v: %w", h, err)})
 		}
 	}
+	// After the claims, not before: a bridge takes no listener from an
+	// instance that drains, and the established connections need theirs.
+	a.mu.Lock()
+	draining := a.draining
+	a.mu.Unlock()
+	if draining {
+		if err := at.client.Drain(ctx); err != nil && !errors.Is(err, control.ErrBridgeGone) {
+			events = append(events, Event{Kind: DrainFailed, Err: fmt.Errorf("userstack: %w", err)})
+		}
+	}
 	a.mu.Lock()
 	close(a.up)
 	down := time.Since(a.lostAt)
@@ -545,6 +564,28 @@ func (a *attachment) Release(ctx context.Context, id uint64) error {
 		return nil
 	}
 	return c.Release(ctx, h.bridgeID)
+}
+
+// drain marks the attachment draining and asks the bridge attached now,
+// if any, to drain the stack; sent says whether one was asked. A bridge
+// that is away, or goes during the call, is asked when it is back.
+func (a *attachment) drain(ctx context.Context) (sent bool, err error) {
+	// Not while reclaim gives a new bridge the claims: that bridge would
+	// refuse the listeners of an instance that drains.
+	a.claimMu.RLock()
+	defer a.claimMu.RUnlock()
+	a.mu.Lock()
+	a.draining = true
+	c := a.cur.client
+	a.mu.Unlock()
+	if c == nil {
+		return false, nil
+	}
+	err = c.Drain(ctx)
+	if errors.Is(err, control.ErrBridgeGone) {
+		return false, nil
+	}
+	return true, err
 }
 
 // Close stops reattaching and lets the bridge go, if one is attached.

@@ -427,7 +427,7 @@ func (s *Stack) Bridges() []BridgeState {
 	return []BridgeState{{
 		Name: s.single.name, Up: c != nil, Sending: c != nil,
 		Losses: s.single.counts.losses.Load(), ClaimFailures: s.single.counts.claimFailures.Load(),
-		TxPackets: st.TxPackets, Link: st,
+		DrainFailures: s.single.counts.drainFailures.Load(), TxPackets: st.TxPackets, Link: st,
 	}}
 }
 

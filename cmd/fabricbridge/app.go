@@ -14,6 +14,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -34,6 +35,7 @@ type appOptions struct {
 	rateMbit           float64
 	udp                bool
 	every              time.Duration
+	drainTimeout       time.Duration
 
 	// Where the bridge is, turned into stack.Control, stack.Remote or
 	// stack.Bridges by resolve.
@@ -86,7 +88,13 @@ with all of them as instance --instance, so that whichever box the routers
 pick steers its connections here: "local" is the local bridge (--control or
 --config), an absolute path another local control socket, HOST:PORT a bridge
 on another node (with --secret-file and --tls-*, the same for every one).
-Packets leave through the first bridge of the list that is up.`,
+Packets leave through the first bridge of the list that is up.
+
+On SIGTERM or Ctrl-C, an instance of a shared listener (--instance, or
+several --bridge) drains before it exits: every bridge sends it no new
+connections, and it serves the open ones until they end or --drain-timeout
+passes; then it exits 0. A second signal ends it at once. Any other
+application stops at once.`,
 		Args: cobra.NoArgs,
 		RunE: func(c *cobra.Command, _ []string) error {
 			if err := o.resolve(); err != nil {
@@ -103,6 +111,7 @@ Packets leave through the first bridge of the list that is up.`,
 	fs.StringVar(&o.remote, "remote", "", "a bridge on another node, HOST:PORT (control over TCP, stream over GENEVE)")
 	fs.StringArrayVar(&o.bridges, "bridge", nil, "a bridge of a scale-out group, once for each: local, a control socket's path, or HOST:PORT; the first that is up sends")
 	fs.StringVar(&o.stack.Instance, "instance", "", "this instance's name, the same at every bridge (default: with several --bridge, HOST-PID)")
+	fs.DurationVar(&o.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM, how long an instance (--instance, or several --bridge) serves its open connections, taking no new ones, before it exits (0: exit at once)")
 	fs.StringVar(&o.secretFile, "secret-file", "", "the secret shared with that bridge (required with --remote)")
 	fs.StringVar(&o.tls.cert, "tls-cert", "", "client certificate, for a bridge with auth: tls (with --tls-key)")
 	fs.StringVar(&o.tls.key, "tls-key", "", "the client certificate's private key")
@@ -125,8 +134,8 @@ Packets leave through the first bridge of the list that is up.`,
 // resolve checks the flags and finds the bridges: over TCP, by their
 // control sockets, or by the socket the configuration names.
 func (o *appOptions) resolve() error {
-	if o.size < 0 || o.stack.MTU < 0 || o.rateMbit < 0 || (o.kind == "sink" && o.every <= 0) {
-		return fmt.Errorf("app %s: --size, --mtu and --rate must not be negative, --every must be positive", o.kind)
+	if o.size < 0 || o.stack.MTU < 0 || o.rateMbit < 0 || o.drainTimeout < 0 || (o.kind == "sink" && o.every <= 0) {
+		return fmt.Errorf("app %s: --size, --mtu, --rate and --drain-timeout must not be negative, --every must be positive", o.kind)
 	}
 	o.stack.App = o.name
 	remotes := o.remote != "" || slices.ContainsFunc(o.bridges, isRemoteBridge)
@@ -247,7 +256,16 @@ func (f clientTLSFiles) config(remote string) (*tls.Config, error) {
 	return c, nil
 }
 
-// serveApp runs the application until ctx ends.
+// drains says whether the application drains when it is told to stop:
+// only an instance, which shares its listener with others, can hand new
+// connections over to them. Several bridges make the stack an instance
+// even without --instance (userstack.Options.Instance).
+func (o *appOptions) drains() bool {
+	return o.drainTimeout > 0 && (o.stack.Instance != "" || len(o.stack.Bridges) > 1)
+}
+
+// serveApp runs the application until ctx ends, then drains it first if
+// it is an instance (appOptions.drains).
 func serveApp(ctx context.Context, o appOptions, stdout io.Writer) error {
 	var opened atomic.Pointer[userstack.Stack]
 	o.stack.Events = func(e userstack.Event) {
@@ -269,14 +287,97 @@ func serveApp(ctx context.Context, o appOptions, stdout io.Writer) error {
 		}
 		logSending(stdout, o.kind, bs)
 	}
+	conns := newOpenConns()
+	serveCtx := ctx
+	if o.drains() {
+		var stop context.CancelFunc
+		serveCtx, stop = context.WithCancel(context.WithoutCancel(ctx))
+		defer stop()
+		go func() {
+			select {
+			case <-ctx.Done():
+				drainApp(st, conns, o.drainTimeout, stdout, o.kind)
+				stop()
+			case <-serveCtx.Done(): // it ended on its own
+			}
+		}()
+	}
 	switch o.kind {
 	case "http":
-		return serveHTTP(ctx, st, o.listen, o.size, o.rateMbit*1e6/8, stdout, nil)
+		return serveHTTP(serveCtx, st, o.listen, o.size, o.rateMbit*1e6/8, stdout, nil, conns)
 	case "echo":
-		return serveEcho(ctx, st, o.listen, o.udp, stdout)
+		return serveEcho(serveCtx, st, o.listen, o.udp, stdout, conns)
 	default:
-		return serveSink(ctx, st, o.listen, o.udp, o.every, stdout)
+		return serveSink(serveCtx, st, o.listen, o.udp, o.every, stdout, conns)
 	}
+}
+
+// drainApp has every bridge send st no new connections and waits until
+// conns are all closed or timeout passes.
+func drainApp(st *userstack.Stack, conns *openConns, timeout time.Duration, w io.Writer, kind string) {
+	deadline := time.NewTimer(timeout)
+	defer deadline.Stop()
+	n, _ := conns.open()
+	fmt.Fprintf(w, "%s: draining: the bridges are to send no new connections; %d open, served until they end or %v passes\n", kind, n, timeout)
+	ctx, cancel := context.WithTimeout(context.Background(), min(timeout, drainRequestTimeout))
+	err := st.Drain(ctx)
+	cancel()
+	if err != nil {
+		// The open connections are served all the same.
+		fmt.Fprintf(w, "%s: drain: %v\n", kind, err)
+	}
+wait:
+	for {
+		n, none := conns.open()
+		if n == 0 {
+			break
+		}
+		select {
+		case <-none: // one may have opened since: look again
+		case <-deadline.C:
+			break wait
+		}
+	}
+	n, _ = conns.open()
+	fmt.Fprintf(w, "%s: drained, %d connections left\n", kind, n)
+}
+
+// drainRequestTimeout bounds the drain's requests to the bridges.
+const drainRequestTimeout = 10 * time.Second
+
+// openConns counts an application's open connections, for a drain to wait
+// on.
+type openConns struct {
+	mu   sync.Mutex
+	n    int
+	none chan struct{} // closed while n is 0
+}
+
+func newOpenConns() *openConns {
+	c := &openConns{none: make(chan struct{})}
+	close(c.none)
+	return c
+}
+
+// add counts d more open connections (d < 0: fewer).
+func (c *openConns) add(d int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.n == 0 && d > 0 {
+		c.none = make(chan struct{})
+	}
+	c.n += d
+	if c.n == 0 && d < 0 {
+		close(c.none)
+	}
+}
+
+// open is the number of open connections and a channel closed once there
+// are none.
+func (c *openConns) open() (int, <-chan struct{}) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.n, c.none
 }
 
 // logBridgeEvent tells the operator that the bridge went away or came
@@ -354,7 +455,7 @@ func httpHandlerPaced(size int, rate float64, c *httpCounters) http.Handler {
 
 // serveHTTP serves until ctx ends, /bytes/N at rate bytes a second at most
 // (0: no limit); counters, if not nil, count what it served.
-func serveHTTP(ctx context.Context, st *userstack.Stack, listen string, size int, rate float64, log io.Writer, counters *httpCounters) error {
+func serveHTTP(ctx context.Context, st *userstack.Stack, listen string, size int, rate float64, log io.Writer, counters *httpCounters, conns *openConns) error {
 	ln, err := st.Listen("tcp", listen)
 	if err != nil {
 		return fmt.Errorf("http: listen %s: %w", listen, err)
@@ -362,7 +463,15 @@ func serveHTTP(ctx context.Context, st *userstack.Stack, listen string, size int
 	if counters == nil {
 		counters = &httpCounters{}
 	}
-	srv := &http.Server{Handler: httpHandlerPaced(size, rate, counters), ReadHeaderTimeout: 10 * time.Second}
+	srv := &http.Server{Handler: httpHandlerPaced(size, rate, counters), ReadHeaderTimeout: 10 * time.Second,
+		ConnState: func(_ net.Conn, s http.ConnState) {
+			switch s {
+			case http.StateNew:
+				conns.add(1)
+			case http.StateClosed, http.StateHijacked:
+				conns.add(-1)
+			}
+		}}
 	go func() {
 		<-ctx.Done()
 		srv.Close()
@@ -375,8 +484,8 @@ func serveHTTP(ctx context.Context, st *userstack.Stack, listen string, size int
 	return nil
 }
 
-func serveEcho(ctx context.Context, st *userstack.Stack, listen string, udp bool, log io.Writer) error {
-	return serveStream(ctx, st, listen, udp, log, "echo", func(c net.Conn) { io.Copy(c, c) }, func(pc net.PacketConn) {
+func serveEcho(ctx context.Context, st *userstack.Stack, listen string, udp bool, log io.Writer, conns *openConns) error {
+	return serveStream(ctx, st, listen, udp, log, conns, "echo", func(c net.Conn) { io.Copy(c, c) }, func(pc net.PacketConn) {
 		buf := make([]byte, 65536)
 		for {
 			n, from, err := pc.ReadFrom(buf)
@@ -388,7 +497,7 @@ func serveEcho(ctx context.Context, st *userstack.Stack, listen string, udp bool
 	})
 }
 
-func serveSink(ctx context.Context, st *userstack.Stack, listen string, udp bool, every time.Duration, log io.Writer) error {
+func serveSink(ctx context.Context, st *userstack.Stack, listen string, udp bool, every time.Duration, log io.Writer, conns *openConns) error {
 	var bytes, packets atomic.Int64
 	go func() {
 		t := time.NewTicker(every)
@@ -405,7 +514,7 @@ func serveSink(ctx context.Context, st *userstack.Stack, listen string, udp bool
 			}
 		}
 	}()
-	return serveStream(ctx, st, listen, udp, log, "sink", func(c net.Conn) { sinkConn(c, &bytes) }, func(pc net.PacketConn) {
+	return serveStream(ctx, st, listen, udp, log, conns, "sink", func(c net.Conn) { sinkConn(c, &bytes) }, func(pc net.PacketConn) {
 		buf := make([]byte, 65536)
 		for {
 			n, _, err := pc.ReadFrom(buf)
@@ -433,8 +542,8 @@ func sinkConn(c net.Conn, n *atomic.Int64) {
 }
 
 // serveStream accepts TCP connections (and, with udp, datagrams on the same
-// port) until ctx ends.
-func serveStream(ctx context.Context, st *userstack.Stack, listen string, udp bool, log io.Writer, name string, conn func(net.Conn), packets func(net.PacketConn)) error {
+// port) until ctx ends, counting the open ones in conns.
+func serveStream(ctx context.Context, st *userstack.Stack, listen string, udp bool, log io.Writer, conns *openConns, name string, conn func(net.Conn), packets func(net.PacketConn)) error {
 	ln, err := st.Listen("tcp", listen)
 	if err != nil {
 		return fmt.Errorf("%s: listen %s: %w", name, listen, err)
@@ -461,7 +570,9 @@ func serveStream(ctx context.Context, st *userstack.Stack, listen string, udp bo
 			}
 			return err
 		}
+		conns.add(1)
 		go func() {
+			defer conns.add(-1)
 			defer c.Close()
 			conn(c)
 		}()

@@ -62,7 +62,7 @@ func (d *Daemon) startAnnounce(cfg *config.Config) error {
 // or that a configured listener is for. An application that has only said
 // hello would have its first connections answered by the kernel's RST.
 func (d *Daemon) canServe() bool {
-	if !d.up.Load() || d.server == nil {
+	if !d.up.Load() || d.server == nil || d.server.Settling() {
 		return false
 	}
 	cfg := d.Config()

@@ -2,6 +2,7 @@ package control
 
 import (
 	"crypto/sha256"
+	"maps"
 	"encoding/binary"
 	"encoding/hex"
 	"fmt"
@@ -33,12 +34,19 @@ type SpreadConfig struct {
 	// connections on a shared listener before it is forgotten. Zero:
 	// DefaultDrainDeadline.
 	DrainDeadline time.Duration
+	// Settle is how long after the server starts the instances that come
+	// back to it (after a restart of this box) are taken as one set, not
+	// as a sequence of joins. Zero: DefaultSettle; negative: none.
+	Settle time.Duration
 }
 
 // Defaults of SpreadConfig.
 const (
 	DefaultSpreadSeed    uint64 = 0x6661627269632d31 // "fabric-1"
 	DefaultDrainDeadline        = 30 * time.Second
+	// DefaultSettle covers instances' reconnection to a restarted bridge
+	// (a remote one retries every 250 ms at most) with room to spare.
+	DefaultSettle = 2 * time.Second
 )
 
 // groupKey names a shared listener: the application and exactly the
@@ -156,10 +164,22 @@ func (r *registry) changeGroup(key groupKey, change func(g *group)) (restore fun
 		if err != nil {
 			return nil, err
 		}
-		if g.chain == nil {
-			g.chain = maglev.NewChain(t)
-		} else if g.chain, err = g.chain.AdvanceWithout(t, gone...); err != nil {
-			return nil, err
+		switch {
+		case g.chain == nil || r.settling():
+			// A box that has just started learns its instances one
+			// registration at a time; taken as joins, they would pass
+			// slots from hand to hand and lose the previous owners that
+			// the other boxes' tables, and the instances, still have.
+			// Until the set has settled the chain starts afresh: the
+			// current table, with the draining instances as the previous
+			// owners of the slots they would hold.
+			if g.chain, err = r.freshChain(g, t); err != nil {
+				return nil, err
+			}
+		default:
+			if g.chain, err = g.chain.AdvanceWithout(t, gone...); err != nil {
+				return nil, err
+			}
 		}
 		g.table = names
 	} else {
@@ -170,6 +190,23 @@ func (r *registry) changeGroup(key groupKey, change func(g *group)) (restore fun
 	g.spread = g.buildSpread(r.spread.Seed)
 	r.groups[key] = g
 	return restore, nil
+}
+
+// settling reports whether the server is within its settle time.
+func (r *registry) settling() bool { return r.now().Before(r.settled) }
+
+// freshChain is a chain at t, whose draining members are the previous
+// owners of the slots they hold in a table that includes them.
+func (r *registry) freshChain(g *group, t *maglev.Table) (*maglev.Chain, error) {
+	all := slices.Sorted(maps.Keys(g.members))
+	if len(all) == t.Size() || slices.Equal(all, t.Instances()) {
+		return maglev.NewChain(t), nil
+	}
+	withDraining, err := maglev.New(all, r.spread.Seed, t.Size())
+	if err != nil {
+		return nil, err
+	}
+	return maglev.NewChain(withDraining).Advance(t)
 }
 
 // buildSpread is g's chain in stream ids, or nil for a group of one

@@ -21,7 +21,7 @@ var groupRange = classifier.PortRange{Lo: 40000, Hi: 40099}
 
 func newGroupRegistry(t *testing.T, dp Dataplane, deadline time.Duration) *registry {
 	t.Helper()
-	r, err := newRegistry(dp, groupRange, 100, Static{}, SpreadConfig{DrainDeadline: deadline},
+	r, err := newRegistry(dp, groupRange, 100, Static{}, SpreadConfig{DrainDeadline: deadline, Settle: -1},
 		slog.New(slog.NewTextHandler(io.Discard, nil)))
 	if err != nil {
 		t.Fatal(err)
@@ -543,5 +543,46 @@ func TestInstancesOverTheWire(t *testing.T) {
 	}
 	if s := f.srv.DrainStats(); s.Started != 2 {
 		t.Errorf("drain counts %+v, want 2 started", s)
+	}
+}
+
+// TestSettleTakesInstancesAsOneSet: while a box has just started, the
+// instances that come back to it one after another make one table, not a
+// chain of joins that would pass slots from hand to hand; a draining one
+// is the previous owner of the slots it would hold. After the settle time,
+// a join is a join again. Without the settle time every slot the first
+// instance held before the second came would remember it.
+func TestSettleTakesInstancesAsOneSet(t *testing.T) {
+	r := newGroupRegistry(t, newRecorder(), time.Minute)
+	r.settled = r.now().Add(time.Hour)
+	a, b, c := instance(t, r, "web", "a"), instance(t, r, "web", "b"), instance(t, r, "web", "c")
+	listen80(t, r, a)
+	listen80(t, r, b)
+	if err := r.drain(b); err != nil {
+		t.Fatal(err)
+	}
+	listen80(t, r, c)
+	cur, prev := streamsIn(spreadOn(t, r, 80))
+	if cur[b.stream] != 0 || cur[a.stream] == 0 || cur[c.stream] == 0 {
+		t.Fatalf("settling: current owners %v; want a and c, not the draining b", cur)
+	}
+	// Maglev moves a few slots between a and c too when b leaves a
+	// table; those remember a or c, which costs nothing.
+	if prev[a.stream]+prev[c.stream] > maglev.DefaultSize/100 || prev[b.stream] == 0 {
+		t.Fatalf("settling: previous owners %v; want b, the draining instance, and hardly anyone else", prev)
+	}
+	want, err := maglev.New([]string{"a", "b", "c"}, DefaultSpreadSeed, maglev.DefaultSize)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := prev[b.stream]; got != want.Counts()["b"] {
+		t.Errorf("b is the previous owner of %d slots, want the %d it holds in a table of all three", got, want.Counts()["b"])
+	}
+
+	r.settled = r.now()
+	d := instance(t, r, "web", "d")
+	listen80(t, r, d)
+	if _, after := streamsIn(spreadOn(t, r, 80)); after[a.stream] < maglev.DefaultSize/10 || after[c.stream] < maglev.DefaultSize/10 {
+		t.Errorf("settled: a join left previous owners %v; a's and c's moved slots should remember them", after)
 	}
 }

@@ -88,6 +88,7 @@ type registry struct {
 
 	// Instances (groups.go, slices.go).
 	spread     SpreadConfig
+	settled    time.Time // the end of the settle time (SpreadConfig.Settle)
 	instances  map[string]*app     // by instanceKey
 	groups     map[groupKey]*group // the listeners instances share
 	slices     *portSlices         // nil without instances or reserved range
@@ -187,6 +188,9 @@ func newRegistry(dp Dataplane, ephemeral classifier.PortRange, firstID uint32, s
 	if spread.DrainDeadline == 0 {
 		spread.DrainDeadline = DefaultDrainDeadline
 	}
+	if spread.Settle == 0 {
+		spread.Settle = DefaultSettle
+	}
 	r := &registry{
 		spread:    spread,
 		instances: make(map[string]*app),
@@ -209,6 +213,7 @@ func newRegistry(dp Dataplane, ephemeral classifier.PortRange, firstID uint32, s
 	if err := r.setStatic(static); err != nil {
 		return nil, err
 	}
+	r.settled = r.now().Add(spread.Settle)
 	return r, nil
 }
 

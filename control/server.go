@@ -246,6 +246,15 @@ func (s *Server) Apps() []AppInfo { return s.reg.snapshot() }
 // drain.
 func (s *Server) Groups() []GroupInfo { return s.reg.groupsInfo() }
 
+// Settling reports whether the server is within its settle time
+// (SpreadConfig.Settle): the instances that come back to a box that has
+// just started are still arriving, and the box should not ask for traffic.
+func (s *Server) Settling() bool {
+	s.reg.mu.Lock()
+	defer s.reg.mu.Unlock()
+	return s.reg.settling()
+}
+
 // Drain drains instance instance of application app, as if it had asked
 // itself (Client.Drain): an operator's way to retire one instance without
 // stopping it. An unknown instance is ErrNotRegistered.

@@ -1,5 +1,3 @@
-//go:build scaleoutdraft
-
 package main
 
 import (
@@ -116,7 +114,7 @@ func TestScaleOut(t *testing.T) {
 	startInstance("web-b", 6, bns, boxes[1], boxes[0].control)
 	startInstance("web-n1", 7, nns, nil, boxes[0].control, boxes[1].control)
 	for _, b := range boxes {
-		waitInstances(t, b.ns, b.d, 3)
+		waitGroup(t, b.ns, b.d, 3, 0)
 	}
 	r.WaitHops(t, 30*time.Second, "both boxes serve: ECMP over both",
 		map[netip.Addr][]netip.Addr{service: {la.B.Addr4.Addr(), lb.B.Addr4.Addr()}})
@@ -177,15 +175,15 @@ func TestScaleOut(t *testing.T) {
 	event("an instance joins (web-n2 on the node)", func() {
 		startInstance("web-n2", 8, nns, nil, boxes[0].control, boxes[1].control)
 		for _, b := range boxes {
-			waitInstances(t, b.ns, b.d, 4)
+			waitGroup(t, b.ns, b.d, 4, 0)
 		}
 	})
-	event("an instance drains (web-b)", func() {
+	// web-b leaves gracefully: on SIGTERM it drains itself at both boxes
+	// and serves its connections on until they end.
+	event("an instance drains (web-b, SIGTERM)", func() {
+		procs["web-b"].signal(t, syscall.SIGTERM)
 		for _, b := range boxes {
-			dr := startDaemon(t, b.ns, "drain", "--config", b.config, "--app", "web", "--instance", "web-b")
-			if err := dr.wait(t); err != nil {
-				t.Fatalf("drain on box %s: %v\n%s", b.name, err, dr.out.String())
-			}
+			waitGroup(t, b.ns, b.d, 3, 1)
 		}
 	})
 	if res := newConnections(t, client, url, sizes, 60); res["web-b"] != 0 {
@@ -203,7 +201,7 @@ func TestScaleOut(t *testing.T) {
 		}
 	})
 	startBox(boxes[1])
-	waitInstances(t, bns, boxes[1].d, 3)
+	waitGroup(t, bns, boxes[1].d, 2, 1) // web-b drains at the new box too
 	r.WaitHops(t, 30*time.Second, "box b back: ECMP over both",
 		map[netip.Addr][]netip.Addr{service: {la.B.Addr4.Addr(), lb.B.Addr4.Addr()}})
 	// A box that hangs (its kernel still answers the BGP session's TCP):
@@ -217,7 +215,7 @@ func TestScaleOut(t *testing.T) {
 	boxes[0].d.signal(t, syscall.SIGKILL)
 	<-boxes[0].d.done
 	startBox(boxes[0])
-	waitInstances(t, ans, boxes[0].d, 3)
+	waitGroup(t, ans, boxes[0].d, 2, 1)
 	r.WaitHops(t, 30*time.Second, "box a back: ECMP over both",
 		map[netip.Addr][]netip.Addr{service: {la.B.Addr4.Addr(), lb.B.Addr4.Addr()}})
 	event("box b is killed (kill -9)", func() {
@@ -263,14 +261,14 @@ bgp:
 	return path
 }
 
-// waitInstances waits until the box's listener group of "web" takes new
-// connections for n instances and drains none.
-func waitInstances(t *testing.T, ns *topology.NS, d *daemonProc, n int) {
+// waitGroup waits until the box's listener group of "web" takes new
+// connections for taking instances and has draining ones draining.
+func waitGroup(t *testing.T, ns *topology.NS, d *daemonProc, taking, draining int) {
 	t.Helper()
 	waitMetric(t, ns, boxMetrics, d, func(s []metrics.Sample) bool {
 		in := metrics.Find(s, "fabricbridge_spread_instances", metrics.L("app", "web")...)
 		dr := metrics.Find(s, "fabricbridge_spread_draining", metrics.L("app", "web")...)
-		return len(in) == 1 && in[0].Value == float64(n) && len(dr) == 1 && dr[0].Value == 0
+		return len(in) == 1 && in[0].Value == float64(taking) && len(dr) == 1 && dr[0].Value == float64(draining)
 	})
 }
 

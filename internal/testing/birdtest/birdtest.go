@@ -95,7 +95,10 @@ func Start(tb testing.TB, bird string, ns *topology.NS, cfg Config) *Router {
 			ms, ms, 3*ms, cfg.BFDMultiplier)
 		bfd = " bfd on;"
 	}
-	fmt.Fprintf(&conf, "template bgp box { local as %d; hold time 9; connect retry time 1;%s }\n", cfg.ASN, bfd)
+	// After an error (BFD down, a hold timer), BIRD waits its error wait
+	// time (60 s at first, by default) before it takes the box's session
+	// again; a box that restarts at once should be back in seconds.
+	fmt.Fprintf(&conf, "template bgp box { local as %d; hold time 9; connect retry time 1; error wait time 1, 5;%s }\n", cfg.ASN, bfd)
 	for _, p := range cfg.Peers {
 		if p.Addr4.IsValid() {
 			fmt.Fprintf(&conf, "protocol bgp %s4 from box { neighbor %v as %d; ipv4 { import all; export none; }; }\n", p.Name, p.Addr4, p.ASN)

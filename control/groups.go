@@ -2,10 +2,10 @@ package control
 
 import (
 	"crypto/sha256"
-	"maps"
 	"encoding/binary"
 	"encoding/hex"
 	"fmt"
+	"maps"
 	"net/netip"
 	"slices"
 	"strings"

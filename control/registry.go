@@ -88,7 +88,7 @@ type registry struct {
 
 	// Instances (groups.go, slices.go).
 	spread     SpreadConfig
-	settled    time.Time // the end of the settle time (SpreadConfig.Settle)
+	settled    time.Time           // the end of the settle time (SpreadConfig.Settle)
 	instances  map[string]*app     // by instanceKey
 	groups     map[groupKey]*group // the listeners instances share
 	slices     *portSlices         // nil without instances or reserved range

@@ -174,12 +174,20 @@ func (g *twoBoxes) open(events func(Event)) *Stack {
 // openInstance is open for instance name of the application.
 func (g *twoBoxes) openInstance(name string, events func(Event)) *Stack {
 	g.t.Helper()
+	return g.openWith(Options{App: "web", Instance: name, Events: events})
+}
+
+// openWith starts the application on box a with opts, registered with
+// both boxes.
+func (g *twoBoxes) openWith(opts Options) *Stack {
+	g.t.Helper()
+	opts.Bridges = []Bridge{
+		{Control: g.boxes[0].path},
+		{Remote: &RemoteOptions{Control: g.boxes[1].tcp, Secret: g.secret}},
+	}
 	var s *Stack
 	if err := g.boxes[0].ns.Do(func() (err error) {
-		s, err = Open(testCtx(g.t, 10*time.Second), Options{App: "web", Instance: name, Events: events, Bridges: []Bridge{
-			{Control: g.boxes[0].path},
-			{Remote: &RemoteOptions{Control: g.boxes[1].tcp, Secret: g.secret}},
-		}})
+		s, err = Open(testCtx(g.t, 10*time.Second), opts)
 		return err
 	}); err != nil {
 		g.t.Fatal(err)

@@ -210,6 +210,18 @@ func (g *twoBoxes) dial(port int) net.Conn {
 	return c
 }
 
+// serveEcho has s listen on addr and echo every connection until the test
+// ends.
+func serveEcho(t *testing.T, s *Stack, addr string) {
+	t.Helper()
+	l, err := s.Listen("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go echo(l)
+}
+
 // roundTrip writes msg on c and expects it echoed, leaving c open.
 func roundTrip(c net.Conn, msg string) error {
 	c.SetDeadline(time.Now().Add(10 * time.Second))
@@ -242,12 +254,7 @@ func TestInstanceServesThroughEitherBox(t *testing.T) {
 			t.Fatalf("after Open: %+v", s.Bridges())
 		}
 	}
-	l, err := s.Listen("tcp", ":8080")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	go echo(l)
+	serveEcho(t, s, ":8080")
 
 	// Through box a, then through box b: the connection made through a
 	// lives on when its packets arrive through b.
@@ -347,12 +354,7 @@ func TestInstanceJoinsABoxThatWasDown(t *testing.T) {
 	if st := s.Bridges(); st[0].Up || !st[1].Up || !st[1].Sending {
 		t.Fatalf("after Open with box a down: %+v", st)
 	}
-	l, err := s.Listen("tcp", ":8080")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	go echo(l)
+	serveEcho(t, s, ":8080")
 	g.via(1)
 	if err := roundTrip(g.dial(8080), "through b, a down"); err != nil {
 		t.Fatalf("through box b while box a is down: %v", err)

@@ -54,12 +54,7 @@ func TestInstancePassesOverAHungBox(t *testing.T) {
 	h := &hang{g: g, i: 0}
 	events := &bridgeEvents{}
 	s := g.openWith(Options{App: "web", Instance: "web-1", Events: events.add, ping: h.ping})
-	l, err := s.Listen("tcp", ":8080")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	go echo(l)
+	serveEcho(t, s, ":8080")
 	stay := g.dial(8080)
 	if err := roundTrip(stay, "through a"); err != nil {
 		t.Fatal(err)

@@ -24,9 +24,9 @@ import (
 // ahead of the ping) is passed over for as long; its packets leave through
 // another box of the group, which is no harm.
 //
-// The first packets after a hang leave late by up to probeInterval plus
-// probeTimeout, which lies below a second and well within the first
-// retransmission timeouts of the stack's TCP connections.
+// What the txPath wrote into the hung bridge's ring before it was passed
+// over, up to probeInterval plus probeTimeout (a second), is lost; TCP
+// sends it again through the next bridge.
 const (
 	probeInterval = 250 * time.Millisecond
 	probeTimeout  = 750 * time.Millisecond

@@ -433,6 +433,18 @@ func (c *Client) Drain(ctx context.Context) error {
 	return err
 }
 
+// Ping waits for the bridge to answer an empty request (OpPing) within
+// ctx. Any reply, an error too (a bridge older than the op answers
+// bad_request), means the bridge's process reads its control connection;
+// only ctx's error or the connection's end mean it does not.
+func (c *Client) Ping(ctx context.Context) error {
+	rep, err := c.call(ctx, &Request{Op: OpPing})
+	if rep.Error != nil {
+		return nil
+	}
+	return err
+}
+
 // ErrorCode returns the wire code of an error from this package ("" if it
 // is none of them), for logs and metrics.
 func ErrorCode(err error) string {

@@ -30,6 +30,12 @@ const (
 	// listeners it shares: it gets no new connections and keeps its
 	// established ones until they end or the drain deadline passes.
 	OpDrain = "drain"
+	// OpPing asks for an empty reply, which the server sends from the
+	// connection's own goroutine without touching the registry: a client
+	// learns that the bridge's process still runs, which a control
+	// connection whose kernel keeps it open (a stopped or hung process)
+	// does not tell.
+	OpPing = "ping"
 )
 
 // Request is every message a client sends; which fields are meaningful

@@ -478,6 +478,8 @@ func (ss *session) handle(req *Request) (Reply, []int, error) {
 		return Reply{}, nil, errEnd{fmt.Errorf("%w: authenticate first", ErrAuth)}
 	}
 	switch req.Op {
+	case OpPing:
+		return Reply{}, nil, nil
 	case OpRegister:
 		return ss.register(req)
 	case OpListen, OpConnect, OpRelease, OpDrain:

@@ -32,6 +32,8 @@ import (
 //     that is attached (txPath); when it goes, the next attached one takes
 //     over, and when it is back it sends again. Established connections
 //     move with it: their packets leave through whichever bridge is first.
+//     A bridge that is attached but does not answer its probes (probe) is
+//     passed over while another answers.
 //   - Claims go to every bridge. The first attached bridge grants a claim
 //     as with one bridge (it picks a Dial's port, or a Listen's port 0);
 //     the others are asked for exactly that claim by number
@@ -68,10 +70,16 @@ type BridgeState struct {
 	Up bool
 	// Sending: the stack's packets leave through this bridge.
 	Sending bool
+	// Responsive: the bridge answered its last probe (false also while a
+	// bridge that was lost has not answered since it is back).
+	Responsive bool
 	// Losses counts the times the bridge went away; ClaimFailures the
 	// claims it refused (ClaimLost events); DrainFailures the times it
-	// would not drain the stack (DrainFailed events).
-	Losses, ClaimFailures, DrainFailures uint64
+	// would not drain the stack (DrainFailed events); Unresponsive the
+	// times it stopped answering its probes (BridgeUnresponsive events),
+	// each a switch of the sending bridge away from it while another
+	// answered.
+	Losses, ClaimFailures, DrainFailures, Unresponsive uint64
 	// TxPackets counts the packets sent through this bridge.
 	TxPackets uint64
 	// Link is the counters of the bridge's NIC: its Rx* count what arrived
@@ -93,7 +101,7 @@ const openGrace = time.Second
 
 // bridgeCounters are one bridge's counts for BridgeState.
 type bridgeCounters struct {
-	losses, claimFailures, drainFailures atomic.Uint64
+	losses, claimFailures, drainFailures, unresponsive atomic.Uint64
 }
 
 // count notes e in c.
@@ -105,6 +113,8 @@ func (c *bridgeCounters) count(e Event) {
 		c.claimFailures.Add(1)
 	case DrainFailed:
 		c.drainFailures.Add(1)
+	case BridgeUnresponsive:
+		c.unresponsive.Add(1)
 	}
 }
 
@@ -217,7 +227,7 @@ func openBridges(ctx context.Context, opts Options) (*Stack, error) {
 		f := b.mtuFollower(i)
 		b.atts[i].mtu.Store(&f)
 	}
-	b.closeFns = append(b.closeFns, b.closeAttachments, b.closeLinks)
+	b.closeFns = append(b.closeFns, b.startProbes(opts.ping), b.closeAttachments, b.closeLinks)
 	b.closeFns = append(b.closeFns, closeTransports...)
 
 	s, err := b.build(first, home, opts)
@@ -606,8 +616,10 @@ func (b *bridgeSet) states() []BridgeState {
 		c, _ := a.current()
 		out[i] = BridgeState{
 			Name: b.names[i], Up: c != nil, Sending: i == sending,
-			Losses: b.counts[i].losses.Load(), ClaimFailures: b.counts[i].claimFailures.Load(),
-			DrainFailures: b.counts[i].drainFailures.Load(), TxPackets: b.tx.sent[i].Load(),
+			Responsive: !b.tx.unresponsive[i].Load(),
+			Losses:     b.counts[i].losses.Load(), ClaimFailures: b.counts[i].claimFailures.Load(),
+			DrainFailures: b.counts[i].drainFailures.Load(), Unresponsive: b.counts[i].unresponsive.Load(),
+			TxPackets: b.tx.sent[i].Load(),
 		}
 		if eps[i] != nil {
 			out[i].Link = eps[i].Stats()
@@ -624,17 +636,21 @@ func (b *bridgeSet) endpoints() []*LinkEndpoint {
 }
 
 // txPath sends every NIC's packets through the first bridge of the list
-// whose stream is attached. Its lock keeps each stream's Send
-// single-producer, as Link requires, across the NICs.
+// whose stream is attached and that answers its probes; the first attached
+// one when none answers, since a bridge slow to answer may still send.
+// Its lock keeps each stream's Send single-producer, as Link requires,
+// across the NICs.
 type txPath struct {
-	mu    sync.Mutex
-	links []*relink
-	sent  []atomic.Uint64
+	mu           sync.Mutex
+	links        []*relink
+	sent         []atomic.Uint64
+	unresponsive []atomic.Bool // by bridge: its last probe went unanswered
 }
 
 func (t *txPath) init(n int) {
 	t.links = make([]*relink, n)
 	t.sent = make([]atomic.Uint64, n)
+	t.unresponsive = make([]atomic.Bool, n)
 }
 
 // Send implements Link's Send. With no stream attached anywhere it drops
@@ -642,26 +658,31 @@ func (t *txPath) init(n int) {
 func (t *txPath) Send(pkts [][]byte) (int, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	i := t.sending()
+	if i < 0 {
+		return len(pkts), nil
+	}
+	n, err := t.links[i].Send(pkts)
+	t.sent[i].Add(uint64(n))
+	return n, err
+}
+
+// sending is the bridge the next packets leave through; -1: none is
+// attached.
+func (t *txPath) sending() int {
+	first := -1
 	for i, r := range t.links {
 		if l, _, closed := r.current(); l == nil || closed {
 			continue
 		}
-		n, err := r.Send(pkts)
-		t.sent[i].Add(uint64(n))
-		return n, err
-	}
-	return len(pkts), nil
-}
-
-// sending is the bridge the next packets leave through, if attached; -1:
-// none is.
-func (t *txPath) sending() int {
-	for i, r := range t.links {
-		if l, _, closed := r.current(); l != nil && !closed {
+		if !t.unresponsive[i].Load() {
 			return i
 		}
+		if first < 0 {
+			first = i
+		}
 	}
-	return -1
+	return first
 }
 
 // nicLink is the Link of one bridge's NIC: it receives from that bridge's

@@ -174,12 +174,20 @@ func (g *twoBoxes) open(events func(Event)) *Stack {
 // openInstance is open for instance name of the application.
 func (g *twoBoxes) openInstance(name string, events func(Event)) *Stack {
 	g.t.Helper()
+	return g.openWith(Options{App: "web", Instance: name, Events: events})
+}
+
+// openWith starts the application on box a with opts, registered with
+// both boxes.
+func (g *twoBoxes) openWith(opts Options) *Stack {
+	g.t.Helper()
+	opts.Bridges = []Bridge{
+		{Control: g.boxes[0].path},
+		{Remote: &RemoteOptions{Control: g.boxes[1].tcp, Secret: g.secret}},
+	}
 	var s *Stack
 	if err := g.boxes[0].ns.Do(func() (err error) {
-		s, err = Open(testCtx(g.t, 10*time.Second), Options{App: "web", Instance: name, Events: events, Bridges: []Bridge{
-			{Control: g.boxes[0].path},
-			{Remote: &RemoteOptions{Control: g.boxes[1].tcp, Secret: g.secret}},
-		}})
+		s, err = Open(testCtx(g.t, 10*time.Second), opts)
 		return err
 	}); err != nil {
 		g.t.Fatal(err)
@@ -200,6 +208,18 @@ func (g *twoBoxes) dial(port int) net.Conn {
 	}
 	g.t.Cleanup(func() { c.Close() })
 	return c
+}
+
+// serveEcho has s listen on addr and echo every connection until the test
+// ends.
+func serveEcho(t *testing.T, s *Stack, addr string) {
+	t.Helper()
+	l, err := s.Listen("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go echo(l)
 }
 
 // roundTrip writes msg on c and expects it echoed, leaving c open.
@@ -234,12 +254,7 @@ func TestInstanceServesThroughEitherBox(t *testing.T) {
 			t.Fatalf("after Open: %+v", s.Bridges())
 		}
 	}
-	l, err := s.Listen("tcp", ":8080")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	go echo(l)
+	serveEcho(t, s, ":8080")
 
 	// Through box a, then through box b: the connection made through a
 	// lives on when its packets arrive through b.
@@ -339,12 +354,7 @@ func TestInstanceJoinsABoxThatWasDown(t *testing.T) {
 	if st := s.Bridges(); st[0].Up || !st[1].Up || !st[1].Sending {
 		t.Fatalf("after Open with box a down: %+v", st)
 	}
-	l, err := s.Listen("tcp", ":8080")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	go echo(l)
+	serveEcho(t, s, ":8080")
 	g.via(1)
 	if err := roundTrip(g.dial(8080), "through b, a down"); err != nil {
 		t.Fatalf("through box b while box a is down: %v", err)

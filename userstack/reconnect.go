@@ -41,6 +41,14 @@ const (
 	// (Stack.Drain), while another did or when it came back (Event.Err
 	// says why). It may send the stack new connections.
 	DrainFailed
+	// BridgeUnresponsive: a bridge of several (Options.Bridges) stopped
+	// answering on its control connection, which stays open: its process
+	// hangs or is stopped. Packets leave through another bridge that
+	// answers until it does again.
+	BridgeUnresponsive
+	// BridgeResponsive: a bridge that was unresponsive answers again and
+	// sends again if it is the first; Event.Down is how long it did not.
+	BridgeResponsive
 )
 
 func (k EventKind) String() string {
@@ -55,6 +63,10 @@ func (k EventKind) String() string {
 		return "bridge refused"
 	case DrainFailed:
 		return "drain failed"
+	case BridgeUnresponsive:
+		return "bridge unresponsive"
+	case BridgeResponsive:
+		return "bridge responsive"
 	}
 	return fmt.Sprintf("EventKind(%d)", int(k))
 }
@@ -64,7 +76,7 @@ func (k EventKind) String() string {
 type Event struct {
 	Kind EventKind
 	Err  error         // BridgeLost: why; ClaimLost: which claim and why
-	Down time.Duration // BridgeBack: since the bridge was lost
+	Down time.Duration // BridgeBack, BridgeResponsive: since the bridge was lost, unresponsive
 	// Bridge names the bridge of a stack opened with several
 	// (Options.Bridges): its control socket or address. Empty with one.
 	Bridge string
@@ -73,7 +85,7 @@ type Event struct {
 func (e Event) String() string {
 	var s string
 	switch {
-	case e.Kind == BridgeBack:
+	case e.Kind == BridgeBack, e.Kind == BridgeResponsive:
 		s = fmt.Sprintf("%v after %v", e.Kind, e.Down.Round(time.Millisecond))
 	case e.Err != nil:
 		s = fmt.Sprintf("%v: %v", e.Kind, e.Err)

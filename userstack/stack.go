@@ -66,6 +66,10 @@ type Options struct {
 	// and should return quickly: with one bridge, reattaching waits for it
 	// (with several, events are queued).
 	Events func(Event)
+
+	// ping stands in for control.Client.Ping in the probes of a stack of
+	// several bridges (bridges.go), for tests that make a bridge hang.
+	ping func(ctx context.Context, bridge string, c *control.Client) error
 }
 
 // RemoteOptions reach a bridge on another node.

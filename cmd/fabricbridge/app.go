@@ -270,7 +270,7 @@ func serveApp(ctx context.Context, o appOptions, stdout io.Writer) error {
 	var opened atomic.Pointer[userstack.Stack]
 	o.stack.Events = func(e userstack.Event) {
 		logBridgeEvent(stdout, o.kind, e)
-		if s := opened.Load(); s != nil && e.Bridge != "" && (e.Kind == userstack.BridgeLost || e.Kind == userstack.BridgeBack) {
+		if s := opened.Load(); s != nil && e.Bridge != "" && movesSending(e.Kind) {
 			logSending(stdout, o.kind, s.Bridges())
 		}
 	}
@@ -396,6 +396,16 @@ func logBridgeEvent(w io.Writer, kind string, e userstack.Event) {
 	default:
 		fmt.Fprintf(w, "%s: %v\n", kind, e)
 	}
+}
+
+// movesSending reports whether an event of kind k may change the bridge
+// a stack of several sends through.
+func movesSending(k userstack.EventKind) bool {
+	switch k {
+	case userstack.BridgeLost, userstack.BridgeBack, userstack.BridgeUnresponsive, userstack.BridgeResponsive:
+		return true
+	}
+	return false
 }
 
 // logSending says which of several bridges the stack sends through now.

@@ -213,7 +213,7 @@ func TestScaleOut(t *testing.T) {
 			map[netip.Addr][]netip.Addr{service: {lb.B.Addr4.Addr()}})
 	})
 	boxes[0].d.signal(t, syscall.SIGKILL)
-	<-boxes[0].d.done
+	boxes[0].d.wait(t) // killed: its exit status says so
 	startBox(boxes[0])
 	waitGroup(t, ans, boxes[0].d, 2, 1)
 	r.WaitHops(t, 30*time.Second, "box a back: ECMP over both",

@@ -67,7 +67,7 @@ func TestTestScriptInstallsWhatIsMissing(t *testing.T) {
 [ "$1" = install ] || exit 0
 for p in "$@"; do
 	case $p in
-	iproute2) c=ip;; nftables) c=nft;; tshark) c=tshark;; buildah) c=buildah;; groff-base) c=groff;; man-db) c=man;; bird2) c=bird;; zsh) c=zsh;; fish) c=fish;; *) continue;;
+	iproute2) c=ip;; nftables) c=nft;; tshark) c=tshark;; buildah) c=buildah;; groff-base) c=groff;; man-db) c=man;; bird2) c=bird;; frr) c=vtysh;; xdp-tools) c=xdp-filter;; zsh) c=zsh;; fish) c=fish;; *) continue;;
 	esac
 	printf '#!` + bash + `\n' >` + bin + `/$c; ` + chmod + ` +x ` + bin + `/$c
 done`,
@@ -94,7 +94,7 @@ done`,
 		t.Fatal(err)
 	}
 	install := regexp.MustCompile(`(?m)^apt-get install .*$`).FindString(string(got))
-	for _, want := range []string{"iproute2", "tshark", "buildah", "groff-base", "man-db", "bird2", "zsh", "fish"} {
+	for _, want := range []string{"iproute2", "tshark", "buildah", "groff-base", "man-db", "bird2", "frr", "xdp-tools", "zsh", "fish"} {
 		if !strings.Contains(install, " "+want) {
 			t.Errorf("apt-get install line %q lacks %s", install, want)
 		}

@@ -2,6 +2,7 @@ package main
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -10,6 +11,8 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -20,6 +23,7 @@ import (
 	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
 	"github.com/fabricbridge/fabricbridge/internal/topology"
 	"github.com/fabricbridge/fabricbridge/internal/topology/ethtool"
+	"github.com/fabricbridge/fabricbridge/userstack"
 )
 
 // TestScaleOut is issue 18's proof on one machine: a client behind a BIRD
@@ -151,6 +155,8 @@ func TestScaleOut(t *testing.T) {
 			t.Errorf("box %s received %.0f of %.0f packets: ECMP does not spread the connections", boxes[i].name, x, rx[0]+rx[1])
 		}
 	}
+
+	dialThroughEitherBox(t, nns, cns, rns, lc, service, secret, boxes[0].control, boxes[1].control)
 
 	keep := startKeepers(t, cns, netip.AddrPortFrom(service, 80), 24, sizes)
 	defer keep.stop()
@@ -465,4 +471,94 @@ func (r loadResult) byServer(mark time.Time) string {
 		}
 	}
 	return fmt.Sprintf("%d requests %v; from a second after the event on %v; last error %v", len(r.requests), all, after, r.lastErr)
+}
+
+// dialThroughEitherBox has an instance on the node (a stack in this
+// process, registered with both boxes) dial a kernel server behind the
+// router, from the service address: the router's ECMP sends each
+// connection's return traffic to either box, and every connection must
+// work both ways. The router's FIB says which box each one's return
+// traffic takes; both must have some.
+func dialThroughEitherBox(t *testing.T, nns, cns, rns *topology.NS, lc *topology.Veth, service netip.Addr, secretFile string, controls ...string) {
+	t.Helper()
+	secret, err := os.ReadFile(secretFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	server := netip.AddrPortFrom(lc.A.Addr4.Addr(), 9000)
+	var l net.Listener
+	if err := cns.Do(func() (err error) { l, err = net.Listen("tcp", server.String()); return err }); err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() { defer c.Close(); io.Copy(c, c) }()
+		}
+	}()
+	opts := userstack.Options{App: "web", Instance: "web-dialer", MTU: 1400}
+	for _, c := range controls {
+		opts.Bridges = append(opts.Bridges, userstack.Bridge{Remote: &userstack.RemoteOptions{Control: c, Secret: bytes.TrimSpace(secret)}})
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	var st *userstack.Stack
+	if err := nns.Do(func() (err error) { st, err = userstack.Open(ctx, opts); return err }); err != nil {
+		t.Fatal(err)
+	}
+	defer st.Close()
+	// Open needs one box; the dials need both to know the instance.
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		up := 0
+		for _, b := range st.Bridges() {
+			if b.Up {
+				up++
+			}
+		}
+		if up == len(controls) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the dialling instance is not registered with every box: %+v", st.Bridges())
+		}
+	}
+	via := map[string]int{}
+	const n = 16
+	for i := range n {
+		c, err := st.Dial(ctx, "tcp4", server.String())
+		if err != nil {
+			t.Fatalf("dial %d: %v", i, err)
+		}
+		local := netip.MustParseAddrPort(c.LocalAddr().String())
+		if local.Addr() != service {
+			t.Fatalf("dial %d from %v, not from the service address %v", i, local, service)
+		}
+		msg := fmt.Sprintf("dial %d through either box\n", i)
+		c.SetDeadline(time.Now().Add(5 * time.Second))
+		if _, err := io.WriteString(c, msg); err != nil {
+			t.Fatalf("dial %d: write: %v", i, err)
+		}
+		got := make([]byte, len(msg))
+		if _, err := io.ReadFull(c, got); err != nil || string(got) != msg {
+			t.Fatalf("dial %d: echo %q, %v", i, got, err)
+		}
+		c.Close()
+		out, err := rns.Exec(context.Background(), "ip", "route", "get", service.String(), "from", server.Addr().String(),
+			"iif", lc.B.Name, "ipproto", "tcp", "sport", fmt.Sprint(server.Port()), "dport", fmt.Sprint(local.Port()))
+		if err != nil {
+			t.Fatalf("ip route get: %v\n%s", err, out)
+		}
+		f := strings.Fields(string(out))
+		if k := slices.Index(f, "via"); k >= 0 && k+1 < len(f) {
+			via[f[k+1]]++
+		}
+	}
+	t.Logf("%d connections dialled from the node's instance; their return traffic came through %v", n, via)
+	if len(via) != 2 {
+		t.Errorf("return traffic of %d dialled connections took next hops %v; want both boxes", n, via)
+	}
 }

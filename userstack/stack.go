@@ -474,10 +474,33 @@ func (s *Stack) Close() error {
 				errs = append(errs, err)
 			}
 		}
+		// The links are closed: let each receive loop finish the packet it
+		// may be delivering and end. gVisor's Wait holds the stack's lock
+		// while it waits for them, and a loop whose last packet needs that
+		// lock (a route for a reset, say) would wait for it for ever.
+		for _, ep := range s.linkEndpoints() {
+			ep.Wait()
+		}
 		s.ns.Wait()
 		s.err = errors.Join(errs...)
 	})
 	return s.err
+}
+
+// linkEndpoints are the stack's NICs' endpoints: NIC 1's, and with several
+// bridges those of the others.
+func (s *Stack) linkEndpoints() []*LinkEndpoint {
+	eps := []*LinkEndpoint{s.ep}
+	if b := s.bridges; b != nil {
+		b.mu.Lock()
+		for _, ep := range b.eps {
+			if ep != nil && ep != s.ep {
+				eps = append(eps, ep)
+			}
+		}
+		b.mu.Unlock()
+	}
+	return eps
 }
 
 // lease is one claim at the bridge, given back when its last holder lets

@@ -162,6 +162,22 @@ type LinkStats struct {
 	RxMayReturn, TxNotMine uint64
 }
 
+// add adds o's counts to s's.
+func (s *LinkStats) add(o LinkStats) {
+	s.RxPackets += o.RxPackets
+	s.RxBytes += o.RxBytes
+	s.RxBatches += o.RxBatches
+	s.RxNotIP += o.RxNotIP
+	s.RxBadChecksum += o.RxBadChecksum
+	s.TxPackets += o.TxPackets
+	s.TxBytes += o.TxBytes
+	s.TxBatches += o.TxBatches
+	s.TxSegmented += o.TxSegmented
+	s.TxDropped += o.TxDropped
+	s.RxMayReturn += o.RxMayReturn
+	s.TxNotMine += o.TxNotMine
+}
+
 // NewLinkEndpoint returns an endpoint over l. Its receive loop starts when
 // a stack attaches it.
 func NewLinkEndpoint(l Link, cfg LinkConfig) (*LinkEndpoint, error) {

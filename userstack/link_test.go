@@ -3,6 +3,7 @@ package userstack
 import (
 	"bytes"
 	"net/netip"
+	"reflect"
 	"testing"
 
 	"github.com/gopacket/gopacket"
@@ -328,4 +329,23 @@ func BenchmarkLinkReceive(b *testing.B) {
 		r.once()
 	}
 	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*len(pkts)), "ns/packet")
+}
+
+// A stack of several bridges sums its NICs' counters with LinkStats.add,
+// which must not leave one out.
+func TestLinkStatsAddCoversEveryCounter(t *testing.T) {
+	var one LinkStats
+	v := reflect.ValueOf(&one).Elem()
+	for i := range v.NumField() {
+		v.Field(i).SetUint(uint64(i + 1))
+	}
+	var sum LinkStats
+	sum.add(one)
+	sum.add(one)
+	s := reflect.ValueOf(sum)
+	for i := range s.NumField() {
+		if got := s.Field(i).Uint(); got != 2*uint64(i+1) {
+			t.Errorf("%s: sum %d, want %d", s.Type().Field(i).Name, got, 2*(i+1))
+		}
+	}
 }

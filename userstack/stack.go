@@ -397,22 +397,9 @@ func (s *Stack) Addrs() []netip.Addr { return slices.Clone(s.addrs) }
 // LinkStats are the counters of the stack's link endpoint; with several
 // bridges, the sums over their NICs.
 func (s *Stack) LinkStats() LinkStats {
-	if s.bridges == nil {
-		return s.ep.Stats()
-	}
 	var t LinkStats
-	for _, ep := range s.bridges.endpoints() {
-		st := ep.Stats()
-		t.RxPackets += st.RxPackets
-		t.RxBytes += st.RxBytes
-		t.RxBatches += st.RxBatches
-		t.RxNotIP += st.RxNotIP
-		t.RxBadChecksum += st.RxBadChecksum
-		t.TxPackets += st.TxPackets
-		t.TxBytes += st.TxBytes
-		t.TxBatches += st.TxBatches
-		t.TxSegmented += st.TxSegmented
-		t.TxDropped += st.TxDropped
+	for _, ep := range s.linkEndpoints() {
+		t.add(ep.Stats())
 	}
 	return t
 }
@@ -487,20 +474,12 @@ func (s *Stack) Close() error {
 	return s.err
 }
 
-// linkEndpoints are the stack's NICs' endpoints: NIC 1's, and with several
-// bridges those of the others.
+// linkEndpoints are the stack's NICs' endpoints.
 func (s *Stack) linkEndpoints() []*LinkEndpoint {
-	eps := []*LinkEndpoint{s.ep}
-	if b := s.bridges; b != nil {
-		b.mu.Lock()
-		for _, ep := range b.eps {
-			if ep != nil && ep != s.ep {
-				eps = append(eps, ep)
-			}
-		}
-		b.mu.Unlock()
+	if s.bridges != nil {
+		return s.bridges.endpoints()
 	}
-	return eps
+	return []*LinkEndpoint{s.ep}
 }
 
 // lease is one claim at the bridge, given back when its last holder lets

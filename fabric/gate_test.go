@@ -284,7 +284,7 @@ func TestStreamStatsExactWhileSendBlocks(t *testing.T) {
 	a.sendWait.Spin = 0
 	res := make(chan int, 1)
 	go func() {
-		n, err := a.Send(mkBufs(12, 64))
+		n, err := a.Send(mkBufs(12, 120)) // full-size: 9 fit the (8+1) x 128-byte data area
 		if err != nil {
 			t.Error(err)
 		}
@@ -294,8 +294,8 @@ func TestStreamStatsExactWhileSendBlocks(t *testing.T) {
 	for a.Stats().Sleeps == 0 && time.Now().Before(deadline) {
 		time.Sleep(time.Millisecond)
 	}
-	if st := a.Stats(); st.Sleeps == 0 || st.Sent != 8 {
-		t.Fatalf("while blocked: sent %d, sleeps %d; want 8 sent and a sleep", st.Sent, st.Sleeps)
+	if st := a.Stats(); st.Sleeps == 0 || st.Sent != 9 {
+		t.Fatalf("while blocked: sent %d, sleeps %d; want 9 sent and a sleep", st.Sent, st.Sleeps)
 	}
 	out := mkBufs(16, 128)
 	got := 0

@@ -66,7 +66,7 @@ const (
 	//
 	//	0   u64  ctl_off     control block offset, a multiple of 128
 	//	8   u64  data_off    data area offset, a multiple of 64
-	//	16  u32  depth       most records queued at once; a power of two, 2..1<<20
+	//	16  u32  depth       largest records it always has room for; a power of two, 2..1<<20
 	//	20  u32  max_record  largest record in bytes (largest packet: max_record-8),
 	//	                     a multiple of 64 in 64..65536
 	//	24  u32  data_len    data area bytes, exactly (depth+1) × max_record, at most 1<<30
@@ -152,14 +152,13 @@ var (
 
 // Config sizes a stream. Zero fields take defaults.
 //
-// The rings hold variable-length records (see the layout constants),
-// so the fields keep their slot-ring meaning as guarantees: a ring holds
-// at most RxSlots (TxSlots) packets, and always has room for that many
-// packets of the largest size; its data area is (slots+1) × SlotSize
-// bytes, which must not exceed 1 GiB.
+// The rings hold variable-length records (see the layout constants) and
+// are bounded by their bytes: a ring always has room for RxSlots
+// (TxSlots) packets of the largest size, and holds as many smaller ones
+// as its data area of (slots+1) × SlotSize bytes fits, at most 1 GiB.
 type Config struct {
-	// RxSlots and TxSlots are the ring depths in packets (powers of two,
-	// 2..1<<20). Default 1024.
+	// RxSlots and TxSlots are the ring depths in full-size packets
+	// (powers of two, 2..1<<20). Default 1024.
 	RxSlots, TxSlots int
 	// SlotSize is the largest record including its 8-byte header, a
 	// multiple of 64 in 64..65536: packets up to SlotSize-8 bytes fit.

@@ -254,16 +254,19 @@ func TestShmTwoProcessEchoOrder(t *testing.T) {
 // depth packets (the oldest) reach the application, exactly the rest are
 // counted as dropped on both sides.
 func TestShmTwoProcessExactDrops(t *testing.T) {
-	const depth, total = 128, 3 * 128
-	b, p := startPeer(t, Config{RxSlots: depth, TxSlots: 8, SlotSize: 128}, "stall", "FABRIC_N="+strconv.Itoa(depth))
+	// Full-size packets, so that the ring's bytes hold exactly its data
+	// area's (depth+1) records.
+	const depth, total, slot = 128, 3 * 128, 128
+	const held = depth + 1
+	b, p := startPeer(t, Config{RxSlots: depth, TxSlots: 8, SlotSize: slot}, "stall", "FABRIC_N="+strconv.Itoa(held))
 	p.expectLine(t, "attached")
-	in := mkBufs(7, 64)
+	in := mkBufs(7, slot-8)
 	pk := make([][]byte, 7)
 	queued := 0
 	for seq := 0; seq < total; seq += 7 {
 		k := min(7, total-seq)
 		for i := 0; i < k; i++ {
-			pk[i] = seqPkt(in[i], uint32(seq+i), 32)
+			pk[i] = seqPkt(in[i], uint32(seq+i), slot-8)
 		}
 		n, err := b.Send(pk[:k])
 		if err != nil {
@@ -271,8 +274,8 @@ func TestShmTwoProcessExactDrops(t *testing.T) {
 		}
 		queued += n
 	}
-	if queued != depth || b.Stats().Dropped != total-depth {
-		t.Fatalf("queued %d dropped %d, want %d and %d", queued, b.Stats().Dropped, depth, total-depth)
+	if queued != held || b.Stats().Dropped != total-held {
+		t.Fatalf("queued %d dropped %d, want %d and %d", queued, b.Stats().Dropped, held, total-held)
 	}
 	if b.Health() != Sick {
 		t.Fatalf("health %v, want sick", b.Health())
@@ -283,8 +286,8 @@ func TestShmTwoProcessExactDrops(t *testing.T) {
 		t.Fatalf("no result from peer: %v", err)
 	}
 	got, drops := binary.LittleEndian.Uint32(res[0]), binary.LittleEndian.Uint32(res[0][4:])
-	if got != depth || drops != total-depth {
-		t.Fatalf("peer received %d and saw %d drops, want %d and %d", got, drops, depth, total-depth)
+	if got != held || drops != total-held {
+		t.Fatalf("peer received %d and saw %d drops, want %d and %d", got, drops, held, total-held)
 	}
 	if err := p.wait(t); err != nil {
 		t.Fatalf("peer: %v", err)
@@ -345,7 +348,7 @@ func TestShmTwoProcessHostilePeer(t *testing.T) {
 	// A fresh bridge-side view of the same RX ring would also refuse: check
 	// the producer's validation directly on the shared words.
 	pr := &producer{v: b.send.v, wake: signaller{fd: -1}}
-	pr.Produce(mkBufs(5, 8))
+	pr.Produce(mkBufs(6, 120)) // the sixth needs the consumer's position
 	if !errors.Is(pr.Err(), ErrCorruption) {
 		t.Fatalf("RX corruption: %v", pr.Err())
 	}

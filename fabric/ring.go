@@ -112,11 +112,12 @@ func (p *producer) MaxPayload() int { return int(p.v.maxPayload) }
 // MaxPayload is the largest packet the ring carries.
 func (c *consumer) MaxPayload() int { return int(c.v.maxPayload) }
 
-// Depth is how many packets the ring holds at most, and always has room
-// for when empty, whatever their sizes.
+// Depth is how many packets of the largest size the ring always has room
+// for when empty; it holds more smaller ones.
 func (p *producer) Depth() int { return int(p.v.depth) }
 
-// Depth is how many packets the ring holds at most.
+// Depth is how many packets of the largest size the ring always has room
+// for when empty.
 func (c *consumer) Depth() int { return int(c.v.depth) }
 
 // refresh reloads the consumer's read position and record count, one
@@ -141,21 +142,46 @@ func (p *producer) refresh() {
 	}
 }
 
-// Free returns how many packets of any size can be written without
-// waiting. It refreshes the lazy copies only when the cached ones show a
-// full ring, so a producer that runs ahead touches the consumer's line
-// rarely.
+// Free returns how many packets of the largest size can be written
+// without waiting: at least depth minus the packets queued, more when
+// small ones are queued. It reloads the consumer's position only when the
+// cached one shows no room, so a producer that runs ahead touches the
+// consumer's line rarely.
 func (p *producer) Free() int {
 	if p.err != nil {
 		return 0
 	}
-	if p.n-p.consN == p.v.depth {
+	n := p.largestFit()
+	if n == 0 {
 		p.refresh()
 		if p.err != nil {
 			return 0
 		}
+		n = p.largestFit()
 	}
-	return int(p.v.depth - (p.n - p.consN))
+	return n
+}
+
+// largestFit counts the largest records the free bytes hold: those before
+// the end of the data area, then those from offset 0 (records never cross
+// the end; a skip record takes the bytes left there).
+func (p *producer) largestFit() int {
+	v := &p.v
+	maxRec := v.maxPayload + recHdr
+	free := v.size - (p.prod - p.cons)
+	tail := min(free, v.size-p.off)
+	return int(tail/maxRec + (free-tail)/maxRec)
+}
+
+// room reports whether a record of rec bytes, and the skip record it needs
+// if it does not fit before the end, fit in the free bytes.
+func (p *producer) room(rec uint32) bool {
+	v := &p.v
+	need := rec
+	if rec > v.size-p.off {
+		need += v.size - p.off
+	}
+	return need <= v.size-(p.prod-p.cons)
 }
 
 // Produce copies up to len(pkts) packets into the ring and publishes them
@@ -169,10 +195,12 @@ func (p *producer) Produce(pkts [][]byte) (int, error) {
 // ProduceMeta is Produce with a 32-bit metadata word per packet (for the
 // bridge: the rule that classified it). meta may be nil.
 //
-// Only the packet count limits a batch: while fewer than depth packets are
-// queued, a record of the largest size always fits (see dataLen), so
-// running out of bytes can only mean the consumer published a read
-// position behind its record count, and is treated as corruption.
+// Bytes, not packets, limit a batch: the ring takes records until the
+// next one does not fit, so it always has room for depth packets of the
+// largest size and holds many more small ones (a request or an ACK of
+// one of a thousand connections takes 56-200 bytes, not a slot). That is
+// what keeps a receive ring from overflowing when many connections each
+// have a packet or two in flight.
 func (p *producer) ProduceMeta(pkts [][]byte, meta []uint32) (int, error) {
 	if p.err != nil {
 		return 0, p.err
@@ -192,28 +220,17 @@ func (p *producer) ProduceMeta(pkts [][]byte, meta []uint32) (int, error) {
 			err = ErrTooBig
 			break
 		}
-		if p.n-p.consN == v.depth {
+		rec := recLen(uint32(len(pkt)))
+		if !p.room(rec) {
 			if refreshed {
 				break
 			}
 			refreshed = true
-			if p.refresh(); p.err != nil {
-				break
-			}
-			if p.n-p.consN == v.depth {
+			if p.refresh(); p.err != nil || !p.room(rec) {
 				break
 			}
 		}
-		rec := recLen(uint32(len(pkt)))
 		off := p.off
-		need := rec
-		if rec > v.size-off {
-			need += v.size - off // a skip record to the end, then start over at 0
-		}
-		if used := p.prod - p.cons; need > v.size-used {
-			p.err = fmt.Errorf("%w: %d packets queued but %d of %d bytes in use: the read position lags the record count", ErrCorruption, p.n-p.consN, used, v.size)
-			break
-		}
 		if rec > v.size-off {
 			*u32at(v.data, uint64(off)) = skipMark
 			p.prod += v.size - off

@@ -41,8 +41,8 @@ func checkSeqPkt(t testing.TB, pkt []byte, seq uint32, size int) {
 	}
 }
 
-// The ring keeps order across many wrap-arounds, holds exactly depth
-// packets, and refuses (never overwrites) when full.
+// The ring keeps order across many wrap-arounds, never holds more bytes
+// than its data area, and refuses (never overwrites) when full.
 func TestRingOrderWrapAndFull(t *testing.T) {
 	p, c, err := newRingPair(8, 128)
 	if err != nil {
@@ -62,11 +62,12 @@ func TestRingOrderWrapAndFull(t *testing.T) {
 			t.Fatal(err)
 		}
 		next += uint32(n)
-		if q := next - want; q > 8 {
-			t.Fatalf("ring holds %d > depth", q)
+		var held uint32
+		for s := want; s != next; s++ {
+			held += recLen(uint32(4 + int(s)%100))
 		}
-		if k > 8 && n == k {
-			t.Fatalf("produced %d into a ring of 8", n)
+		if held > 9*128 {
+			t.Fatalf("ring holds %d bytes of records, more than its data area", held)
 		}
 		m, err := c.Consume(out[:1+round%5])
 		if err != nil {
@@ -77,14 +78,15 @@ func TestRingOrderWrapAndFull(t *testing.T) {
 			want++
 		}
 	}
-	// Fill completely: the 9th packet must be refused and the first 8 intact.
+	// Fill completely: a full-size packet beyond what Free promised must be
+	// refused, and what was queued stays intact.
 	for p.Free() > 0 {
 		if n, _ := p.Produce([][]byte{seqPkt(in[0], next, 4+int(next)%100)}); n != 1 {
 			t.Fatal("produce into non-full ring failed")
 		}
 		next++
 	}
-	if n, err := p.Produce([][]byte{in[1][:10]}); n != 0 || err != nil {
+	if n, err := p.Produce([][]byte{in[1][:p.MaxPayload()]}); n != 0 || err != nil {
 		t.Fatalf("produce into full ring: n=%d err=%v", n, err)
 	}
 	for want != next {
@@ -234,73 +236,109 @@ func TestRingHostileRecordsAtTheEnd(t *testing.T) {
 // refuse rather than overwrite.
 func TestRingHostileConsumer(t *testing.T) {
 	spoils := map[string]func(c *consumer){
-		// When the producer reloads, it has written 4 records (position 64).
-		"read position ahead":      func(c *consumer) { *c.v.cons = 80 },
+		// When the producer reloads, it has written 5 records (position 320).
+		"read position ahead":      func(c *consumer) { *c.v.cons = 328 },
 		"read position misaligned": func(c *consumer) { *c.v.cons = 4 },
 		"read position backwards":  func(c *consumer) { *c.v.cons = 0xfffffff8 },
 		"read position far off":    func(c *consumer) { *c.v.cons = 0x40000000 },
-		"record count ahead":       func(c *consumer) { *c.v.consN = 5 },
+		"record count ahead":       func(c *consumer) { *c.v.consN = 6 },
 		"record count backwards":   func(c *consumer) { *c.v.consN = 0xffffffff },
 	}
+	full := mkBufs(5, 56) // 64-byte records: five fill the (4+1) x 64-byte data area
 	for name, spoil := range spoils {
 		p, c, _ := newRingPair(4, 64)
-		pk := [][]byte{{1}, {2}, {3}}
-		p.Produce(pk)
+		if n, _ := p.Produce(full); n != 5 {
+			t.Fatal("fill", n)
+		}
 		spoil(c)
-		p.Produce(pk) // needs a refresh: only 1 packet free by the lazy copy
+		p.Produce([][]byte{{1}}) // needs a refresh: no byte free by the lazy copy
 		if !errors.Is(p.Err(), ErrCorruption) {
 			t.Errorf("%s: producer err %v, want corruption", name, p.Err())
 		}
 	}
 	// A consumer that owns up to taking every record but leaves its read
-	// position behind: the producer believes there is room in packets,
-	// finds none in bytes, and refuses instead of overwriting.
-	p, c, _ := newRingPair(4, 64) // data area 320 bytes
-	full := mkBufs(4, 56)         // 64-byte records
-	if n, _ := p.Produce(full); n != 4 {
+	// position behind: the producer goes by bytes and refuses instead of
+	// overwriting what it believes unread.
+	p, c, _ := newRingPair(4, 64)
+	if n, _ := p.Produce(full); n != 5 {
 		t.Fatal("fill", n)
 	}
-	*c.v.consN = 4
-	n, err := p.Produce(full)
-	if !errors.Is(err, ErrCorruption) || n > 1 {
-		t.Fatalf("lagging read position: n=%d err=%v, want corruption after at most one record", n, err)
+	*c.v.consN = 5
+	if n, err := p.Produce([][]byte{{1}}); n != 0 || err != nil {
+		t.Fatalf("lagging read position: n=%d err=%v, want a full ring", n, err)
+	}
+	if c.v.data[recHdr] != 0 || *u32at(c.v.data, 0) != 56 {
+		t.Fatal("the first record was overwritten")
 	}
 }
 
 // Whatever sizes came before, a ring holding fewer than depth packets has
-// room for one of the largest size, and never takes more than depth: the
-// (depth+1) x max-record data area is what makes slot counts a contract.
+// room for one of the largest size (the (depth+1) x max-record data area
+// is what makes depth a contract), and the producer takes a packet exactly
+// when a model of the data area says its record, and the skip record it
+// may need, fit in the free bytes.
 func TestRingDepthGuarantee(t *testing.T) {
-	const depth = 8
-	p, c, _ := newRingPair(depth, 128)
+	const depth, slot = 8, 128
+	const size = (depth + 1) * slot
+	p, c, _ := newRingPair(depth, slot)
 	rnd := rand.New(rand.NewPCG(1, 2))
 	big := make([]byte, p.MaxPayload())
-	out := mkBufs(depth, 128)
-	queued := 0
-	for step := 0; step < 20000; step++ {
-		if queued < depth {
-			if n, err := p.Produce([][]byte{big}); n != 1 || err != nil {
-				t.Fatalf("step %d: %d queued, a largest packet refused (n=%d err=%v)", step, queued, n, err)
-			}
-			queued++
+	out := mkBufs(depth, slot)
+	// The model: the bytes each queued packet took (a skip record before
+	// it included), the bytes in use, the offset of the next record.
+	var taken []uint32
+	var used, off uint32
+	fits := func(n int) (rec, need uint32, ok bool) {
+		rec = uint32(recHdr + (n+7)/8*8)
+		need = rec
+		if rec > size-off {
+			need += size - off
 		}
-		k := rnd.IntN(depth)
-		pk := make([][]byte, k)
-		for i := range pk {
-			pk[i] = big[:rnd.IntN(len(big)+1)]
-		}
+		return rec, need, need <= size-used
+	}
+	produce := func(pk [][]byte) int {
 		n, err := p.Produce(pk)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if queued += n; queued > depth || (n < k && queued != depth) {
-			t.Fatalf("step %d: took %d of %d, now %d queued (depth %d)", step, n, k, queued, depth)
+		for i, pkt := range pk {
+			rec, need, ok := fits(len(pkt))
+			if ok != (i < n) {
+				t.Fatalf("packet %d of %d (%d bytes): model says fits=%v, producer took %d (%d bytes in use at offset %d)", i, len(pk), len(pkt), ok, n, used, off)
+			}
+			if !ok {
+				break
+			}
+			taken = append(taken, need)
+			used += need
+			if need > rec { // a skip record to the end, the record at 0
+				off = 0
+			}
+			if off += rec; off == size {
+				off = 0
+			}
 		}
+		return n
+	}
+	for step := 0; step < 20000; step++ {
+		if len(taken) < depth {
+			if produce([][]byte{big}) != 1 {
+				t.Fatalf("step %d: %d queued, a largest packet refused", step, len(taken))
+			}
+		}
+		pk := make([][]byte, rnd.IntN(2*depth))
+		for i := range pk {
+			pk[i] = big[:rnd.IntN(len(big)+1)]
+		}
+		produce(pk)
 		m, err := c.Consume(out[:rnd.IntN(depth+1)])
 		if err != nil {
 			t.Fatal(err)
 		}
-		queued -= m
+		for _, b := range taken[:m] {
+			used -= b
+		}
+		taken = taken[m:]
 	}
 }
 

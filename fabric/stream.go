@@ -120,8 +120,9 @@ func newEnd(e *end, bridge bool, mem []byte, l layout, fds []int) {
 // MaxPayload is the largest packet the outgoing ring accepts.
 func (s *end) MaxPayload() int { return s.send.MaxPayload() }
 
-// RecvDepth is how many packets the incoming ring holds: an application
-// sizes its receive buffering by it.
+// RecvDepth is how many full-size packets the incoming ring always has
+// room for (it holds more small ones): an application sizes its receive
+// windows by it.
 func (s *end) RecvDepth() int { return s.recv.Depth() }
 
 // SetRecvSpin sets how long a receive polls an empty ring before it arms

@@ -23,42 +23,43 @@ func newTestPair(t testing.TB, cfg Config) (*BridgeStream, *Stream) {
 }
 
 // RX: when the application does not read, the bridge drops exactly the
-// packets beyond the ring depth, the newest ones, and counts them; the
-// stream turns sick, and normal again after two quiet intervals.
+// packets the ring's bytes do not hold, the newest ones, and counts them;
+// the stream turns sick, and normal again after two quiet intervals.
 func TestStreamDropNewestWhenFull(t *testing.T) {
 	b, a := newTestPair(t, Config{RxSlots: 16, TxSlots: 16, SlotSize: 256})
-	in := mkBufs(10, 64)
+	const size = 256 - 8 // full-size records: the (16+1) x 256-byte data area holds 17
+	in := mkBufs(10, size)
 	pk := make([][]byte, 10)
 	sent := uint32(0)
-	for round := 0; round < 5; round++ { // 50 packets into 16 slots
+	for round := 0; round < 5; round++ { // 50 packets into room for 17
 		for i := range pk {
-			pk[i] = seqPkt(in[i], sent+uint32(i), 40)
+			pk[i] = seqPkt(in[i], sent+uint32(i), size)
 		}
 		n, err := b.Send(pk)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if want := min(10, max(0, 16-int(sent))); n != want {
+		if want := min(10, max(0, 17-int(sent))); n != want {
 			t.Fatalf("round %d: queued %d, want %d", round, n, want)
 		}
 		sent += 10
 	}
-	if st := b.Stats(); st.Dropped != 34 || st.Sent != 16 {
-		t.Fatalf("stats %+v, want 34 dropped, 16 sent", st)
+	if st := b.Stats(); st.Dropped != 33 || st.Sent != 17 {
+		t.Fatalf("stats %+v, want 33 dropped, 17 sent", st)
 	}
-	if a.peerDrops() != 34 {
-		t.Fatalf("application sees %d drops, want 34", a.peerDrops())
+	if a.peerDrops() != 33 {
+		t.Fatalf("application sees %d drops, want 33", a.peerDrops())
 	}
 	if h := b.Health(); h != Sick {
 		t.Fatalf("health %v, want sick", h)
 	}
 	out := mkBufs(64, 256)
 	n, err := a.Recv(out)
-	if err != nil || n != 16 {
-		t.Fatalf("recv n=%d err=%v, want 16", n, err)
+	if err != nil || n != 17 {
+		t.Fatalf("recv n=%d err=%v, want 17", n, err)
 	}
 	for i := 0; i < n; i++ {
-		checkSeqPkt(t, out[i], uint32(i), 40) // the oldest 16 survived
+		checkSeqPkt(t, out[i], uint32(i), size) // the oldest 17 survived
 	}
 	b.Tick()
 	if h := b.Health(); h != Sick {
@@ -228,9 +229,11 @@ func TestStreamHostileApplication(t *testing.T) {
 	if _, err := b.Send([][]byte{{1}}); err == nil {
 		t.Fatal("bridge keeps sending into a broken stream")
 	}
-	// And the RX direction: garbage read_i makes the bridge's Send fail.
+	// And the RX direction: garbage read_i makes the bridge's Send fail
+	// once it needs the consumer's position, here when 5 full-size
+	// packets have filled the (4+1) x 128-byte data area.
 	b2, a2 := newTestPair(t, Config{RxSlots: 4, TxSlots: 4, SlotSize: 128})
-	b2.Send([][]byte{{1}, {2}, {3}})
+	b2.Send(mkBufs(5, 120))
 	atomic.StoreUint32(a2.recv.v.cons, 77)
 	b2.Send([][]byte{{1}, {2}})
 	if b2.Health() != Broken || !errors.Is(b2.Err(), ErrCorruption) {

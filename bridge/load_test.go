@@ -81,7 +81,10 @@ func TestSlowStreamLosesOnlyItsOwn(t *testing.T) {
 		r := newRig(t, cfg)
 		r.standardTables()
 		app1 := r.stream(1, r.ownership1(), fabric.Config{})
-		r.stream(2, classifier.Ownership{}, fabric.Config{RxSlots: 256}) // never read
+		// Never read. Its ring is bounded by bytes: (256+1) x 64 bytes
+		// hold 342 of the paced datagrams' 48-byte records.
+		r.stream(2, classifier.Ownership{}, fabric.Config{RxSlots: 256, SlotSize: 64})
+		const held2 = (256 + 1) * 64 / 48
 		// Stream 1 must get nothing but the packets sent to it, intact:
 		// the paced datagrams, and the generator's frame without its
 		// Ethernet header.
@@ -125,8 +128,8 @@ func TestSlowStreamLosesOnlyItsOwn(t *testing.T) {
 		if s1.RxRingFull != 0 || s1.RxPackets != each {
 			t.Fatalf("stream 1 %+v", s1)
 		}
-		if s2.RxPackets != 256 || s2.RxRingFull != each-256 {
-			t.Fatalf("stream 2 (not reading, 256 slots) %+v, want 256 delivered and %d dropped", s2, each-256)
+		if s2.RxPackets != held2 || s2.RxRingFull != each-held2 {
+			t.Fatalf("stream 2 (not reading, room for %d) %+v, want %d delivered and %d dropped", held2, s2, held2, each-held2)
 		}
 
 		for i, a := range r.b.accountUMEM() {
@@ -149,7 +152,7 @@ func TestSlowStreamLosesOnlyItsOwn(t *testing.T) {
 			lost += q.RxDrops.RingFull + q.RxDrops.NoStream + q.RxDrops.Malformed + q.KernelRxDrops
 		}
 		t.Logf("%s: generator sent %d, streams got %d, dropped %d (stream 2 full: %d)", r.b.Mode(), sent, delivered, lost, s.Streams[1].RxRingFull)
-		if s.Streams[1].RxPackets != 256 {
+		if s.Streams[1].RxPackets != held2 {
 			t.Fatalf("the full stream took more packets: %+v", s.Streams[1])
 		}
 		if delivered < each+million/20 {

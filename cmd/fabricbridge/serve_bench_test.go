@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -204,7 +205,18 @@ func startPinned(cmd *exec.Cmd, cpus []int) error {
 			started <- fmt.Errorf("confine %s to CPUs %s: %w", cmd.Path, formatCPUs(cpus), err)
 			return
 		}
-		started <- cmd.Start()
+		if err := cmd.Start(); err != nil {
+			started <- err
+			return
+		}
+		// What the kernel says the child got: a benchmark that believes it
+		// pinned must have.
+		var got unix.CPUSet
+		if err := unix.SchedGetaffinity(cmd.Process.Pid, &got); err == nil && got != set {
+			started <- fmt.Errorf("%s runs on other CPUs than %s", cmd.Path, formatCPUs(cpus))
+			return
+		}
+		started <- nil
 	}()
 	return <-started
 }
@@ -534,6 +546,7 @@ func BenchmarkServeHTTP(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
+	b.Logf("clients: %s; ab: %s", wrk, cmp.Or(ab, "not installed"))
 	servers := slices.Compact(slices.Sorted(slices.Values(slices.Concat(pin.loop, pin.app))))
 	if servers != nil {
 		b.Logf("pinned: bridge loop on CPUs %s (the daemon's other threads on %s), applications on %s, kernel server on %s, clients (wrk, ab, bulk sender) on %s",

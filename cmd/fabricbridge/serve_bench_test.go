@@ -213,6 +213,8 @@ func startPinned(cmd *exec.Cmd, cpus []int) error {
 		// pinned must have.
 		var got unix.CPUSet
 		if err := unix.SchedGetaffinity(cmd.Process.Pid, &got); err == nil && got != set {
+			cmd.Process.Kill()
+			cmd.Wait()
 			started <- fmt.Errorf("%s runs on other CPUs than %s", cmd.Path, formatCPUs(cpus))
 			return
 		}
@@ -316,6 +318,39 @@ func TestParseBenchPin(t *testing.T) {
 	}
 	if got := formatCPUs([]int{0, 1, 2, 3, 6, 8, 9}); got != "0-3,6,8-9" {
 		t.Errorf("formatCPUs = %q, want 0-3,6,8-9", got)
+	}
+}
+
+func TestStartPinned(t *testing.T) {
+	var before unix.CPUSet
+	if err := unix.SchedGetaffinity(0, &before); err != nil {
+		t.Fatal(err)
+	}
+	last := -1
+	for c := range len(before) * 64 {
+		if before.IsSet(c) {
+			last = c
+		}
+	}
+	cmd := exec.Command("sh", "-c", "grep Cpus_allowed_list /proc/self/status")
+	var out strings.Builder
+	cmd.Stdout = &out
+	if err := startPinned(cmd, []int{last}); err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := strings.Fields(out.String()), []string{"Cpus_allowed_list:", strconv.Itoa(last)}; !slices.Equal(got, want) {
+		t.Errorf("pinned child says %q, want %q", got, want)
+	}
+	// The confined thread must not go back to the runtime's pool.
+	for range 20 {
+		var now unix.CPUSet
+		runtime.Gosched()
+		if err := unix.SchedGetaffinity(0, &now); err != nil || now != before {
+			t.Fatalf("the test's own threads now run on %v (%v), want %v", now, err, before)
+		}
 	}
 }
 

@@ -354,6 +354,36 @@ func TestStartPinned(t *testing.T) {
 	}
 }
 
+func TestAbReport(t *testing.T) {
+	const report = `Concurrency Level:      1000
+Time taken for tests:   2.273 seconds
+Complete requests:      20000
+Failed requests:        3
+   (Connect: 0, Receive: 0, Length: 3, Exceptions: 0)
+Non-2xx responses:      2
+Requests per second:    8799.12 [#/sec] (mean)
+Time per request:       113.648 [ms] (mean)
+
+Percentage of the requests served within a certain time (ms)
+  50%     58
+  66%     61
+  99%   1043
+ 100%   1050 (longest request)
+`
+	r, err := abTool.parse(report)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := requestResult{reqs: 20000, rate: 8799.12, p50: 58 * time.Millisecond, p99: 1043 * time.Millisecond,
+		errors: "Failed requests:        3; Non-2xx responses:      2"}
+	if r != want {
+		t.Errorf("ab report read as %+v, want %+v", r, want)
+	}
+	if _, err := abTool.parse("apr_socket_connect(): Connection refused (111)\n"); err == nil {
+		t.Error("a report without requests reads as a result")
+	}
+}
+
 // cpuNumber reads a CPU number: decimal digits only, so that a sign or a
 // stray space is an error rather than a CPU.
 func cpuNumber(s string) (int, error) {
@@ -511,6 +541,30 @@ func firstFloat(re *regexp.Regexp, text string) float64 {
 	}
 	v, _ := strconv.ParseFloat(m[1], 64)
 	return v
+}
+
+// requestTool is how to read a load generator's report.
+type requestTool struct {
+	name                   string
+	requests, rate, errors *regexp.Regexp
+	percentile             func(out, p string) time.Duration
+}
+
+var (
+	wrkTool = requestTool{"wrk", wrkRequests, wrkRate, wrkErrors, wrkPercentile}
+	abTool  = requestTool{"ab", abComplete, abRate, abErrors, abPercentile}
+)
+
+func (t requestTool) parse(text string) (requestResult, error) {
+	r := requestResult{reqs: firstFloat(t.requests, text), rate: firstFloat(t.rate, text)}
+	if r.reqs == 0 {
+		return r, fmt.Errorf("%s served nothing:\n%s", t.name, text)
+	}
+	r.p50, r.p99 = t.percentile(text, "50"), t.percentile(text, "99")
+	if m := t.errors.FindAllString(text, -1); m != nil {
+		r.errors = strings.Join(m, "; ")
+	}
+	return r, nil
 }
 
 // bulkResult is what one bulk transfer and the counters around it measured.
@@ -725,39 +779,28 @@ metrics: {address: %q}
 		}
 		return out.String(), sample(owners...).since(before)
 	}
+	load := func(tool requestTool, cmdline string, owners ...*servingProc) requestResult {
+		// wrk and ab need a descriptor per connection; Go gives children
+		// the limit it found, often 1024.
+		text, delta := runClient(owners, nil, "sh", "-c", "ulimit -n $(ulimit -Hn) && exec "+cmdline)
+		r, err := tool.parse(text)
+		if err != nil {
+			b.Fatal(err)
+		}
+		r.charge(delta)
+		return r
+	}
 	wrkRun := func(port, c int, owners ...*servingProc) requestResult {
 		d := seconds
 		if c > 100 {
 			d = max(1, seconds/2)
 		}
-		// wrk needs a descriptor per connection; Go gives children the
-		// limit it found, often 1024.
-		text, delta := runClient(owners, nil, "sh", "-c", fmt.Sprintf("ulimit -n $(ulimit -Hn) && exec %s -t2 -c%d -d%ds --latency http://%s/", wrk, c, d, hostPort(port)))
-		r := requestResult{reqs: firstFloat(wrkRequests, text), rate: firstFloat(wrkRate, text)}
-		if r.reqs == 0 {
-			b.Fatalf("wrk served nothing:\n%s", text)
-		}
-		r.p50, r.p99 = wrkPercentile(text, "50"), wrkPercentile(text, "99")
-		if m := wrkErrors.FindAllString(text, -1); m != nil {
-			r.errors = strings.Join(m, "; ")
-		}
-		r.charge(delta)
-		return r
+		return load(wrkTool, fmt.Sprintf("%s -t2 -c%d -d%ds --latency http://%s/", wrk, c, d, hostPort(port)), owners...)
 	}
 	abRun := func(port int, owners ...*servingProc) requestResult {
 		// -r: a reset connection is a failed request to count, not the end
 		// of the run.
-		text, delta := runClient(owners, nil, "sh", "-c", fmt.Sprintf("ulimit -n $(ulimit -Hn) && exec %s -q -r -n %d -c %d http://%s/", ab, abRequests, abConns, hostPort(port)))
-		r := requestResult{reqs: firstFloat(abComplete, text), rate: firstFloat(abRate, text)}
-		if r.reqs == 0 {
-			b.Fatalf("ab served nothing:\n%s", text)
-		}
-		r.p50, r.p99 = abPercentile(text, "50"), abPercentile(text, "99")
-		if m := abErrors.FindAllString(text, -1); m != nil {
-			r.errors = strings.Join(m, "; ")
-		}
-		r.charge(delta)
-		return r
+		return load(abTool, fmt.Sprintf("%s -q -r -n %d -c %d http://%s/", ab, abRequests, abConns, hostPort(port)), owners...)
 	}
 	self, err := os.Executable()
 	if err != nil {

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -11,14 +12,19 @@ import (
 	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"reflect"
 	"regexp"
+	"runtime"
 	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/fabricbridge/fabricbridge/appliance/metrics"
 	"github.com/fabricbridge/fabricbridge/internal/testing/testenv"
@@ -27,20 +33,91 @@ import (
 )
 
 // The serving benchmark's child processes are this test binary: with
-// FB_TEST_MAIN=1 it is fabricbridge (TestMain), with FB_BENCH_KERNEL_HTTP it
-// is the kernel baseline. With FB_BENCH_CPUPROFILE=FILE,FOR a SIGUSR1 starts
-// a CPU profile of FOR: the benchmark picks the window, and the daemon's
-// signal handling would exit without flushing a profile kept to the end.
+// FB_TEST_MAIN=1 it is fabricbridge (TestMain), with FB_BENCH_KERNEL_HTTP
+// and FB_BENCH_KERNEL_SINK the kernel baseline, with FB_BENCH_BULK_SEND the
+// bulk sender. With FB_BENCH_CPUPROFILE=FILE,FOR a SIGUSR1 starts a CPU
+// profile of FOR: the benchmark picks the window, and the daemon's signal
+// handling would exit without flushing a profile kept to the end.
 func init() {
 	if spec := os.Getenv("FB_BENCH_CPUPROFILE"); spec != "" {
 		profileOnSignal(spec)
 	}
-	if addr := os.Getenv("FB_BENCH_KERNEL_HTTP"); addr != "" {
-		size, _ := strconv.Atoi(os.Getenv("FB_BENCH_SIZE"))
-		srv := &http.Server{Addr: addr, Handler: httpHandler(size, &httpCounters{}), ReadHeaderTimeout: 10 * time.Second}
-		fmt.Fprintln(os.Stderr, srv.ListenAndServe())
+	if dst := os.Getenv("FB_BENCH_BULK_SEND"); dst != "" {
+		if err := bulkSend(dst); err != nil {
+			fmt.Fprintln(os.Stderr, "bulk:", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	httpAddr, sinkAddr := os.Getenv("FB_BENCH_KERNEL_HTTP"), os.Getenv("FB_BENCH_KERNEL_SINK")
+	if httpAddr != "" || sinkAddr != "" {
+		fmt.Fprintln(os.Stderr, kernelBaseline(httpAddr, sinkAddr))
 		os.Exit(1)
 	}
+}
+
+// kernelBaseline serves on the kernel's stack what `app http` and `app
+// sink` serve on the user-space one, with their own handlers.
+func kernelBaseline(httpAddr, sinkAddr string) error {
+	if sinkAddr != "" {
+		ln, err := net.Listen("tcp", sinkAddr)
+		if err != nil {
+			return err
+		}
+		var received atomic.Int64
+		sink := func() error {
+			for {
+				c, err := ln.Accept()
+				if err != nil {
+					return err
+				}
+				go func() {
+					defer c.Close()
+					sinkConn(c, &received)
+				}()
+			}
+		}
+		if httpAddr == "" {
+			return sink()
+		}
+		go sink()
+	}
+	size, _ := strconv.Atoi(os.Getenv("FB_BENCH_SIZE"))
+	srv := &http.Server{Addr: httpAddr, Handler: httpHandler(size, &httpCounters{}), ReadHeaderTimeout: 10 * time.Second}
+	return srv.ListenAndServe()
+}
+
+// bulkSend sends FB_BENCH_BULK_BYTES to dst on one connection and prints
+// how long the sink took to have them all: the sink closes once it has read
+// to the end, so the time runs from the dial to that close.
+func bulkSend(dst string) error {
+	n, err := strconv.ParseInt(os.Getenv("FB_BENCH_BULK_BYTES"), 10, 64)
+	if err != nil || n <= 0 {
+		return fmt.Errorf("FB_BENCH_BULK_BYTES=%q is not a positive count", os.Getenv("FB_BENCH_BULK_BYTES"))
+	}
+	start := time.Now()
+	c, err := net.DialTimeout("tcp", dst, 5*time.Second)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	c.SetDeadline(start.Add(2 * time.Minute))
+	buf := make([]byte, 256<<10)
+	for left := n; left > 0; {
+		k, err := c.Write(buf[:min(left, int64(len(buf)))])
+		if err != nil {
+			return err
+		}
+		left -= int64(k)
+	}
+	if err := c.(*net.TCPConn).CloseWrite(); err != nil {
+		return err
+	}
+	if _, err := io.Copy(io.Discard, c); err != nil {
+		return fmt.Errorf("waiting for the sink to close: %w", err)
+	}
+	fmt.Printf("bulk: %d bytes in %d ns\n", n, time.Since(start))
+	return nil
 }
 
 func profileOnSignal(spec string) {
@@ -76,7 +153,9 @@ type servingProc struct {
 	out  *testenv.Output
 }
 
-func startServing(tb testing.TB, ns *topology.NS, name string, env []string, args ...string) *servingProc {
+// startServing starts the test binary in ns with args, on cpus (nil: where
+// the benchmark itself may run).
+func startServing(tb testing.TB, ns *topology.NS, name string, env []string, cpus []int, args ...string) *servingProc {
 	tb.Helper()
 	self, err := os.Executable()
 	if err != nil {
@@ -87,7 +166,7 @@ func startServing(tb testing.TB, ns *topology.NS, name string, env []string, arg
 	p.cmd = exec.Command("ip", append([]string{"netns", "exec", ns.Name, self}, args...)...)
 	p.cmd.Env = append(os.Environ(), env...)
 	p.cmd.Stdout, p.cmd.Stderr = p.out, p.out
-	if err := p.cmd.Start(); err != nil {
+	if err := startPinned(p.cmd, cpus); err != nil {
 		tb.Fatal(err)
 	}
 	done := make(chan struct{})
@@ -102,6 +181,234 @@ func startServing(tb testing.TB, ns *topology.NS, name string, env []string, arg
 		}
 	})
 	return p
+}
+
+// startPinned starts cmd confined to cpus (nil: not confined). The fork
+// happens on a thread confined to them, and the child keeps that affinity
+// across exec, for every thread it makes: setting it on a running child
+// would race with the threads the Go runtime starts.
+func startPinned(cmd *exec.Cmd, cpus []int) error {
+	if len(cpus) == 0 {
+		return cmd.Start()
+	}
+	started := make(chan error, 1)
+	go func() {
+		// Never unlocked: the runtime ends the thread, still confined, with
+		// the goroutine. Threads the runtime starts meanwhile come from its
+		// template thread, not from this one.
+		runtime.LockOSThread()
+		var set unix.CPUSet
+		for _, c := range cpus {
+			set.Set(c)
+		}
+		if err := unix.SchedSetaffinity(0, &set); err != nil {
+			started <- fmt.Errorf("confine %s to CPUs %s: %w", cmd.Path, formatCPUs(cpus), err)
+			return
+		}
+		if err := cmd.Start(); err != nil {
+			started <- err
+			return
+		}
+		// What the kernel says the child got: a benchmark that believes it
+		// pinned must have.
+		var got unix.CPUSet
+		if err := unix.SchedGetaffinity(cmd.Process.Pid, &got); err == nil && got != set {
+			cmd.Process.Kill()
+			cmd.Wait()
+			started <- fmt.Errorf("%s runs on other CPUs than %s", cmd.Path, formatCPUs(cpus))
+			return
+		}
+		started <- nil
+	}()
+	return <-started
+}
+
+// benchPin is FB_BENCH_PIN: the CPUs of the bridge's loop, of the
+// applications on it and of the clients outside.
+type benchPin struct{ loop, app, client []int }
+
+// parseBenchPin reads loop=CPUS,app=CPUS,client=CPUS, each part once, CPUS
+// a list like 2, 3-5 or 3-5,7 (a piece without = continues the part before
+// it) of CPUs in allowed.
+func parseBenchPin(spec string, allowed *unix.CPUSet) (benchPin, error) {
+	var p benchPin
+	bad := func(format string, args ...any) (benchPin, error) {
+		return benchPin{}, fmt.Errorf("FB_BENCH_PIN=%q: %s; want loop=CPUS,app=CPUS,client=CPUS, CPUS like 2, 3-5 or 3-5,7", spec, fmt.Sprintf(format, args...))
+	}
+	parts := map[string]*[]int{"loop": &p.loop, "app": &p.app, "client": &p.client}
+	given := map[string]bool{}
+	var cur *[]int
+	for piece := range strings.SplitSeq(spec, ",") {
+		if key, list, ok := strings.Cut(piece, "="); ok {
+			if parts[key] == nil {
+				return bad("unknown part %q", key)
+			}
+			if given[key] {
+				return bad("%s is given twice", key)
+			}
+			given[key], cur, piece = true, parts[key], list
+		} else if cur == nil {
+			return bad("%q belongs to no part", piece)
+		}
+		lo, hi, isRange := strings.Cut(piece, "-")
+		first, err := cpuNumber(lo)
+		last := first
+		if err == nil && isRange {
+			last, err = cpuNumber(hi)
+		}
+		if err != nil || last < first {
+			return bad("%q is neither a CPU nor a range of CPUs", piece)
+		}
+		for c := first; c <= last; c++ {
+			if c >= len(allowed)*64 || !allowed.IsSet(c) {
+				return bad("CPU %d is not one this process may run on", c)
+			}
+			if slices.Contains(*cur, c) {
+				return bad("CPU %d is listed twice in one part", c)
+			}
+			*cur = append(*cur, c)
+		}
+	}
+	for _, key := range []string{"loop", "app", "client"} {
+		if !given[key] {
+			return bad("%s is missing", key)
+		}
+	}
+	return p, nil
+}
+
+func TestParseBenchPin(t *testing.T) {
+	var allowed unix.CPUSet
+	for c := range 12 {
+		allowed.Set(c)
+	}
+	for _, tc := range []struct {
+		spec string
+		want benchPin
+	}{
+		{"loop=2,app=3-5,client=8-11", benchPin{[]int{2}, []int{3, 4, 5}, []int{8, 9, 10, 11}}},
+		{"client=0,app=3,5-6,loop=1-2", benchPin{[]int{1, 2}, []int{3, 5, 6}, []int{0}}},
+		{"loop=0,app=0,client=0", benchPin{[]int{0}, []int{0}, []int{0}}},
+	} {
+		got, err := parseBenchPin(tc.spec, &allowed)
+		if err != nil || !reflect.DeepEqual(got, tc.want) {
+			t.Errorf("parseBenchPin(%q) = %v, %v; want %v", tc.spec, got, err, tc.want)
+		}
+	}
+	for spec, why := range map[string]string{
+		"":                              `"" belongs to no part`,
+		"loop=2,app=3":                  "client is missing",
+		"loop=2,app=3,client=4,loop=5":  "loop is given twice",
+		"loop=2,app=3,client=4,irq=5":   `unknown part "irq"`,
+		"loop=,app=3,client=4":          `"" is neither`,
+		"loop=2,app=5-3,client=4":       `"5-3" is neither`,
+		"loop=+2,app=3,client=4":        `"+2" is neither`,
+		"loop=2,app=3-,client=4":        `"3-" is neither`,
+		"loop=2,app=3,,client=4":        `"" is neither`,
+		"loop=2 ,app=3,client=4":        `"2 " is neither`,
+		"loop=2,app=3-4,3,client=5":     "CPU 3 is listed twice",
+		"loop=2,app=3,client=12":        "CPU 12 is not one this process may run on",
+		"loop=2,app=3,client=100000000": `"100000000" is neither`,
+		"2,loop=2,app=3,client=4":       `"2" belongs to no part`,
+	} {
+		_, err := parseBenchPin(spec, &allowed)
+		if err == nil || !strings.Contains(err.Error(), why) {
+			t.Errorf("parseBenchPin(%q) = %v; want an error saying %s", spec, err, why)
+		}
+	}
+	if got := formatCPUs([]int{0, 1, 2, 3, 6, 8, 9}); got != "0-3,6,8-9" {
+		t.Errorf("formatCPUs = %q, want 0-3,6,8-9", got)
+	}
+}
+
+func TestStartPinned(t *testing.T) {
+	var before unix.CPUSet
+	if err := unix.SchedGetaffinity(0, &before); err != nil {
+		t.Fatal(err)
+	}
+	last := -1
+	for c := range len(before) * 64 {
+		if before.IsSet(c) {
+			last = c
+		}
+	}
+	cmd := exec.Command("sh", "-c", "grep Cpus_allowed_list /proc/self/status")
+	var out strings.Builder
+	cmd.Stdout = &out
+	if err := startPinned(cmd, []int{last}); err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Wait(); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := strings.Fields(out.String()), []string{"Cpus_allowed_list:", strconv.Itoa(last)}; !slices.Equal(got, want) {
+		t.Errorf("pinned child says %q, want %q", got, want)
+	}
+	// The confined thread must not go back to the runtime's pool.
+	for range 20 {
+		var now unix.CPUSet
+		runtime.Gosched()
+		if err := unix.SchedGetaffinity(0, &now); err != nil || now != before {
+			t.Fatalf("the test's own threads now run on %v (%v), want %v", now, err, before)
+		}
+	}
+}
+
+func TestAbReport(t *testing.T) {
+	const report = `Concurrency Level:      1000
+Time taken for tests:   2.273 seconds
+Complete requests:      20000
+Failed requests:        3
+   (Connect: 0, Receive: 0, Length: 3, Exceptions: 0)
+Non-2xx responses:      2
+Requests per second:    8799.12 [#/sec] (mean)
+Time per request:       113.648 [ms] (mean)
+
+Percentage of the requests served within a certain time (ms)
+  50%     58
+  66%     61
+  99%   1043
+ 100%   1050 (longest request)
+`
+	r, err := abTool.parse(report)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := requestResult{reqs: 20000, rate: 8799.12, p50: 58 * time.Millisecond, p99: 1043 * time.Millisecond,
+		errors: "Failed requests:        3; Non-2xx responses:      2"}
+	if r != want {
+		t.Errorf("ab report read as %+v, want %+v", r, want)
+	}
+	if _, err := abTool.parse("apr_socket_connect(): Connection refused (111)\n"); err == nil {
+		t.Error("a report without requests reads as a result")
+	}
+}
+
+// cpuNumber reads a CPU number: decimal digits only, so that a sign or a
+// stray space is an error rather than a CPU.
+func cpuNumber(s string) (int, error) {
+	if s == "" || len(s) > 4 || strings.Trim(s, "0123456789") != "" {
+		return 0, fmt.Errorf("%q is not a CPU number", s)
+	}
+	return strconv.Atoi(s)
+}
+
+// formatCPUs writes sorted CPUs the way the kernel's cpulist files do: 0-3,6.
+func formatCPUs(cpus []int) string {
+	var parts []string
+	for i := 0; i < len(cpus); i++ {
+		j := i
+		for j+1 < len(cpus) && cpus[j+1] == cpus[j]+1 {
+			j++
+		}
+		if j == i {
+			parts = append(parts, strconv.Itoa(cpus[i]))
+		} else {
+			parts = append(parts, fmt.Sprintf("%d-%d", cpus[i], cpus[j]))
+		}
+		i = j
+	}
+	return strings.Join(parts, ",")
 }
 
 // cpuTicks is the process's user and system time in clock ticks.
@@ -166,8 +473,20 @@ func retransmits(ns *topology.NS) (n uint64, err error) {
 	return n, err
 }
 
-// wrkResult is what one wrk run and the counters around it measured.
-type wrkResult struct {
+// serveCounters are what the benchmark reads before and after each client run,
+// in clock ticks (machine: all CPUs busy; owned: the serving processes) and
+// counts.
+type serveCounters struct{ machine, owned, ringFull, retrans uint64 }
+
+func (c serveCounters) since(before serveCounters) serveCounters {
+	return serveCounters{c.machine - before.machine, c.owned - before.owned, c.ringFull - before.ringFull, c.retrans - before.retrans}
+}
+
+// clockTick is USER_HZ on Linux.
+const clockTick = time.Second / 100
+
+// requestResult is what one wrk or ab run and the counters around it measured.
+type requestResult struct {
 	reqs, rate        float64
 	p50, p99          time.Duration
 	errors            string
@@ -175,10 +494,22 @@ type wrkResult struct {
 	ringFull, retrans uint64
 }
 
+// charge spreads the counters' CPU time over the run's requests.
+func (r *requestResult) charge(d serveCounters) {
+	r.machineCPU = time.Duration(float64(d.machine) * float64(clockTick) / r.reqs)
+	r.owned = time.Duration(float64(d.owned) * float64(clockTick) / r.reqs)
+	r.ringFull, r.retrans = d.ringFull, d.retrans
+}
+
 var (
 	wrkRequests = regexp.MustCompile(`(?m)^\s*(\d+) requests in`)
 	wrkRate     = regexp.MustCompile(`(?m)^Requests/sec:\s+([\d.]+)`)
 	wrkErrors   = regexp.MustCompile(`(?m)^\s*(Socket errors:.*|Non-2xx.*)$`)
+
+	abComplete = regexp.MustCompile(`(?m)^Complete requests:\s+(\d+)`)
+	abRate     = regexp.MustCompile(`(?m)^Requests per second:\s+([\d.]+)`)
+	abErrors   = regexp.MustCompile(`(?m)^(Failed requests:\s+[1-9].*|Non-2xx responses:.*)$`)
+	bulkDone   = regexp.MustCompile(`(?m)^bulk: (\d+) bytes in (\d+) ns$`)
 )
 
 func wrkPercentile(out, p string) time.Duration {
@@ -191,28 +522,93 @@ func wrkPercentile(out, p string) time.Duration {
 	return time.Duration(v * float64(unit))
 }
 
-// BenchmarkServeHTTP is issue 14's measurement: the outside namespace's wrk
-// against `fabricbridge app http` behind the daemon (native-copy) and against
-// a kernel net/http server in the same bridge namespace serving the same
-// body, alternately, at 50 and 1000 keep-alive connections. It reports each
-// median as a ratio against the kernel's in the same run: req/s, CPU per
-// request (the whole machine from /proc/stat; the serving processes from
-// /proc/PID/stat: daemon and application against the kernel server, whose
-// softirq work is not in its own time), p50/p99, stream ring-full drops and
-// the client's retransmissions.
+// abPercentile reads ab's table of the requests served within a time, in
+// whole milliseconds.
+func abPercentile(out, p string) time.Duration {
+	m := regexp.MustCompile(`(?m)^\s+` + p + `%\s+(\d+)\s*$`).FindStringSubmatch(out)
+	if m == nil {
+		return 0
+	}
+	v, _ := strconv.Atoi(m[1])
+	return time.Duration(v) * time.Millisecond
+}
+
+// firstFloat reads the first submatch of re in text; 0 if there is none.
+func firstFloat(re *regexp.Regexp, text string) float64 {
+	m := re.FindStringSubmatch(text)
+	if m == nil {
+		return 0
+	}
+	v, _ := strconv.ParseFloat(m[1], 64)
+	return v
+}
+
+// requestTool is how to read a load generator's report.
+type requestTool struct {
+	name                   string
+	requests, rate, errors *regexp.Regexp
+	percentile             func(out, p string) time.Duration
+}
+
+var (
+	wrkTool = requestTool{"wrk", wrkRequests, wrkRate, wrkErrors, wrkPercentile}
+	abTool  = requestTool{"ab", abComplete, abRate, abErrors, abPercentile}
+)
+
+func (t requestTool) parse(text string) (requestResult, error) {
+	r := requestResult{reqs: firstFloat(t.requests, text), rate: firstFloat(t.rate, text)}
+	if r.reqs == 0 {
+		return r, fmt.Errorf("%s served nothing:\n%s", t.name, text)
+	}
+	r.p50, r.p99 = t.percentile(text, "50"), t.percentile(text, "99")
+	if m := t.errors.FindAllString(text, -1); m != nil {
+		r.errors = strings.Join(m, "; ")
+	}
+	return r, nil
+}
+
+// bulkResult is what one bulk transfer and the counters around it measured.
+type bulkResult struct {
+	gbps, cpuPerGB    float64 // Gbit/s; the machine's CPU seconds per 10⁹ bytes
+	ringFull, retrans uint64
+}
+
+// BenchmarkServeHTTP is issue 14's measurement: clients in the outside
+// namespace against `fabricbridge app http` and `app sink` behind the daemon
+// (native-copy) and against a kernel server in the same bridge namespace
+// doing the same (net/http with the same handler; a sink with the same read
+// loop), alternately, so that each median is a ratio against the kernel's in
+// the same run:
 //
-//	FB_REQUIRE_PRIVILEGED=1 go test -run '^$' -bench ServeHTTP -benchtime 1x -v ./cmd/fabricbridge
+//   - wrk at 50 and 1000 keep-alive connections: req/s, CPU per request
+//     (the whole machine from /proc/stat; the serving processes from
+//     /proc/PID/stat: daemon and application against the kernel server,
+//     whose softirq work is not in its own time), p50/p99, stream ring-full
+//     drops and the client's retransmissions;
 //
-// FB_BENCH_ROUNDS (3), FB_BENCH_SECONDS (10, c1000 half of it), FB_BENCH_CONNS
-// (50,1000) and FB_BENCH_PROFILE_DIR (CPU profiles of the daemon and the
-// application during the first bridge round at the first connection count)
-// change the run.
+//   - ab -n 20000 -c 1000, a connection per request (new connections per
+//     second), the same figures; skipped, with a note, without ab (Debian:
+//     apache2-utils);
+//
+//   - one connection sending FB_BENCH_BULK_MB MiB (1000; 0: none) from a
+//     process of its own: Gbit/s and the machine's CPU seconds per GB.
+//
+//     FB_REQUIRE_PRIVILEGED=1 go test -run '^$' -bench ServeHTTP -benchtime 1x -v ./cmd/fabricbridge
+//
+// FB_BENCH_ROUNDS (3, for each test), FB_BENCH_SECONDS (10, c1000 half of
+// it), FB_BENCH_CONNS (50,1000) and FB_BENCH_PROFILE_DIR (CPU profiles of
+// the daemon and the application during the first bridge round at the first
+// connection count) change the run. FB_BENCH_PIN=loop=2,app=3-5,client=8-11
+// pins the bridge's loop (the interface's cpus; the daemon's other threads
+// go to loop and app CPUs), the applications, the kernel server (to the loop
+// and app CPUs together, the cores both sides get) and the clients.
 func BenchmarkServeHTTP(b *testing.B) {
 	testenv.RequirePrivileged(b)
 	wrk, err := exec.LookPath("wrk")
 	if err != nil {
 		b.Skip("wrk is not installed (Debian: apt-get install wrk)")
 	}
+	ab, abErr := exec.LookPath("ab")
 	rounds := envInt("FB_BENCH_ROUNDS", 3)
 	seconds := envInt("FB_BENCH_SECONDS", 10)
 	conns := []int{50, 1000}
@@ -223,8 +619,32 @@ func BenchmarkServeHTTP(b *testing.B) {
 			conns = append(conns, n)
 		}
 	}
+	bulkMB := 1000
+	if s := os.Getenv("FB_BENCH_BULK_MB"); s != "" {
+		if bulkMB, err = strconv.Atoi(s); err != nil || bulkMB < 0 {
+			b.Fatalf("FB_BENCH_BULK_MB=%q: want MiB to send, 0 for none", s)
+		}
+	}
+	var pin benchPin
+	if spec := os.Getenv("FB_BENCH_PIN"); spec != "" {
+		var allowed unix.CPUSet
+		if err := unix.SchedGetaffinity(0, &allowed); err != nil {
+			b.Fatal(err)
+		}
+		if pin, err = parseBenchPin(spec, &allowed); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.Logf("clients: %s; ab: %s", wrk, cmp.Or(ab, "not installed"))
+	servers := slices.Compact(slices.Sorted(slices.Values(slices.Concat(pin.loop, pin.app))))
+	if servers != nil {
+		b.Logf("pinned: bridge loop on CPUs %s (the daemon's other threads on %s), applications on %s, kernel server on %s, clients (wrk, ab, bulk sender) on %s",
+			formatCPUs(pin.loop), formatCPUs(servers), formatCPUs(pin.app), formatCPUs(servers), formatCPUs(pin.client))
+	}
 	const size = 4096
 	const kernelPort, appPort = 8080, 80
+	const kernelSinkPort, sinkPort = 8009, 9
+	const abRequests, abConns = 20000, 1000
 	const metricsAddr = "127.0.0.1:9471" // inside the bridge namespace
 
 	bridgeNS, outside, v := topology.Pair(b, topology.VethOptions{})
@@ -235,13 +655,23 @@ func BenchmarkServeHTTP(b *testing.B) {
 	dir := b.TempDir()
 	cfgPath := filepath.Join(dir, "fb.yaml")
 	control := filepath.Join(dir, "control.sock")
-	cfg := fmt.Sprintf(`interfaces: [{name: %s, path: native-copy}]
+	loopCPUs := ""
+	if pin.loop != nil {
+		var list []string
+		for _, c := range pin.loop {
+			list = append(list, strconv.Itoa(c))
+		}
+		loopCPUs = ", cpus: [" + strings.Join(list, ", ") + "]"
+	}
+	cfg := fmt.Sprintf(`interfaces: [{name: %s, path: native-copy%s}]
 addresses: [%s]
-applications: [{name: web, ports: [%d]}]
-listeners: [{id: 1, name: http, protocol: tcp, port: %d, app: web}]
+applications: [{name: web, ports: [%d]}, {name: bulk, ports: [%d]}]
+listeners:
+  - {id: 1, name: http, protocol: tcp, port: %d, app: web}
+  - {id: 2, name: sink, protocol: tcp, port: %d, app: bulk}
 control: {socket: %s}
 metrics: {address: %q}
-`, v.A.Name, addr, appPort, appPort, control, metricsAddr)
+`, v.A.Name, loopCPUs, addr, appPort, sinkPort, appPort, sinkPort, control, metricsAddr)
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
 		b.Fatal(err)
 	}
@@ -255,20 +685,26 @@ metrics: {address: %q}
 		return []string{fmt.Sprintf("FB_BENCH_CPUPROFILE=%s,%s", filepath.Join(profileDir, name+".pprof"), span)}
 	}
 	main := []string{"FB_TEST_MAIN=1"}
-	daemon := startServing(b, bridgeNS, "daemon", append(main, profileEnv("daemon")...), "run", "--config", cfgPath)
+	daemon := startServing(b, bridgeNS, "daemon", append(main, profileEnv("daemon")...), servers, "run", "--config", cfgPath)
 	waitServing(b, func() error { _, err := scrapeIn(bridgeNS, metricsAddr); return err }, daemon)
-	kernel := startServing(b, bridgeNS, "kernel", []string{fmt.Sprintf("FB_BENCH_KERNEL_HTTP=:%d", kernelPort), fmt.Sprintf("FB_BENCH_SIZE=%d", size)})
-	app := startServing(b, bridgeNS, "app", append(main, profileEnv("app")...), "app", "http", "--name", "web", "--control", control, "--listen", fmt.Sprintf(":%d", appPort), "--size", strconv.Itoa(size))
+	kernel := startServing(b, bridgeNS, "kernel", []string{fmt.Sprintf("FB_BENCH_KERNEL_HTTP=:%d", kernelPort), fmt.Sprintf("FB_BENCH_KERNEL_SINK=:%d", kernelSinkPort), fmt.Sprintf("FB_BENCH_SIZE=%d", size)}, servers)
+	app := startServing(b, bridgeNS, "app", append(main, profileEnv("app")...), pin.app, "app", "http", "--name", "web", "--control", control, "--listen", fmt.Sprintf(":%d", appPort), "--size", strconv.Itoa(size))
+	var sink *servingProc
+	if bulkMB > 0 {
+		sink = startServing(b, bridgeNS, "sink", main, pin.app, "app", "sink", "--name", "bulk", "--control", control, "--listen", fmt.Sprintf(":%d", sinkPort), "--every", "1h")
+	}
+	hostPort := func(port int) string { return net.JoinHostPort(addr.String(), strconv.Itoa(port)) }
+	dial := func(ctx context.Context, network, a string) (c net.Conn, err error) {
+		err = outside.Do(func() (err error) {
+			c, err = (&net.Dialer{Timeout: time.Second}).DialContext(ctx, network, a)
+			return err
+		})
+		return c, err
+	}
 	get := func(port int) func() error {
 		return func() error {
-			tr := &http.Transport{DisableKeepAlives: true, DialContext: func(ctx context.Context, network, a string) (c net.Conn, err error) {
-				err = outside.Do(func() (err error) {
-					c, err = (&net.Dialer{Timeout: time.Second}).DialContext(ctx, network, a)
-					return err
-				})
-				return c, err
-			}}
-			resp, err := (&http.Client{Transport: tr, Timeout: time.Second}).Get(fmt.Sprintf("http://%s/", net.JoinHostPort(addr.String(), strconv.Itoa(port))))
+			tr := &http.Transport{DisableKeepAlives: true, DialContext: dial}
+			resp, err := (&http.Client{Transport: tr, Timeout: time.Second}).Get("http://" + hostPort(port) + "/")
 			if err != nil {
 				return err
 			}
@@ -279,8 +715,21 @@ metrics: {address: %q}
 			return nil
 		}
 	}
+	accepts := func(port int) func() error {
+		return func() error {
+			c, err := dial(context.Background(), "tcp", hostPort(port))
+			if err == nil {
+				c.Close()
+			}
+			return err
+		}
+	}
 	waitServing(b, get(kernelPort), kernel)
 	waitServing(b, get(appPort), app, daemon)
+	if sink != nil {
+		waitServing(b, accepts(kernelSinkPort), kernel)
+		waitServing(b, accepts(sinkPort), sink, daemon)
+	}
 	profiled := profileDir == ""
 
 	ringFull := func() uint64 {
@@ -294,115 +743,187 @@ metrics: {address: %q}
 		}
 		return uint64(n)
 	}
-	ticks := func(ps ...*servingProc) uint64 {
-		var n uint64
-		for _, p := range ps {
+	sample := func(owners ...*servingProc) serveCounters {
+		var c serveCounters
+		var err error
+		if c.machine, err = machineTicks(); err != nil {
+			b.Fatal(err)
+		}
+		for _, p := range owners {
 			t, err := p.cpuTicks()
 			if err != nil {
 				b.Fatal(err)
 			}
-			n += t
+			c.owned += t
 		}
-		return n
+		if c.retrans, err = retransmits(outside); err != nil {
+			b.Fatal(err)
+		}
+		c.ringFull = ringFull()
+		return c
 	}
-	tick := time.Second / 100 // USER_HZ on Linux
-	run := func(port, c int, owners ...*servingProc) wrkResult {
+	// runClient runs args in the outside namespace on the client CPUs and
+	// returns what it wrote, with the counters over its run.
+	runClient := func(owners []*servingProc, env []string, args ...string) (string, serveCounters) {
+		cmd := exec.Command("ip", append([]string{"netns", "exec", outside.Name}, args...)...)
+		cmd.Env = append(os.Environ(), env...)
+		var out strings.Builder
+		cmd.Stdout, cmd.Stderr = &out, &out
+		before := sample(owners...)
+		err := startPinned(cmd, pin.client)
+		if err == nil {
+			err = cmd.Wait()
+		}
+		if err != nil {
+			b.Fatalf("%s: %v\n%s", args[0], err, out.String())
+		}
+		return out.String(), sample(owners...).since(before)
+	}
+	load := func(tool requestTool, cmdline string, owners ...*servingProc) requestResult {
+		// wrk and ab need a descriptor per connection; Go gives children
+		// the limit it found, often 1024.
+		text, delta := runClient(owners, nil, "sh", "-c", "ulimit -n $(ulimit -Hn) && exec "+cmdline)
+		r, err := tool.parse(text)
+		if err != nil {
+			b.Fatal(err)
+		}
+		r.charge(delta)
+		return r
+	}
+	wrkRun := func(port, c int, owners ...*servingProc) requestResult {
 		d := seconds
 		if c > 100 {
 			d = max(1, seconds/2)
 		}
-		m0, _ := machineTicks()
-		o0 := ticks(owners...)
-		r0, err := retransmits(outside)
-		if err != nil {
-			b.Fatal(err)
+		return load(wrkTool, fmt.Sprintf("%s -t2 -c%d -d%ds --latency http://%s/", wrk, c, d, hostPort(port)), owners...)
+	}
+	abRun := func(port int, owners ...*servingProc) requestResult {
+		// -r: a reset connection is a failed request to count, not the end
+		// of the run.
+		return load(abTool, fmt.Sprintf("%s -q -r -n %d -c %d http://%s/", ab, abRequests, abConns, hostPort(port)), owners...)
+	}
+	self, err := os.Executable()
+	if err != nil {
+		b.Fatal(err)
+	}
+	bulkRun := func(port int) bulkResult {
+		text, delta := runClient(nil, []string{"FB_BENCH_BULK_SEND=" + hostPort(port), fmt.Sprintf("FB_BENCH_BULK_BYTES=%d", bulkMB<<20)}, self)
+		m := bulkDone.FindStringSubmatch(text)
+		if m == nil {
+			b.Fatalf("bulk sender:\n%s", text)
 		}
-		f0 := ringFull()
-		// wrk needs a descriptor per connection; Go gives children the
-		// limit it found, often 1024.
-		script := fmt.Sprintf("ulimit -n $(ulimit -Hn) && exec %s -t2 -c%d -d%ds --latency http://%s/", wrk, c, d, net.JoinHostPort(addr.String(), strconv.Itoa(port)))
-		out, err := exec.Command("ip", "netns", "exec", outside.Name, "sh", "-c", script).CombinedOutput()
-		if err != nil {
-			b.Fatalf("wrk: %v\n%s", err, out)
-		}
-		m1, _ := machineTicks()
-		o1 := ticks(owners...)
-		r1, _ := retransmits(outside)
-		f1 := ringFull()
-		var r wrkResult
-		text := string(out)
-		if m := wrkRequests.FindStringSubmatch(text); m != nil {
-			r.reqs, _ = strconv.ParseFloat(m[1], 64)
-		}
-		if m := wrkRate.FindStringSubmatch(text); m != nil {
-			r.rate, _ = strconv.ParseFloat(m[1], 64)
-		}
-		if r.reqs == 0 {
-			b.Fatalf("wrk served nothing:\n%s", text)
-		}
-		r.p50, r.p99 = wrkPercentile(text, "50"), wrkPercentile(text, "99")
-		if m := wrkErrors.FindAllString(text, -1); m != nil {
-			r.errors = strings.Join(m, "; ")
-		}
-		r.machineCPU = time.Duration(float64(m1-m0) * float64(tick) / r.reqs)
-		r.owned = time.Duration(float64(o1-o0) * float64(tick) / r.reqs)
-		r.ringFull, r.retrans = f1-f0, r1-r0
-		return r
+		n, _ := strconv.ParseFloat(m[1], 64)
+		ns, _ := strconv.ParseFloat(m[2], 64)
+		return bulkResult{gbps: n * 8 / ns, cpuPerGB: float64(delta.machine) * clockTick.Seconds() / (n / 1e9), ringFull: delta.ringFull, retrans: delta.retrans}
 	}
 
 	b.ResetTimer()
 	for range b.N {
 		for _, c := range conns {
-			var kr, br []wrkResult
+			var kr, br []requestResult
 			for i := range rounds {
-				kr = append(kr, run(kernelPort, c, kernel))
+				kr = append(kr, wrkRun(kernelPort, c, kernel))
 				if !profiled {
 					// The first bridge round is the profiles' window.
 					daemon.cmd.Process.Signal(syscall.SIGUSR1)
 					app.cmd.Process.Signal(syscall.SIGUSR1)
 					profiled = true
 				}
-				br = append(br, run(appPort, c, daemon, app))
+				br = append(br, wrkRun(appPort, c, daemon, app))
+				logLoadRound(b, fmt.Sprintf("c=%d", c), i, kr[i], br[i])
+			}
+			reportLoad(b, fmt.Sprintf("c=%d", c), fmt.Sprintf("c%d-", c), kr, br)
+		}
+		if sink != nil {
+			var kr, br []bulkResult
+			for i := range rounds {
+				kr = append(kr, bulkRun(kernelSinkPort))
+				br = append(br, bulkRun(sinkPort))
 				for _, x := range []struct {
 					who string
-					r   wrkResult
+					r   bulkResult
 				}{{"kernel", kr[i]}, {"bridge", br[i]}} {
-					b.Logf("c=%d round %d %s: %.0f req/s, CPU/req machine %v serving %v, p50 %v p99 %v, ring-full %d, client retransmits %d %s",
-						c, i, x.who, x.r.rate, x.r.machineCPU, x.r.owned, x.r.p50, x.r.p99, x.r.ringFull, x.r.retrans, x.r.errors)
+					b.Logf("bulk round %d %s: %.2f Gbit/s, CPU %.2f s/GB, ring-full %d, client retransmits %d", i, x.who, x.r.gbps, x.r.cpuPerGB, x.r.ringFull, x.r.retrans)
 				}
 			}
-			k, br1 := medianResult(kr), medianResult(br)
-			b.Logf("c=%d medians of %d: bridge/kernel req/s %.0f/%.0f = %.2fx; CPU/req machine %v/%v = %.2fx; serving %v/%v = %.2fx; p50 %v/%v = %.2fx; p99 %v/%v = %.2fx; ring-full %d/%d; retransmits %d/%d",
-				c, rounds, br1.rate, k.rate, br1.rate/k.rate, br1.machineCPU, k.machineCPU, ratio(br1.machineCPU, k.machineCPU),
-				br1.owned, k.owned, ratio(br1.owned, k.owned), br1.p50, k.p50, ratio(br1.p50, k.p50), br1.p99, k.p99, ratio(br1.p99, k.p99),
-				br1.ringFull, k.ringFull, br1.retrans, k.retrans)
-			tag := fmt.Sprintf("c%d-", c)
-			b.ReportMetric(br1.rate/k.rate, tag+"rate-ratio")
-			b.ReportMetric(ratio(br1.machineCPU, k.machineCPU), tag+"cpu-ratio")
-			b.ReportMetric(ratio(br1.p99, k.p99), tag+"p99-ratio")
-			b.ReportMetric(float64(br1.ringFull), tag+"ring-full")
+			k, br1 := medianBulk(kr), medianBulk(br)
+			b.Logf("bulk %d MiB medians of %d: bridge/kernel Gbit/s %.2f/%.2f = %.2fx; CPU s/GB %.2f/%.2f = %.2fx; ring-full %d/%d; retransmits %d/%d",
+				bulkMB, rounds, br1.gbps, k.gbps, br1.gbps/k.gbps, br1.cpuPerGB, k.cpuPerGB, br1.cpuPerGB/k.cpuPerGB, br1.ringFull, k.ringFull, br1.retrans, k.retrans)
+			b.ReportMetric(br1.gbps/k.gbps, "bulk-rate-ratio")
+			b.ReportMetric(br1.cpuPerGB/k.cpuPerGB, "bulk-cpu-ratio")
+			b.ReportMetric(float64(br1.ringFull), "bulk-ring-full")
 		}
+		if abErr != nil {
+			b.Log("ab is not installed (Debian: apt-get install apache2-utils): no new-connection comparison")
+			continue
+		}
+		// ab last: a run it cannot finish fails the benchmark, and the
+		// figures above are logged by then.
+		var kr, br []requestResult
+		label := fmt.Sprintf("ab n=%d c=%d", abRequests, abConns)
+		for i := range rounds {
+			kr = append(kr, abRun(kernelPort, kernel))
+			br = append(br, abRun(appPort, daemon, app))
+			logLoadRound(b, label, i, kr[i], br[i])
+		}
+		reportLoad(b, label, "ab-", kr, br)
 	}
 }
 
-// medianResult takes each field's median on its own.
-func medianResult(rs []wrkResult) wrkResult {
-	med := func(f func(wrkResult) float64) float64 {
-		v := make([]float64, len(rs))
-		for i, r := range rs {
-			v[i] = f(r)
-		}
-		slices.Sort(v)
-		return v[len(v)/2]
+func logLoadRound(b *testing.B, label string, round int, kernel, bridge requestResult) {
+	for _, x := range []struct {
+		who string
+		r   requestResult
+	}{{"kernel", kernel}, {"bridge", bridge}} {
+		b.Logf("%s round %d %s: %.0f req/s, CPU/req machine %v serving %v, p50 %v p99 %v, ring-full %d, client retransmits %d %s",
+			label, round, x.who, x.r.rate, x.r.machineCPU, x.r.owned, x.r.p50, x.r.p99, x.r.ringFull, x.r.retrans, x.r.errors)
 	}
-	return wrkResult{
-		rate:       med(func(r wrkResult) float64 { return r.rate }),
-		p50:        time.Duration(med(func(r wrkResult) float64 { return float64(r.p50) })),
-		p99:        time.Duration(med(func(r wrkResult) float64 { return float64(r.p99) })),
-		machineCPU: time.Duration(med(func(r wrkResult) float64 { return float64(r.machineCPU) })),
-		owned:      time.Duration(med(func(r wrkResult) float64 { return float64(r.owned) })),
-		ringFull:   uint64(med(func(r wrkResult) float64 { return float64(r.ringFull) })),
-		retrans:    uint64(med(func(r wrkResult) float64 { return float64(r.retrans) })),
+}
+
+// reportLoad logs the medians of the rounds and reports their ratios,
+// bridge over kernel, as metrics named tag+what.
+func reportLoad(b *testing.B, label, tag string, kr, br []requestResult) {
+	k, br1 := medianResult(kr), medianResult(br)
+	b.Logf("%s medians of %d: bridge/kernel req/s %.0f/%.0f = %.2fx; CPU/req machine %v/%v = %.2fx; serving %v/%v = %.2fx; p50 %v/%v = %.2fx; p99 %v/%v = %.2fx; ring-full %d/%d; retransmits %d/%d",
+		label, len(kr), br1.rate, k.rate, br1.rate/k.rate, br1.machineCPU, k.machineCPU, ratio(br1.machineCPU, k.machineCPU),
+		br1.owned, k.owned, ratio(br1.owned, k.owned), br1.p50, k.p50, ratio(br1.p50, k.p50), br1.p99, k.p99, ratio(br1.p99, k.p99),
+		br1.ringFull, k.ringFull, br1.retrans, k.retrans)
+	b.ReportMetric(br1.rate/k.rate, tag+"rate-ratio")
+	b.ReportMetric(ratio(br1.machineCPU, k.machineCPU), tag+"cpu-ratio")
+	b.ReportMetric(ratio(br1.p99, k.p99), tag+"p99-ratio")
+	b.ReportMetric(float64(br1.ringFull), tag+"ring-full")
+}
+
+// medianOf is the median of f over rs.
+func medianOf[T any](rs []T, f func(T) float64) float64 {
+	v := make([]float64, len(rs))
+	for i, r := range rs {
+		v[i] = f(r)
+	}
+	slices.Sort(v)
+	return v[len(v)/2]
+}
+
+// medianResult takes each field's median on its own.
+func medianResult(rs []requestResult) requestResult {
+	return requestResult{
+		rate:       medianOf(rs, func(r requestResult) float64 { return r.rate }),
+		p50:        time.Duration(medianOf(rs, func(r requestResult) float64 { return float64(r.p50) })),
+		p99:        time.Duration(medianOf(rs, func(r requestResult) float64 { return float64(r.p99) })),
+		machineCPU: time.Duration(medianOf(rs, func(r requestResult) float64 { return float64(r.machineCPU) })),
+		owned:      time.Duration(medianOf(rs, func(r requestResult) float64 { return float64(r.owned) })),
+		ringFull:   uint64(medianOf(rs, func(r requestResult) float64 { return float64(r.ringFull) })),
+		retrans:    uint64(medianOf(rs, func(r requestResult) float64 { return float64(r.retrans) })),
+	}
+}
+
+// medianBulk takes each field's median on its own.
+func medianBulk(rs []bulkResult) bulkResult {
+	return bulkResult{
+		gbps:     medianOf(rs, func(r bulkResult) float64 { return r.gbps }),
+		cpuPerGB: medianOf(rs, func(r bulkResult) float64 { return r.cpuPerGB }),
+		ringFull: uint64(medianOf(rs, func(r bulkResult) float64 { return float64(r.ringFull) })),
+		retrans:  uint64(medianOf(rs, func(r bulkResult) float64 { return float64(r.retrans) })),
 	}
 }
 

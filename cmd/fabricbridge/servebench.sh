@@ -1,24 +1,28 @@
 #!/usr/bin/env bash
-# servebench.sh: issue 14's serving benchmark (BenchmarkServeHTTP: wrk against
-# `app http` behind the daemon and against a kernel net/http server, ratios
-# from one run) for a machine with cores to spare and no Go toolchain: build
-# here, carry the folder there, run it from the repository root.
+# servebench.sh: issue 14's serving benchmark (BenchmarkServeHTTP: wrk and ab
+# against `app http` behind the daemon and against a kernel net/http server,
+# a bulk transfer into `app sink` and into a kernel sink, ratios from one run)
+# for a machine with cores to spare and no Go toolchain: build here, carry the
+# folder there, run it from the repository root.
 #
 #   here:   cmd/fabricbridge/servebench.sh build [DIR]   (DIR defaults to .perf)
 #   there:  bash DIR/servebench.sh run                   (logs to $OUT, or DIR)
 #
-# build puts the test binary, wrk and iproute2 from Debian (with the libraries
-# wrk needs) into DIR; run uses the machine's own ip when it has one.
+# build puts the test binary, wrk, ab and iproute2 from Debian (with the
+# libraries wrk and ab need) into DIR; run uses the machine's own ip when it
+# has one. On 8 CPUs or more, run pins the loop, the applications and the
+# clients apart unless FB_BENCH_PIN says otherwise (FB_BENCH_PIN=none: no
+# pinning).
 set -euo pipefail
 case "${1:-}" in
 build)
 	dir=${2:-.perf}
 	rm -rf "$dir" && mkdir -p "$dir/deb" "$dir/root" "$dir/bin"
-	(cd "$dir/deb" && apt-get download wrk libluajit-5.1-2 iproute2 libbpf1 libelf1 libmnl0 libcap2 libxtables12 libbsd0 libmd0 >/dev/null)
+	(cd "$dir/deb" && apt-get download wrk libluajit-5.1-2 apache2-utils libapr1 libaprutil1 libexpat1 libcrypt1 libuuid1 iproute2 libbpf1 libelf1 libmnl0 libcap2 libxtables12 libbsd0 libmd0 >/dev/null)
 	for d in "$dir"/deb/*.deb; do dpkg -x "$d" "$dir/root"; done
 	rm -rf "$dir/deb"
 	cp -L /lib/x86_64-linux-gnu/libssl.so.3 /lib/x86_64-linux-gnu/libcrypto.so.3 "$dir/root/usr/lib/x86_64-linux-gnu/"
-	for tool in wrk:usr/bin/wrk ip-fallback:bin/ip; do
+	for tool in wrk:usr/bin/wrk ab:usr/bin/ab ip-fallback:bin/ip; do
 		printf '#!/bin/sh\nR=$(cd "$(dirname "$0")/../root" && pwd)\nLD_LIBRARY_PATH=$R/usr/lib/x86_64-linux-gnu:$R/lib/x86_64-linux-gnu exec "$R/%s" "$@"\n' \
 			"${tool#*:}" >"$dir/bin/${tool%%:*}"
 	done
@@ -33,8 +37,26 @@ run)
 	command -v ip >/dev/null || ln -sf ip-fallback "$dir/bin/ip"
 	{ date -u; uname -a; nproc; lscpu | head -20; ip -V; } >"$out/env.txt" 2>&1 || true
 	cd "$dir/../cmd/fabricbridge"
-	FB_REQUIRE_PRIVILEGED=1 FB_BENCH_ROUNDS=${FB_BENCH_ROUNDS:-3} FB_BENCH_SECONDS=${FB_BENCH_SECONDS:-10} timeout 330 "$dir/cmd.test" \
-		-test.run '^$' -test.bench ServeHTTP -test.benchtime 1x -test.v -test.timeout 320s 2>&1 | tee "$out/serve.txt"
+	cpus=$(nproc)
+	pin=${FB_BENCH_PIN:-}
+	pinned="FB_BENCH_PIN=$pin as given"
+	if [ "$pin" = none ]; then
+		pin= pinned="no pinning (FB_BENCH_PIN=none)"
+	elif [ -z "$pin" ] && [ "$cpus" -ge 8 ]; then
+		pin=loop=1,app=2-3,client=4-7
+		[ "$cpus" -lt 12 ] || pin=loop=2,app=3-5,client=8-11
+		pinned="FB_BENCH_PIN unset on $cpus CPUs, pinning by default: FB_BENCH_PIN=$pin"
+	elif [ -z "$pin" ]; then
+		pinned="no pinning on $cpus CPUs"
+	fi
+	export FB_BENCH_PIN=$pin
+	# About 2.5 minutes on 16 CPUs: wrk 3x2x(10 s + 5 s), ab and the bulk
+	# transfers 3x2 each; the limits keep it within a 5-minute window.
+	{
+		echo "servebench: $pinned"
+		FB_REQUIRE_PRIVILEGED=1 FB_BENCH_ROUNDS=${FB_BENCH_ROUNDS:-3} FB_BENCH_SECONDS=${FB_BENCH_SECONDS:-10} timeout 280 "$dir/cmd.test" \
+			-test.run '^$' -test.bench ServeHTTP -test.benchtime 1x -test.v -test.timeout 270s 2>&1
+	} | tee "$out/serve.txt"
 	;;
 *)
 	echo "usage: $0 build [DIR] | run" >&2

@@ -180,6 +180,12 @@ func TestTCPConnAllocs(t *testing.T) {
 	for range 20 {
 		round()
 	}
+	if failure != nil {
+		t.Fatal(failure)
+	}
+	if raceEnabled {
+		t.Skip("allocation counts are meaningless under the race detector (sync.Pool drops items)")
+	}
 	const runs = 500
 	before := a.LinkStats().TxPackets + b.LinkStats().TxPackets
 	allocs := testing.AllocsPerRun(runs, round)

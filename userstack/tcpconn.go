@@ -3,6 +3,7 @@ package userstack
 import (
 	"bytes"
 	"io"
+	"math"
 	"net"
 	"os"
 	"sync"
@@ -115,7 +116,10 @@ func (d *direction) setDeadline(t time.Time) {
 		return
 	}
 	left := time.Until(t)
-	d.deadline.Store(max(int64(time.Since(clockBase)+left), 1))
+	now := time.Since(clockBase)
+	// Saturate: a deadline centuries away (time.Until's cap) must not
+	// wrap around into the past.
+	d.deadline.Store(max(int64(now)+min(int64(left), math.MaxInt64-int64(now)), 1))
 	if left <= 0 {
 		if d.timer != nil {
 			d.timer.Stop()

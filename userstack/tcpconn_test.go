@@ -289,6 +289,11 @@ func TestTCPConnDeadlines(t *testing.T) {
 		t.Fatalf("read timed out after %v, before its deadline", d)
 	}
 
+	// A deadline as far away as time goes is no deadline yet.
+	server.SetReadDeadline(time.Unix(1<<62, 0))
+	r = waitReturn(t, "read", 100*time.Millisecond, 2*time.Second, read, func() { client.Write([]byte("far")) })
+	expectData("read before a distant deadline", r, "far")
+
 	// A timer that fired with nobody waiting leaves no timeout behind.
 	server.SetReadDeadline(time.Now().Add(20 * time.Millisecond))
 	time.Sleep(60 * time.Millisecond)

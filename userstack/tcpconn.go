@@ -97,7 +97,7 @@ func (d *direction) init(c *tcpConn, op string, events waiter.EventMask) {
 }
 
 // notify wakes the call waiting in this direction, if any; a wake-up
-// nobody takes stays for the next wait, which just checks again.
+// nobody takes stays until the next wait drops it.
 func (d *direction) notify() {
 	select {
 	case d.wake <- struct{}{}:
@@ -134,8 +134,8 @@ func (d *direction) setDeadline(t time.Time) {
 	}
 }
 
-// stop ends the deadline's timer for good and wakes the blocked call,
-// which finds the endpoint closed.
+// stop stops the deadline's timer, which would only keep the conn alive,
+// and wakes the blocked call, which finds the endpoint closed.
 func (d *direction) stop() {
 	d.timerMu.Lock()
 	if d.timer != nil {

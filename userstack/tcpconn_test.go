@@ -7,63 +7,18 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"net/netip"
 	"os"
 	"strings"
 	"sync"
 	"testing"
 	"time"
-
-	"github.com/fabricbridge/fabricbridge/fabric"
 )
 
-// quietPair is two stacks joined by a wire that allocates nothing, so
-// that testing.AllocsPerRun sees only what the stacks and their
-// connections allocate (wiredPair's wire parses every packet).
+// quietPair is two stacks joined by a wire that allocates nothing.
 func quietPair(t *testing.T) (a, b *Stack) {
 	t.Helper()
-	mk := func(addrs []netip.Addr) (*Stack, *fabric.BridgeStream) {
-		br, app, err := fabric.NewPair(fabric.Config{RxSlots: 1024, TxSlots: 1024})
-		if err != nil {
-			t.Fatal(err)
-		}
-		s, err := newStack(app, LinkConfig{MTU: 1500, MaxPacket: app.MaxPayload()}, addrs, &grantAll{}, app.Close)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return s, br
-	}
-	a, brA := mk(addrA)
-	b, brB := mk(addrB)
-	var wg sync.WaitGroup
-	forward := func(from, to *fabric.BridgeStream) {
-		defer wg.Done()
-		bufs := make([][]byte, 64)
-		for i := range bufs {
-			bufs[i] = make([]byte, 2048)
-		}
-		for {
-			for i := range bufs {
-				bufs[i] = bufs[i][:cap(bufs[i])]
-			}
-			n, err := from.Recv(bufs)
-			to.Send(bufs[:n])
-			if err != nil {
-				return
-			}
-		}
-	}
-	wg.Add(2)
-	go forward(brA, brB)
-	go forward(brB, brA)
-	t.Cleanup(func() {
-		a.Close()
-		b.Close()
-		brA.Close()
-		brB.Close()
-		wg.Wait()
-	})
-	return a, b
+	pa, pb := wirePair(t, nil, 0, false)
+	return pa.s, pb.s
 }
 
 // connBetween is a connection from a to b's port: the client dialled from

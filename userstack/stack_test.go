@@ -103,7 +103,7 @@ func wiredPairDepth(t *testing.T, tap tapFunc, rxDepth int) (a, b *peer) {
 // wirePair is wiredPairDepth, with the packets checked or not: unchecked,
 // the wire allocates nothing, and testing.AllocsPerRun sees only what
 // the stacks allocate.
-func wirePair(t *testing.T, tap tapFunc, rxDepth int, check bool) (a, b *peer) {
+func wirePair(t testing.TB, tap tapFunc, rxDepth int, check bool) (a, b *peer) {
 	t.Helper()
 	mk := func(addrs []netip.Addr) *peer {
 		br, app, err := fabric.NewPair(fabric.Config{RxSlots: 1024, TxSlots: 1024})

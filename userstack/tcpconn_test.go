@@ -15,7 +15,7 @@ import (
 )
 
 // quietPair is two stacks joined by a wire that allocates nothing.
-func quietPair(t *testing.T) (a, b *Stack) {
+func quietPair(t testing.TB) (a, b *Stack) {
 	t.Helper()
 	pa, pb := wirePair(t, nil, 0, false)
 	return pa.s, pb.s
@@ -459,5 +459,37 @@ func TestTCPConnConcurrentUse(t *testing.T) {
 		}
 	case <-time.After(5 * time.Second):
 		t.Fatal("Close left the Read blocked")
+	}
+}
+
+// BenchmarkHTTPKeepAlive is GET requests, one after the other, over one
+// keep-alive connection between two stacks: its allocs/op are net/http's
+// own (client and server), the stacks' and the conns'.
+func BenchmarkHTTPKeepAlive(b *testing.B) {
+	client, server := quietPair(b)
+	l, err := server.Listen("tcp", ":80")
+	if err != nil {
+		b.Fatal(err)
+	}
+	srv := &http.Server{ReadTimeout: time.Minute, WriteTimeout: time.Minute, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Write([]byte("hello"))
+	})}
+	go srv.Serve(l)
+	b.Cleanup(func() { srv.Close() })
+	tr := &http.Transport{DialContext: client.Dial}
+	defer tr.CloseIdleConnections()
+	c := &http.Client{Transport: tr}
+	get := func() {
+		resp, err := c.Get("http://198.18.0.2/")
+		if err != nil {
+			b.Fatal(err)
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+	}
+	get()
+	b.ReportAllocs()
+	for b.Loop() {
+		get()
 	}
 }

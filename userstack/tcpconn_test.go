@@ -10,8 +10,11 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
+
+	"gvisor.dev/gvisor/pkg/tcpip"
 )
 
 // quietPair is two stacks joined by a wire that allocates nothing.
@@ -491,5 +494,23 @@ func BenchmarkHTTPKeepAlive(b *testing.B) {
 	b.ReportAllocs()
 	for b.Loop() {
 		get()
+	}
+}
+
+// TestTCPConnResetIsECONNRESET: a reset from the peer fails the blocked
+// Read with the kernel's errno, as "read: connection reset by peer".
+func TestTCPConnResetIsECONNRESET(t *testing.T) {
+	a, b := quietPair(t)
+	client, server := connBetween(t, a, b, 80)
+	// Linger 0: Close sends a reset instead of a FIN.
+	server.(*tcpConn).ep.SocketOptions().SetLinger(tcpip.LingerOption{Enabled: true})
+	buf := make([]byte, 10)
+	r := waitReturn(t, "read", 100*time.Millisecond, 5*time.Second, func() ioResult {
+		n, err := client.Read(buf)
+		return ioResult{n, err}
+	}, func() { server.Close() })
+	var oe *net.OpError
+	if !errors.Is(r.err, syscall.ECONNRESET) || !errors.As(r.err, &oe) || oe.Op != "read" || !strings.HasSuffix(r.err.Error(), "read: connection reset by peer") {
+		t.Fatalf("read after the peer's reset: %d bytes, %v; want ECONNRESET in a read *net.OpError", r.n, r.err)
 	}
 }

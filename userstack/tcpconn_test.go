@@ -82,12 +82,13 @@ func isDeadline(err error) bool {
 	return ok && ne.Timeout() && errors.Is(err, os.ErrDeadlineExceeded)
 }
 
-// TestTCPConnAllocs checks that the server's side of a steady stream of
-// requests and responses allocates nothing, with the deadlines net/http
+// TestTCPConnAllocs checks that the conns of a steady stream of requests
+// and responses allocate nothing, with the deadlines net/http's server
 // sets and clears around each request and the background Read it aborts
-// by a deadline in the past. gonet's conn allocated about a dozen objects
-// per round here (a timer and a channel per deadline, a waiter channel
-// per wait, a fresh error with two fresh addresses per timeout).
+// by a deadline in the past. With gonet's conn a round here allocated 29
+// objects, not 4 (a timer and a channel per deadline, a waiter channel
+// per wait, a fresh error with two fresh addresses per timeout), and the
+// interrupted Read with its deadlines 10, not 0.
 func TestTCPConnAllocs(t *testing.T) {
 	a, b := quietPair(t)
 	client, server := connBetween(t, a, b, 80)

@@ -179,7 +179,7 @@ func (l *tcpListener) Accept() (net.Conn, error) {
 			e := waiter.NewFunctionEntry(waiter.ReadableEvents, func(waiter.EventMask) { traceHop(hopReadable) })
 			wq.EventRegister(&e)
 		}
-		return &tcpConn{TCPConn: gonet.NewTCPConn(wq, n), ep: n, lease: l.lease}, nil
+		return newTCPConn(wq, n, l.lease), nil
 	}
 }
 
@@ -195,35 +195,6 @@ func (l *tcpListener) Close() error {
 
 // Addr implements net.Listener.
 func (l *tcpListener) Addr() net.Addr { return l.addr }
-
-// tcpConn is a connection whose tuple the bridge steers here; the claim
-// goes back once the connection has finished closing.
-type tcpConn struct {
-	*gonet.TCPConn
-	ep    tcpip.Endpoint
-	lease *lease
-	once  sync.Once
-}
-
-// Read implements net.Conn; errors the peer or the network caused are
-// the kernel's errnos (see sysErr).
-func (c *tcpConn) Read(b []byte) (int, error) {
-	n, err := c.TCPConn.Read(b)
-	return n, connErr(err)
-}
-
-// Write implements net.Conn, with errors as for Read.
-func (c *tcpConn) Write(b []byte) (int, error) {
-	n, err := c.TCPConn.Write(b)
-	return n, connErr(err)
-}
-
-// Close implements net.Conn.
-func (c *tcpConn) Close() error {
-	err := c.TCPConn.Close()
-	c.once.Do(func() { go lingerThenDrop(c.ep, c.lease) })
-	return err
-}
 
 // lingerThenDrop keeps the claim while the closing handshake runs, so the
 // peer's FIN and ACK still reach the stack instead of the kernel (which
@@ -358,7 +329,7 @@ func (s *Stack) connect(ctx context.Context, k netKind, cl control.Claim, raddr 
 	if k.proto == "udp" {
 		return s.newUDPConn(&wq, ep, l), nil
 	}
-	return &tcpConn{TCPConn: gonet.NewTCPConn(&wq, ep), ep: ep, lease: l}, nil
+	return newTCPConn(&wq, ep, l), nil
 }
 
 // ListenPacket announces a UDP endpoint: "udp", "udp4" or "udp6", and

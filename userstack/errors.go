@@ -11,11 +11,12 @@ import (
 
 // errnoOf maps the gVisor errors that a peer or the network causes (a
 // reset, an ICMP error, a timeout) to the errno a kernel socket reports for
-// the same event, keyed by the error's text: gonet hands its errors on as
-// errors.New(err.String()), so the text is all that is left of the type by
-// the time a Read or Write returns. The keys come from gVisor's own String
-// methods, so they follow the pinned version. Local errors (a bad address,
-// a port in use) are not here: they have no kernel twin worth pretending.
+// the same event, keyed by the error's text: gonet (under UDP sockets)
+// hands its errors on as errors.New(err.String()), so the text is all that
+// is left of the type by the time a Read or Write returns. The keys come
+// from gVisor's own String methods, so they follow the pinned version.
+// Local errors (a bad address, a port in use) are not here: they have no
+// kernel twin worth pretending.
 var errnoOf = func() map[string]syscall.Errno {
 	m := make(map[string]syscall.Errno)
 	for _, p := range []struct {
@@ -48,8 +49,8 @@ func sysErr(call string, e tcpip.Error) error {
 	return tcpipErr{e}
 }
 
-// connErr rewrites an error from gonet's Read or Write in the same way:
-// gonet returns a *net.OpError whose Err is gVisor's text only.
+// connErr rewrites an error from gonet's Read or Write (UDP) in the same
+// way: gonet returns a *net.OpError whose Err is gVisor's text only.
 func connErr(err error) error {
 	oe, ok := err.(*net.OpError)
 	if !ok || oe.Err == nil {

@@ -589,27 +589,64 @@ func (e *LinkEndpoint) WritePackets(pkts stack.PacketBufferList) (int, tcpip.Err
 	defer t.Unlock()
 	written := 0
 	for _, pkt := range pkts.AsSlice() {
-		var err error
-		if pkt.GSOOptions.Type != stack.GSONone && pkt.GSOOptions.NeedsCsum {
-			err = e.writeOffload(pkt)
-		} else {
-			err = e.writePlain(pkt)
-		}
+		ok, err := e.writeLocked(pkt)
 		if err != nil {
-			e.stats.txDropped.Add(1)
-			if errors.Is(err, errMalformedOffload) {
-				continue // this packet is lost; the others go on
-			}
-			t.batch = t.batch[:0]
-			return written, errLink
+			return written, err
 		}
-		written++
+		if ok {
+			written++
+		}
 	}
 	if err := e.flush(); err != nil {
 		return written, errLink
 	}
 	return written, nil
 }
+
+// writeLocked appends pkt to the transmit batch. A malformed packet is
+// lost alone (false, nil); a link error drops the batch. The caller holds
+// e.tx.
+func (e *LinkEndpoint) writeLocked(pkt *stack.PacketBuffer) (bool, tcpip.Error) {
+	var err error
+	if pkt.GSOOptions.Type != stack.GSONone && pkt.GSOOptions.NeedsCsum {
+		err = e.writeOffload(pkt)
+	} else {
+		err = e.writePlain(pkt)
+	}
+	if err != nil {
+		e.stats.txDropped.Add(1)
+		if errors.Is(err, errMalformedOffload) {
+			return false, nil
+		}
+		e.tx.batch = e.tx.batch[:0]
+		return false, errLink
+	}
+	return true, nil
+}
+
+// linkQDisc is the NIC's queueing discipline: it writes each packet the
+// stack sends straight into the endpoint's batch. gVisor's default
+// discipline wraps every packet in a list of its own, an allocation per
+// packet sent.
+type linkQDisc struct{ e *LinkEndpoint }
+
+// WritePacket implements stack.QueueingDiscipline.
+func (q linkQDisc) WritePacket(pkt *stack.PacketBuffer) tcpip.Error {
+	e := q.e
+	e.tx.Lock()
+	defer e.tx.Unlock()
+	if _, err := e.writeLocked(pkt); err != nil {
+		return err
+	}
+	if err := e.flush(); err != nil {
+		return errLink
+	}
+	return nil
+}
+
+// Close implements stack.QueueingDiscipline: the endpoint has no queue of
+// its own to release.
+func (linkQDisc) Close() {}
 
 // writePlain appends a packet whose checksums are complete.
 func (e *LinkEndpoint) writePlain(pkt *stack.PacketBuffer) error {

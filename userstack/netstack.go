@@ -142,7 +142,14 @@ func addNIC(s *stack.Stack, id tcpip.NICID, ep *LinkEndpoint, addrs []netip.Addr
 	if id != nicID {
 		name = fmt.Sprintf("fabric%d", id-nicID)
 	}
-	if err := s.CreateNICWithOptions(id, withHopTrace(ep), stack.NICOptions{Name: name}); err != nil {
+	opts := stack.NICOptions{Name: name}
+	link := withHopTrace(ep)
+	if link == stack.LinkEndpoint(ep) {
+		// Tracing sees packets in the wrapper's WritePackets, which a
+		// discipline of ours would bypass: it keeps gVisor's default.
+		opts.QDisc = linkQDisc{ep}
+	}
+	if err := s.CreateNICWithOptions(id, link, opts); err != nil {
 		return fmt.Errorf("userstack: creating NIC %d: %v", id, err)
 	}
 	for _, a := range addrs {

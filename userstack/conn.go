@@ -203,27 +203,94 @@ func (l *tcpListener) Addr() net.Addr { return l.addr }
 // TIME-WAIT keeps the claim a little longer (timeWaitHold): after a
 // simultaneous close the peer may still be waiting for the ACK of its FIN
 // and retransmit it, and only this stack can answer that.
-func lingerThenDrop(ep tcpip.Endpoint, l *lease) {
-	deadline := time.Now().Add(lingerMax)
-	wait := time.Millisecond
-	var timeWait time.Time
-	for !l.s.closed.Load() && time.Now().Before(deadline) {
-		switch tcp.EndpointState(ep.State()) {
-		case tcp.StateClose, tcp.StateError, tcp.StateInitial, tcp.StateBound:
-			l.drop()
-			return
-		case tcp.StateTimeWait:
-			if timeWait.IsZero() {
-				timeWait = time.Now()
-			} else if time.Since(timeWait) >= timeWaitHold {
-				l.drop()
-				return
-			}
-		}
-		time.Sleep(wait)
-		wait = min(2*wait, 100*time.Millisecond)
+//
+// One goroutine per stack watches every closing connection, every
+// lingerTick, and exists only while some are: a goroutine per connection,
+// each polling its own, cost a server of short connections a dozen
+// wake-ups per connection.
+func (s *Stack) lingerThenDrop(ep tcpip.Endpoint, l *lease) {
+	s.linger.mu.Lock()
+	defer s.linger.mu.Unlock()
+	s.linger.pending = append(s.linger.pending, lingering{ep: ep, l: l, deadline: time.Now().Add(lingerMax)})
+	if !s.linger.running {
+		s.linger.running = true
+		go s.lingerLoop()
 	}
-	l.drop()
+}
+
+// lingerTick is how often the closing connections are looked at: a claim
+// goes back at most this late.
+const lingerTick = 5 * time.Millisecond
+
+// lingerer is the set of closing connections lingerLoop watches.
+type lingerer struct {
+	mu      sync.Mutex
+	pending []lingering
+	running bool // a lingerLoop runs
+}
+
+// lingering is one closed connection whose claim is held.
+type lingering struct {
+	ep       tcpip.Endpoint
+	l        *lease
+	deadline time.Time // lingerMax after Close
+	timeWait time.Time // when it was first seen in TIME-WAIT
+}
+
+// lingerLoop drops each watched connection's hold on its claim once the
+// connection has finished closing, or has been in TIME-WAIT timeWaitHold,
+// or lingerMax after its Close; it ends when none is left, or drops them
+// all when the stack closes.
+func (s *Stack) lingerLoop() {
+	for {
+		time.Sleep(lingerTick)
+		s.linger.mu.Lock()
+		watch := s.linger.pending
+		s.linger.pending = nil
+		s.linger.mu.Unlock()
+
+		now := time.Now()
+		closed := s.closed.Load()
+		keep := watch[:0]
+		for _, c := range watch {
+			if closed || c.lingerDone(now) {
+				if c.l.refs.Load() == 1 {
+					go c.l.drop() // the last hold: it asks the bridge, which may be slow
+				} else {
+					c.l.drop()
+				}
+				continue
+			}
+			keep = append(keep, c)
+		}
+		clear(watch[len(keep):]) // let go of the endpoints dropped
+
+		s.linger.mu.Lock()
+		// Connections closed while this round ran wait behind the ones kept.
+		s.linger.pending = append(keep, s.linger.pending...)
+		if len(s.linger.pending) == 0 {
+			s.linger.running = false
+			s.linger.mu.Unlock()
+			return
+		}
+		s.linger.mu.Unlock()
+	}
+}
+
+// lingerDone reports whether c's connection no longer needs its claim,
+// noting when it was first seen in TIME-WAIT.
+func (c *lingering) lingerDone(now time.Time) bool {
+	switch tcp.EndpointState(c.ep.State()) {
+	case tcp.StateClose, tcp.StateError, tcp.StateInitial, tcp.StateBound:
+		return true
+	case tcp.StateTimeWait:
+		if c.timeWait.IsZero() {
+			c.timeWait = now
+		} else if now.Sub(c.timeWait) >= timeWaitHold {
+			return true
+		}
+	}
+	return !now.Before(c.deadline)
 }
 
 // Dial connects to address ("ip:port"; names are not resolved) over "tcp",

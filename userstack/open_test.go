@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/netip"
 	"path/filepath"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -442,5 +443,65 @@ func TestWindowsFollowTheStreamsDepth(t *testing.T) {
 		if want := receiveBufferMax(c.want, int(s.ep.MTU())); got.Max != want {
 			t.Errorf("asked for %d slots: receive buffers up to %d bytes, want %d (a %d-slot ring)", c.ask, got.Max, want, c.want)
 		}
+	}
+}
+
+// TestClosingConnectionsShareOneWatcher closes many connections at once:
+// their claims are watched by one goroutine of the stack, not one each,
+// the side that closed first keeps its claim through TIME-WAIT's hold,
+// and every claim goes back in the end.
+func TestClosingConnectionsShareOneWatcher(t *testing.T) {
+	w := newWorld(t)
+	a, b := w.open(t, "a"), w.open(t, "b")
+	l, err := b.Listen("tcp", ":9101")
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 100
+	accepted := make(chan net.Conn, n)
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			accepted <- c
+		}
+	}()
+	var clients, servers []net.Conn
+	for range n {
+		c, err := a.Dial(testCtx(t, 10*time.Second), "tcp", "198.18.0.2:9101")
+		if err != nil {
+			t.Fatal(err)
+		}
+		clients = append(clients, c)
+		servers = append(servers, <-accepted)
+	}
+	l.Close() // from now on b's claim is held by its connections alone
+	before := runtime.NumGoroutine()
+	for i := range n {
+		servers[i].Close() // b closes first: its side ends in TIME-WAIT
+		clients[i].Close()
+	}
+	if grew := runtime.NumGoroutine() - before; grew > n/10 {
+		t.Errorf("closing %d connections on each side started %d goroutines", n, grew)
+	}
+	time.Sleep(timeWaitHold / 2)
+	if bi, _ := w.app("b"); bi.Listeners != 1 {
+		t.Fatalf("b holds %d listeners half a TIME-WAIT hold after its connections closed, want 1", bi.Listeners)
+	}
+	if !eventually(10*time.Second, func() bool {
+		ai, _ := w.app("a")
+		bi, _ := w.app("b")
+		return ai.Flows == 0 && bi.Listeners == 0
+	}) {
+		t.Fatalf("claims left after every connection closed: %+v", w.srv.Apps())
+	}
+	if !eventually(time.Second, func() bool {
+		b.linger.mu.Lock()
+		defer b.linger.mu.Unlock()
+		return !b.linger.running
+	}) {
+		t.Error("the watcher goroutine runs on with nothing to watch")
 	}
 }

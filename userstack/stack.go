@@ -125,6 +125,8 @@ type Stack struct {
 	datagramsMu sync.Mutex
 	datagrams   map[*waiter.Queue]struct{} // UDP endpoints' queues (wakeDatagramReaders)
 
+	linger lingerer // closed TCP connections that still hold their claim (lingerThenDrop)
+
 	closeOnce sync.Once
 	closed    atomic.Bool
 	closers   []func() error // control connection first, then the link

@@ -268,7 +268,7 @@ func (c *tcpConn) Close() error {
 	c.once.Do(func() {
 		c.rd.stop()
 		c.wr.stop()
-		go lingerThenDrop(c.ep, c.lease)
+		c.lease.s.lingerThenDrop(c.ep, c.lease)
 	})
 	return nil
 }

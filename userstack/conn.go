@@ -204,93 +204,106 @@ func (l *tcpListener) Addr() net.Addr { return l.addr }
 // simultaneous close the peer may still be waiting for the ACK of its FIN
 // and retransmit it, and only this stack can answer that.
 //
-// One goroutine per stack watches every closing connection, every
-// lingerTick, and exists only while some are: a goroutine per connection,
-// each polling its own, cost a server of short connections a dozen
-// wake-ups per connection.
+// One goroutine per stack watches every closing connection, and exists
+// only while some are: a goroutine per connection, each polling its own,
+// cost a server of short connections a dozen wake-ups per connection.
 func (s *Stack) lingerThenDrop(ep tcpip.Endpoint, l *lease) {
 	s.linger.mu.Lock()
 	defer s.linger.mu.Unlock()
-	s.linger.pending = append(s.linger.pending, lingering{ep: ep, l: l, deadline: time.Now().Add(lingerMax)})
+	s.linger.arrived = append(s.linger.arrived, lingering{ep: ep, l: l, since: time.Now()})
 	if !s.linger.running {
 		s.linger.running = true
 		go s.lingerLoop()
 	}
 }
 
-// lingerTick is how often the closing connections are looked at: a claim
-// goes back at most this late.
+// lingerTick is how often lingerLoop looks at the closing connections: a
+// claim goes back at most this late.
 const lingerTick = 5 * time.Millisecond
 
-// lingerer is the set of closing connections lingerLoop watches.
+// lingerer holds the closing connections' claims.
 type lingerer struct {
 	mu      sync.Mutex
-	pending []lingering
-	running bool // a lingerLoop runs
+	arrived []lingering // closed since lingerLoop last looked
+	running bool        // a lingerLoop runs
+
+	// lingerLoop's own: the connections still closing, looked at every
+	// tick, and those in TIME-WAIT, in the order they entered it, which
+	// is the order their holds end in: only the first is looked at.
+	closing  []lingering
+	timeWait []lingering
 }
 
 // lingering is one closed connection whose claim is held.
 type lingering struct {
-	ep       tcpip.Endpoint
-	l        *lease
-	deadline time.Time // lingerMax after Close
-	timeWait time.Time // when it was first seen in TIME-WAIT
+	ep    tcpip.Endpoint
+	l     *lease
+	since time.Time // when it was closed, or seen in TIME-WAIT
 }
 
 // lingerLoop drops each watched connection's hold on its claim once the
-// connection has finished closing, or has been in TIME-WAIT timeWaitHold,
-// or lingerMax after its Close; it ends when none is left, or drops them
-// all when the stack closes.
+// connection has finished closing, lingerMax after its Close, or
+// timeWaitHold after it was seen in TIME-WAIT. It ends when none is left,
+// and drops them all when the stack closes.
 func (s *Stack) lingerLoop() {
+	lg := &s.linger
 	for {
 		time.Sleep(lingerTick)
-		s.linger.mu.Lock()
-		watch := s.linger.pending
-		s.linger.pending = nil
-		s.linger.mu.Unlock()
+		lg.mu.Lock()
+		lg.closing = append(lg.closing, lg.arrived...)
+		clear(lg.arrived)
+		lg.arrived = lg.arrived[:0]
+		lg.mu.Unlock()
 
 		now := time.Now()
 		closed := s.closed.Load()
-		keep := watch[:0]
-		for _, c := range watch {
-			if closed || c.lingerDone(now) {
-				if c.l.refs.Load() == 1 {
-					go c.l.drop() // the last hold: it asks the bridge, which may be slow
+		keep := lg.closing[:0]
+		for _, c := range lg.closing {
+			switch tcp.EndpointState(c.ep.State()) {
+			case tcp.StateClose, tcp.StateError, tcp.StateInitial, tcp.StateBound:
+				c.drop()
+			case tcp.StateTimeWait:
+				c.since = now
+				lg.timeWait = append(lg.timeWait, c)
+			default:
+				if closed || now.Sub(c.since) >= lingerMax {
+					c.drop()
 				} else {
-					c.l.drop()
+					keep = append(keep, c)
 				}
-				continue
 			}
-			keep = append(keep, c)
 		}
-		clear(watch[len(keep):]) // let go of the endpoints dropped
+		clear(lg.closing[len(keep):])
+		lg.closing = keep
+		done := 0
+		for _, c := range lg.timeWait {
+			if !closed && now.Sub(c.since) < timeWaitHold {
+				break
+			}
+			c.drop()
+			done++
+		}
+		clear(lg.timeWait[:done])
+		lg.timeWait = lg.timeWait[done:]
 
-		s.linger.mu.Lock()
-		// Connections closed while this round ran wait behind the ones kept.
-		s.linger.pending = append(keep, s.linger.pending...)
-		if len(s.linger.pending) == 0 {
-			s.linger.running = false
-			s.linger.mu.Unlock()
+		lg.mu.Lock()
+		if len(lg.arrived)+len(lg.closing)+len(lg.timeWait) == 0 {
+			lg.running = false
+			lg.timeWait = nil // its array's front is spent
+			lg.mu.Unlock()
 			return
 		}
-		s.linger.mu.Unlock()
+		lg.mu.Unlock()
 	}
 }
 
-// lingerDone reports whether c's connection no longer needs its claim,
-// noting when it was first seen in TIME-WAIT.
-func (c *lingering) lingerDone(now time.Time) bool {
-	switch tcp.EndpointState(c.ep.State()) {
-	case tcp.StateClose, tcp.StateError, tcp.StateInitial, tcp.StateBound:
-		return true
-	case tcp.StateTimeWait:
-		if c.timeWait.IsZero() {
-			c.timeWait = now
-		} else if now.Sub(c.timeWait) >= timeWaitHold {
-			return true
-		}
+// drop lets go of c's hold on its claim.
+func (c *lingering) drop() {
+	if c.l.refs.Load() == 1 {
+		go c.l.drop() // the last hold: it asks the bridge, which may be slow
+		return
 	}
-	return !now.Before(c.deadline)
+	c.l.drop()
 }
 
 // Dial connects to address ("ip:port"; names are not resolved) over "tcp",

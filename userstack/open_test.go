@@ -483,8 +483,15 @@ func TestClosingConnectionsShareOneWatcher(t *testing.T) {
 		servers[i].Close() // b closes first: its side ends in TIME-WAIT
 		clients[i].Close()
 	}
-	if grew := runtime.NumGoroutine() - before; grew > n/10 {
-		t.Errorf("closing %d connections on each side started %d goroutines", n, grew)
+	// A goroutine per connection would live through TIME-WAIT's hold, a
+	// second; the stack's timers start short-lived ones, which a moment
+	// lets end.
+	grew := 0
+	if !eventually(300*time.Millisecond, func() bool {
+		grew = runtime.NumGoroutine() - before
+		return grew <= n/10
+	}) {
+		t.Errorf("closing %d connections on each side left %d more goroutines", n, grew)
 	}
 	time.Sleep(timeWaitHold / 2)
 	if bi, _ := w.app("b"); bi.Listeners != 1 {

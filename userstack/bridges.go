@@ -147,6 +147,7 @@ type bridgeSet struct {
 	ready    chan struct{} // closed once Open has built the stack, or failed
 	capMTU   int
 	noGRO    bool
+	noDelack bool
 	events   eventQueue
 	closeFns []func() error
 
@@ -168,7 +169,7 @@ func openBridges(ctx context.Context, opts Options) (*Stack, error) {
 	n := len(opts.Bridges)
 	b := &bridgeSet{
 		names: make([]string, n), atts: make([]*attachment, n), counts: make([]bridgeCounters, n),
-		closing: make(chan struct{}), ready: make(chan struct{}), capMTU: opts.MTU, noGRO: opts.NoGRO,
+		closing: make(chan struct{}), ready: make(chan struct{}), capMTU: opts.MTU, noGRO: opts.NoGRO, noDelack: opts.NoAckDelay,
 		eps: make([]*LinkEndpoint, n), mtus: make([]int, n), nextNIC: nicID, wake: make(chan struct{}),
 		claims: make(map[uint64][]uint64),
 	}
@@ -252,7 +253,7 @@ func (b *bridgeSet) build(first []attached, home int, opts Options) (*Stack, err
 		}
 	}
 	at := first[home]
-	cfg := LinkConfig{MTU: b.mtuLocked(at.maxPacket), MaxPacket: at.maxPacket, NoGRO: opts.NoGRO, RxDepth: at.rxDepth}
+	cfg := LinkConfig{MTU: b.mtuLocked(at.maxPacket), MaxPacket: at.maxPacket, NoGRO: opts.NoGRO, NoAckDelay: opts.NoAckDelay, RxDepth: at.rxDepth}
 	s, err := newStack(nicLink{rx: b.atts[home].link, tx: &b.tx}, cfg, at.reg.Addrs, b)
 	if err != nil {
 		return nil, err
@@ -353,7 +354,7 @@ func (b *bridgeSet) join(ctx context.Context, i int, at attached) error {
 // addNICLocked gives bridge i its NIC. b.mu is held.
 func (b *bridgeSet) addNICLocked(i int, at attached) error {
 	b.mtus[i] = at.reg.MTU
-	cfg := LinkConfig{MTU: b.mtuLocked(at.maxPacket), MaxPacket: at.maxPacket, NoGRO: b.noGRO, RxDepth: at.rxDepth}
+	cfg := LinkConfig{MTU: b.mtuLocked(at.maxPacket), MaxPacket: at.maxPacket, NoGRO: b.noGRO, NoAckDelay: b.noDelack, RxDepth: at.rxDepth}
 	ep, err := NewLinkEndpoint(nicLink{rx: b.atts[i].link, tx: &b.tx}, cfg)
 	if err != nil {
 		return err

@@ -57,6 +57,10 @@ type LinkConfig struct {
 	Batch int
 	// NoGRO turns off receive coalescing of TCP segments (see LinkEndpoint).
 	NoGRO bool
+	// NoAckDelay sends every pure ACK the stack makes at once (see
+	// delack.go); by default one that data may soon carry waits up to a
+	// millisecond for it.
+	NoAckDelay bool
 	// RxDepth is how many packets the link holds for the stack before it
 	// drops (a local stream's RX ring); the stack keeps TCP receive
 	// windows within it. 0: the link does not drop, its sender waits
@@ -134,9 +138,10 @@ type LinkEndpoint struct {
 
 type txState struct {
 	sync.Mutex
-	bufs  [][]byte // Batch buffers of maxPacket bytes, the flattening targets
-	batch [][]byte // the packets of the batch being built (slices of bufs)
-	gso   []byte   // one whole offload packet, flattened before it is cut
+	bufs  [][]byte   // Batch buffers of maxPacket bytes, the flattening targets
+	batch [][]byte   // the packets of the batch being built (slices of bufs)
+	gso   []byte     // one whole offload packet, flattened before it is cut
+	acks  *ackHolder // nil: ACKs are not delayed
 }
 
 type linkCounters struct {
@@ -145,6 +150,7 @@ type linkCounters struct {
 	txPackets, txBytes, txBatches          atomic.Uint64
 	txSegmented, txDropped                 atomic.Uint64
 	rxMayReturn, txNotMine                 atomic.Uint64
+	txAcksDelayed, txAcksAbsorbed          atomic.Uint64
 }
 
 // LinkStats are a LinkEndpoint's counters.
@@ -160,6 +166,10 @@ type LinkStats struct {
 	// TxNotMine counts those that belonged to no connection here and went
 	// back to the bridge (they are in RxPackets, not in TxPackets).
 	RxMayReturn, TxNotMine uint64
+	// AcksDelayed counts the pure ACKs the endpoint held back (delack.go);
+	// of them, AcksAbsorbed were made redundant by a later segment of their
+	// connection and never sent.
+	AcksDelayed, AcksAbsorbed uint64
 }
 
 // add adds o's counts to s's.
@@ -176,6 +186,8 @@ func (s *LinkStats) add(o LinkStats) {
 	s.TxDropped += o.TxDropped
 	s.RxMayReturn += o.RxMayReturn
 	s.TxNotMine += o.TxNotMine
+	s.AcksDelayed += o.AcksDelayed
+	s.AcksAbsorbed += o.AcksAbsorbed
 }
 
 // NewLinkEndpoint returns an endpoint over l. Its receive loop starts when
@@ -215,6 +227,9 @@ func NewLinkEndpoint(l Link, cfg LinkConfig) (*LinkEndpoint, error) {
 	}
 	e.tx.batch = make([][]byte, 0, cfg.Batch)
 	e.tx.gso = make([]byte, gsoMaxSize+header.IPv6MinimumSize)
+	if !cfg.NoAckDelay {
+		e.tx.acks = newAckHolder(e)
+	}
 	return e, nil
 }
 
@@ -227,6 +242,7 @@ func (e *LinkEndpoint) Stats() LinkStats {
 		TxPackets: c.txPackets.Load(), TxBytes: c.txBytes.Load(), TxBatches: c.txBatches.Load(),
 		TxSegmented: c.txSegmented.Load(), TxDropped: c.txDropped.Load(),
 		RxMayReturn: c.rxMayReturn.Load(), TxNotMine: c.txNotMine.Load(),
+		AcksDelayed: c.txAcksDelayed.Load(), AcksAbsorbed: c.txAcksAbsorbed.Load(),
 	}
 }
 
@@ -607,6 +623,19 @@ func (e *LinkEndpoint) WritePackets(pkts stack.PacketBufferList) (int, tcpip.Err
 // lost alone (false, nil); a link error drops the batch. The caller holds
 // e.tx.
 func (e *LinkEndpoint) writeLocked(pkt *stack.PacketBuffer) (bool, tcpip.Error) {
+	verdict := ackSend
+	var seg outSeg
+	if e.tx.acks != nil {
+		var ok bool
+		if seg, ok = parseOut(pkt); ok {
+			var err error
+			if verdict, err = e.judge(&seg, e.MTU()-header.IPv6MinimumSize-header.TCPMinimumSize); err != nil {
+				e.stats.txDropped.Add(1)
+				e.tx.batch = e.tx.batch[:0]
+				return false, errLink
+			}
+		}
+	}
 	var err error
 	if pkt.GSOOptions.Type != stack.GSONone && pkt.GSOOptions.NeedsCsum {
 		err = e.writeOffload(pkt)
@@ -620,6 +649,9 @@ func (e *LinkEndpoint) writeLocked(pkt *stack.PacketBuffer) (bool, tcpip.Error) 
 		}
 		e.tx.batch = e.tx.batch[:0]
 		return false, errLink
+	}
+	if verdict == ackHold {
+		e.holdLast(&seg)
 	}
 	return true, nil
 }

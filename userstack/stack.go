@@ -54,6 +54,9 @@ type Options struct {
 	MTU int
 	// NoGRO turns off receive coalescing (see LinkEndpoint).
 	NoGRO bool
+	// NoAckDelay sends every pure ACK at once instead of letting it wait
+	// up to a millisecond for data to carry it (see LinkConfig).
+	NoAckDelay bool
 	// Spin is how long the receive loop keeps polling an empty local
 	// stream before it sleeps until the bridge signals. Zero, the default,
 	// sleeps at once: where cores are shared, a spinning loop holds the
@@ -182,7 +185,7 @@ func Open(ctx context.Context, opts Options) (*Stack, error) {
 		return nil, err
 	}
 	// The ring the bridge made, whatever was asked: windows must fit it.
-	cfg := LinkConfig{MTU: mtuOf(first.reg.MTU, opts.MTU, first.maxPacket), MaxPacket: first.maxPacket, NoGRO: opts.NoGRO, RxDepth: first.rxDepth}
+	cfg := LinkConfig{MTU: mtuOf(first.reg.MTU, opts.MTU, first.maxPacket), MaxPacket: first.maxPacket, NoGRO: opts.NoGRO, NoAckDelay: opts.NoAckDelay, RxDepth: first.rxDepth}
 	s, err := newStack(a.link, cfg, first.reg.Addrs, a, a.Close, a.link.Close, closeTransport)
 	if err != nil {
 		a.Close()

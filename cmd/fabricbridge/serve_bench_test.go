@@ -446,8 +446,10 @@ func machineTicks() (uint64, error) {
 	return busy, nil
 }
 
-// retransmits is the TCP segments retransmitted by the namespace's kernel.
-func retransmits(ns *topology.NS) (n uint64, err error) {
+// clientTCP is the namespace's kernel TCP counters: segments received, sent
+// and retransmitted. Outside, they count what the server's side put on the
+// wire per request (a pure ACK the server need not send costs both sides).
+func clientTCP(ns *topology.NS) (in, out, retrans uint64, err error) {
 	err = ns.Do(func() error {
 		b, err := os.ReadFile("/proc/thread-self/net/snmp")
 		if err != nil {
@@ -463,23 +465,33 @@ func retransmits(ns *topology.NS) (n uint64, err error) {
 				names = f
 				continue
 			}
-			if i := slices.Index(names, "RetransSegs"); i > 0 && i < len(f) {
-				n, err = strconv.ParseUint(f[i], 10, 64)
-				return err
+			for _, c := range []struct {
+				name string
+				v    *uint64
+			}{{"InSegs", &in}, {"OutSegs", &out}, {"RetransSegs", &retrans}} {
+				i := slices.Index(names, c.name)
+				if i <= 0 || i >= len(f) {
+					return fmt.Errorf("no Tcp %s in /proc/net/snmp", c.name)
+				}
+				if *c.v, err = strconv.ParseUint(f[i], 10, 64); err != nil {
+					return err
+				}
 			}
+			return nil
 		}
-		return errors.New("no Tcp RetransSegs in /proc/net/snmp")
+		return errors.New("no Tcp counters in /proc/net/snmp")
 	})
-	return n, err
+	return in, out, retrans, err
 }
 
 // serveCounters are what the benchmark reads before and after each client run,
 // in clock ticks (machine: all CPUs busy; owned: the serving processes) and
 // counts.
-type serveCounters struct{ machine, owned, ringFull, retrans uint64 }
+type serveCounters struct{ machine, owned, ringFull, retrans, segsIn, segsOut uint64 }
 
 func (c serveCounters) since(before serveCounters) serveCounters {
-	return serveCounters{c.machine - before.machine, c.owned - before.owned, c.ringFull - before.ringFull, c.retrans - before.retrans}
+	return serveCounters{c.machine - before.machine, c.owned - before.owned, c.ringFull - before.ringFull, c.retrans - before.retrans,
+		c.segsIn - before.segsIn, c.segsOut - before.segsOut}
 }
 
 // clockTick is USER_HZ on Linux.
@@ -492,6 +504,9 @@ type requestResult struct {
 	errors            string
 	machineCPU, owned time.Duration // per request
 	ringFull, retrans uint64
+	// segsIn and segsOut are the client's TCP segments received and sent
+	// per request.
+	segsIn, segsOut float64
 }
 
 // charge spreads the counters' CPU time over the run's requests.
@@ -499,6 +514,7 @@ func (r *requestResult) charge(d serveCounters) {
 	r.machineCPU = time.Duration(float64(d.machine) * float64(clockTick) / r.reqs)
 	r.owned = time.Duration(float64(d.owned) * float64(clockTick) / r.reqs)
 	r.ringFull, r.retrans = d.ringFull, d.retrans
+	r.segsIn, r.segsOut = float64(d.segsIn)/r.reqs, float64(d.segsOut)/r.reqs
 }
 
 var (
@@ -767,7 +783,7 @@ metrics: {address: %q}
 			}
 			c.owned += t
 		}
-		if c.retrans, err = retransmits(outside); err != nil {
+		if c.segsIn, c.segsOut, c.retrans, err = clientTCP(outside); err != nil {
 			b.Fatal(err)
 		}
 		if !opening {
@@ -888,8 +904,8 @@ func logLoadRound(b *testing.B, label string, round int, kernel, bridge requestR
 		who string
 		r   requestResult
 	}{{"kernel", kernel}, {"bridge", bridge}} {
-		b.Logf("%s round %d %s: %.0f req/s, CPU/req machine %v serving %v, p50 %v p99 %v, ring-full %d, client retransmits %d %s",
-			label, round, x.who, x.r.rate, x.r.machineCPU, x.r.owned, x.r.p50, x.r.p99, x.r.ringFull, x.r.retrans, x.r.errors)
+		b.Logf("%s round %d %s: %.0f req/s, CPU/req machine %v serving %v, p50 %v p99 %v, ring-full %d, client retransmits %d, client segments/req in %.2f out %.2f %s",
+			label, round, x.who, x.r.rate, x.r.machineCPU, x.r.owned, x.r.p50, x.r.p99, x.r.ringFull, x.r.retrans, x.r.segsIn, x.r.segsOut, x.r.errors)
 	}
 }
 
@@ -897,10 +913,10 @@ func logLoadRound(b *testing.B, label string, round int, kernel, bridge requestR
 // bridge over kernel, as metrics named tag+what.
 func reportLoad(b *testing.B, label, tag string, kr, br []requestResult) {
 	k, br1 := medianResult(kr), medianResult(br)
-	b.Logf("%s medians of %d: bridge/kernel req/s %.0f/%.0f = %.2fx; CPU/req machine %v/%v = %.2fx; serving %v/%v = %.2fx; p50 %v/%v = %.2fx; p99 %v/%v = %.2fx; ring-full %d/%d; retransmits %d/%d",
+	b.Logf("%s medians of %d: bridge/kernel req/s %.0f/%.0f = %.2fx; CPU/req machine %v/%v = %.2fx; serving %v/%v = %.2fx; p50 %v/%v = %.2fx; p99 %v/%v = %.2fx; ring-full %d/%d; retransmits %d/%d; client segments/req in %.2f/%.2f out %.2f/%.2f",
 		label, len(kr), br1.rate, k.rate, br1.rate/k.rate, br1.machineCPU, k.machineCPU, ratio(br1.machineCPU, k.machineCPU),
 		br1.owned, k.owned, ratio(br1.owned, k.owned), br1.p50, k.p50, ratio(br1.p50, k.p50), br1.p99, k.p99, ratio(br1.p99, k.p99),
-		br1.ringFull, k.ringFull, br1.retrans, k.retrans)
+		br1.ringFull, k.ringFull, br1.retrans, k.retrans, br1.segsIn, k.segsIn, br1.segsOut, k.segsOut)
 	b.ReportMetric(br1.rate/k.rate, tag+"rate-ratio")
 	b.ReportMetric(ratio(br1.machineCPU, k.machineCPU), tag+"cpu-ratio")
 	b.ReportMetric(ratio(br1.p99, k.p99), tag+"p99-ratio")
@@ -927,6 +943,8 @@ func medianResult(rs []requestResult) requestResult {
 		owned:      time.Duration(medianOf(rs, func(r requestResult) float64 { return float64(r.owned) })),
 		ringFull:   uint64(medianOf(rs, func(r requestResult) float64 { return float64(r.ringFull) })),
 		retrans:    uint64(medianOf(rs, func(r requestResult) float64 { return float64(r.retrans) })),
+		segsIn:     medianOf(rs, func(r requestResult) float64 { return r.segsIn }),
+		segsOut:    medianOf(rs, func(r requestResult) float64 { return r.segsOut }),
 	}
 }
 

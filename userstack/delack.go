@@ -1,0 +1,306 @@
+package userstack
+
+import (
+	"encoding/binary"
+	"time"
+
+	"gvisor.dev/gvisor/pkg/tcpip/header"
+	"gvisor.dev/gvisor/pkg/tcpip/stack"
+)
+
+// Delayed ACKs.
+//
+// gVisor acknowledges every batch of segments it processes at once, with a
+// pure ACK, before the application has had a chance to answer. A request
+// of a few hundred bytes therefore costs a packet more than on the
+// kernel's path, whose delayed ACK rides on the response: one more frame
+// through the stack's send path, the stream, the bridge's transmit and the
+// peer's receive path (a fifth of the frames of a keep-alive HTTP
+// exchange with a 4 KB answer). The link endpoint holds such an ACK back
+// for a short time instead. If the connection sends anything else first,
+// that segment carries the same or a later acknowledgment and window, and
+// the held ACK is dropped; otherwise it leaves when its time is up.
+//
+// Only what a peer cannot miss is held, the way a kernel delays ACKs:
+//   - a pure ACK (no data, no SYN, FIN or RST) without SACK blocks, which
+//     advances the acknowledgment, by less than two full segments, past
+//     the last one the connection sent. ACKs of bulk data (two segments
+//     or more), duplicate ACKs and window updates leave at once, so a
+//     sender's ACK clock and fast retransmit see what they did before;
+//   - one per connection: a second pure ACK that acknowledges more
+//     replaces it, one that acknowledges no more sends both.
+//
+// Connections are tracked in a fixed table indexed by a hash of their
+// addresses and ports; a connection that finds its entry taken sends the
+// other's held ACK and takes the entry over. Nothing grows, and a
+// connection the table has no history for is not held.
+
+const (
+	// ackTick is the hold timer's period: a held ACK leaves at the end of
+	// the tick after the one it was held in, between one and two ticks
+	// after gVisor sent it. Linux delays ACKs by 40 ms at most; this stays
+	// far below a peer's retransmission timer and its RTT's noise floor.
+	ackTick = 500 * time.Microsecond
+	// ackSlotBits sizes the table: 4096 entries of 176 bytes.
+	ackSlotBits = 12
+	// ackFrameMax is the largest pure ACK held: IPv6 and TCP headers with
+	// options.
+	ackFrameMax = header.IPv6MinimumSize + header.TCPHeaderMaximumSize
+)
+
+// ackFlow names a connection: local then remote address (IPv4 in the
+// first four bytes of each half) and the two ports.
+type ackFlow struct {
+	addrs [32]byte
+	ports uint32
+	v6    bool
+}
+
+// ackSlot is one connection's entry.
+type ackSlot struct {
+	key     ackFlow
+	used    bool
+	holding bool
+	sentAck uint32 // the acknowledgment number the connection last sent
+	heldAck uint32
+	gen     uint32 // counts holds, to tell a queued reference from a stale one
+	n       uint8
+	frame   [ackFrameMax]byte
+}
+
+// heldRef queues a hold for the timer, in the order the holds were made.
+type heldRef struct {
+	slot, gen, tick uint32
+}
+
+// ackHolder is the endpoint's delayed-ACK state. It is guarded by the
+// transmit lock (txState).
+type ackHolder struct {
+	slots []ackSlot
+	queue []heldRef // holds in order; stale ones are skipped
+	head  int
+	tick  uint32 // ticks so far
+	armed bool
+	timer *time.Timer
+}
+
+// outSeg is what the holder reads from a segment the stack sends.
+type outSeg struct {
+	key     ackFlow
+	ack     uint32
+	flags   header.TCPFlags
+	pureAck bool // an ACK alone: no data, SYN, FIN, RST or SACK blocks
+	size    int  // the whole packet's length
+}
+
+// parseOut reads pkt's TCP and IP headers. ok is false for anything but a
+// TCP segment over IPv4 or plain IPv6.
+func parseOut(pkt *stack.PacketBuffer) (s outSeg, ok bool) {
+	if pkt.TransportProtocolNumber != header.TCPProtocolNumber {
+		return s, false
+	}
+	nh := pkt.NetworkHeader().Slice()
+	switch pkt.NetworkProtocolNumber {
+	case header.IPv4ProtocolNumber:
+		if len(nh) < header.IPv4MinimumSize {
+			return s, false
+		}
+		copy(s.key.addrs[0:4], nh[12:16])
+		copy(s.key.addrs[16:20], nh[16:20])
+	case header.IPv6ProtocolNumber:
+		if len(nh) != header.IPv6MinimumSize || nh[6] != uint8(header.TCPProtocolNumber) {
+			return s, false
+		}
+		copy(s.key.addrs[:], nh[8:40])
+		s.key.v6 = true
+	default:
+		return s, false
+	}
+	th := header.TCP(pkt.TransportHeader().Slice())
+	if len(th) < header.TCPMinimumSize || int(th.DataOffset()) > len(th) {
+		return s, false
+	}
+	s.key.ports = uint32(th.SourcePort())<<16 | uint32(th.DestinationPort())
+	s.ack = th.AckNumber()
+	s.flags = th.Flags()
+	s.size = pkt.Size()
+	s.pureAck = s.flags == header.TCPFlagAck && pkt.Data().Size() == 0 && !hasSACK(th[header.TCPMinimumSize:th.DataOffset()])
+	return s, true
+}
+
+// hasSACK reports whether TCP options carry SACK blocks.
+func hasSACK(opts []byte) bool {
+	for i := 0; i < len(opts); {
+		switch opts[i] {
+		case header.TCPOptionEOL:
+			return false
+		case header.TCPOptionNOP:
+			i++
+		case header.TCPOptionSACK:
+			return true
+		default:
+			if i+1 >= len(opts) || opts[i+1] < 2 {
+				return false
+			}
+			i += int(opts[i+1])
+		}
+	}
+	return false
+}
+
+// newAckHolder returns the state of an endpoint that delays ACKs.
+func newAckHolder(e *LinkEndpoint) *ackHolder {
+	a := &ackHolder{slots: make([]ackSlot, 1<<ackSlotBits)}
+	a.timer = time.AfterFunc(time.Hour, e.expireAcks)
+	a.timer.Stop()
+	return a
+}
+
+// slotOf returns the table entry of k's hash.
+func (a *ackHolder) slotOf(k *ackFlow) (uint32, *ackSlot) {
+	h := uint64(k.ports) ^ binary.LittleEndian.Uint64(k.addrs[16:24])<<7 ^ binary.LittleEndian.Uint64(k.addrs[24:32])
+	h ^= binary.LittleEndian.Uint64(k.addrs[0:8]) >> 3
+	i := uint32((h * 0x9e3779b97f4a7c15) >> (64 - ackSlotBits))
+	return i, &a.slots[i]
+}
+
+// seqAfter reports whether sequence number a comes after b.
+func seqAfter(a, b uint32) bool { return int32(a-b) > 0 }
+
+// ackVerdict is what writeLocked does with a segment about to be sent.
+type ackVerdict uint8
+
+const (
+	ackSend ackVerdict = iota // send it
+	ackHold                   // send it into the holder instead (holdLast)
+)
+
+// judge decides a segment's fate before it is written and settles the
+// entry's held ACK: one that the segment makes redundant is dropped, one
+// that must leave first is written to the batch now. mss bounds what a
+// held ACK may acknowledge. The caller holds e.tx.
+func (e *LinkEndpoint) judge(s *outSeg, mss uint32) (ackVerdict, error) {
+	a := e.tx.acks
+	_, slot := a.slotOf(&s.key)
+	if !slot.used || slot.key != s.key {
+		if slot.holding {
+			if err := e.releaseHeld(slot); err != nil {
+				return ackSend, err
+			}
+		}
+		*slot = ackSlot{key: s.key, used: true, sentAck: s.ack, gen: slot.gen}
+		return ackSend, nil
+	}
+	if s.flags&(header.TCPFlagSyn|header.TCPFlagRst) != 0 || s.flags&header.TCPFlagAck == 0 {
+		// A new connection on the same ports, or one ending: whatever is
+		// held leaves first, and the history starts again.
+		if slot.holding {
+			if err := e.releaseHeld(slot); err != nil {
+				return ackSend, err
+			}
+		}
+		slot.sentAck = s.ack
+		return ackSend, nil
+	}
+	if s.pureAck && s.size <= ackFrameMax && seqAfter(s.ack, slot.sentAck) && s.ack-slot.sentAck < 2*mss &&
+		(!slot.holding || seqAfter(s.ack, slot.heldAck)) {
+		if slot.holding {
+			e.stats.txAcksAbsorbed.Add(1) // the new one acknowledges more
+			slot.holding = false
+		}
+		return ackHold, nil
+	}
+	if slot.holding {
+		if seqAfter(slot.heldAck, s.ack) {
+			if err := e.releaseHeld(slot); err != nil {
+				return ackSend, err
+			}
+		} else if s.pureAck && s.ack == slot.heldAck {
+			// Acknowledges no more: a duplicate or a window update, which
+			// the peer counts. Both go.
+			if err := e.releaseHeld(slot); err != nil {
+				return ackSend, err
+			}
+		} else {
+			slot.holding = false
+			e.stats.txAcksAbsorbed.Add(1)
+		}
+	}
+	slot.sentAck = s.ack
+	return ackSend, nil
+}
+
+// holdLast moves the packet just written, the last of the batch, into the
+// entry of s and queues it for the timer. The caller holds e.tx.
+func (e *LinkEndpoint) holdLast(s *outSeg) {
+	t := &e.tx
+	a := t.acks
+	i, slot := a.slotOf(&s.key)
+	p := t.batch[len(t.batch)-1]
+	t.batch = t.batch[:len(t.batch)-1]
+	slot.n = uint8(copy(slot.frame[:], p))
+	slot.holding = true
+	slot.heldAck = s.ack
+	slot.gen++
+	a.queue = append(a.queue, heldRef{slot: i, gen: slot.gen, tick: a.tick})
+	e.stats.txAcksDelayed.Add(1)
+	if !a.armed {
+		a.armed = true
+		a.timer.Reset(ackTick)
+	}
+}
+
+// releaseHeld writes slot's held ACK to the batch. The caller holds e.tx.
+func (e *LinkEndpoint) releaseHeld(slot *ackSlot) error {
+	slot.holding = false
+	slot.sentAck = slot.heldAck
+	dst, err := e.slot()
+	if err != nil {
+		return err
+	}
+	e.tx.batch = append(e.tx.batch, dst[:copy(dst, slot.frame[:slot.n])])
+	return nil
+}
+
+// expireAcks runs on the hold timer: it sends the ACKs held since before
+// the tick that just ended and rearms while any are left.
+func (e *LinkEndpoint) expireAcks() {
+	t := &e.tx
+	t.Lock()
+	defer t.Unlock()
+	a := t.acks
+	a.armed = false
+	select {
+	case <-e.done: // the link is gone: nothing can leave
+		a.queue, a.head = a.queue[:0], 0
+		return
+	default:
+	}
+	now := a.tick
+	a.tick++
+	for a.head < len(a.queue) {
+		r := a.queue[a.head]
+		if r.tick == now {
+			break // held during the tick that just ended: one more
+		}
+		a.head++
+		slot := &a.slots[r.slot]
+		if !slot.holding || slot.gen != r.gen {
+			continue
+		}
+		if e.releaseHeld(slot) != nil {
+			break // the link refused the batch; the receive loop reports it
+		}
+	}
+	if a.head == len(a.queue) {
+		a.queue, a.head = a.queue[:0], 0
+	} else if a.head > len(a.queue)/2 {
+		a.queue = a.queue[:copy(a.queue, a.queue[a.head:])]
+		a.head = 0
+	}
+	_ = e.flush()
+	if a.head < len(a.queue) {
+		a.armed = true
+		a.timer.Reset(ackTick)
+	}
+}

@@ -1,0 +1,340 @@
+package userstack
+
+import (
+	"bytes"
+	"fmt"
+	"io"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/gopacket/gopacket/layers"
+	"gvisor.dev/gvisor/pkg/buffer"
+	"gvisor.dev/gvisor/pkg/tcpip"
+	"gvisor.dev/gvisor/pkg/tcpip/checksum"
+	"gvisor.dev/gvisor/pkg/tcpip/header"
+	"gvisor.dev/gvisor/pkg/tcpip/stack"
+
+	"github.com/fabricbridge/fabricbridge/internal/testing/ippkt"
+)
+
+// outgoing describes a segment as gVisor's TCP would hand it to the link.
+type outgoing struct {
+	v6      bool
+	port    uint16 // the local port (the remote one is 40000)
+	seq     uint32
+	ack     uint32
+	flags   header.TCPFlags
+	payload int
+	sack    bool // a SACK block in the options
+}
+
+// build makes the packet, complete with checksums.
+func (o outgoing) build() *stack.PacketBuffer {
+	opts := []byte{header.TCPOptionNOP, header.TCPOptionNOP, header.TCPOptionTS, 10, 0, 0, 0, 1, 0, 0, 0, 2}
+	if o.sack {
+		opts = append(opts, header.TCPOptionNOP, header.TCPOptionNOP, header.TCPOptionSACK, 10, 0, 0, 1, 0, 0, 0, 2, 0)
+	}
+	hlen := header.TCPMinimumSize + len(opts)
+	pkt := stack.NewPacketBuffer(stack.PacketBufferOptions{
+		ReserveHeaderBytes: header.IPv6MinimumSize + hlen,
+		Payload:            buffer.MakeWithData(pattern(o.payload)),
+	})
+	tcp := header.TCP(pkt.TransportHeader().Push(hlen))
+	tcp.Encode(&header.TCPFields{SrcPort: o.port, DstPort: 40000, SeqNum: o.seq, AckNum: o.ack, DataOffset: uint8(hlen), Flags: o.flags, WindowSize: 512})
+	copy(tcp[header.TCPMinimumSize:], opts)
+	pkt.TransportProtocolNumber = header.TCPProtocolNumber
+	var src, dst tcpip.Address
+	if o.v6 {
+		src, dst = tcpip.AddrFromSlice(src6.AsSlice()), tcpip.AddrFromSlice(dst6.AsSlice())
+		ip := header.IPv6(pkt.NetworkHeader().Push(header.IPv6MinimumSize))
+		ip.Encode(&header.IPv6Fields{PayloadLength: uint16(hlen + o.payload), TransportProtocol: header.TCPProtocolNumber,
+			HopLimit: 64, SrcAddr: src, DstAddr: dst})
+		pkt.NetworkProtocolNumber = header.IPv6ProtocolNumber
+	} else {
+		src, dst = tcpip.AddrFromSlice(src4.AsSlice()), tcpip.AddrFromSlice(dst4.AsSlice())
+		ip := header.IPv4(pkt.NetworkHeader().Push(header.IPv4MinimumSize))
+		ip.Encode(&header.IPv4Fields{TotalLength: uint16(header.IPv4MinimumSize + hlen + o.payload), Flags: header.IPv4FlagDontFragment, TTL: 64,
+			Protocol: uint8(header.TCPProtocolNumber), SrcAddr: src, DstAddr: dst})
+		ip.SetChecksum(^ip.CalculateChecksum())
+		pkt.NetworkProtocolNumber = header.IPv4ProtocolNumber
+	}
+	xsum := header.PseudoHeaderChecksum(header.TCPProtocolNumber, src, dst, uint16(hlen+o.payload))
+	tcp.SetChecksum(^tcp.CalculateChecksum(checksum.Combine(xsum, pkt.Data().Checksum())))
+	return pkt
+}
+
+// delackLink is a link endpoint over a recording sink, and what it sent.
+type delackLink struct {
+	t    *testing.T
+	ep   *LinkEndpoint
+	sink *sinkLink
+}
+
+func newDelackLink(t *testing.T) *delackLink {
+	sink := &sinkLink{keep: true}
+	ep, err := NewLinkEndpoint(sink, LinkConfig{MTU: 1500})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ep.tx.acks.timer.Stop() })
+	return &delackLink{t: t, ep: ep, sink: sink}
+}
+
+// send writes o and returns what the sink has received since.
+func (d *delackLink) send(o outgoing) [][]byte {
+	d.t.Helper()
+	before := d.sent()
+	pkt := o.build()
+	defer pkt.DecRef()
+	var list stack.PacketBufferList
+	list.PushBack(pkt)
+	if n, err := d.ep.WritePackets(list); n != 1 || err != nil {
+		d.t.Fatalf("WritePackets: %d, %v", n, err)
+	}
+	return d.since(before)
+}
+
+func (d *delackLink) sent() int {
+	d.ep.tx.Lock()
+	defer d.ep.tx.Unlock()
+	return len(d.sink.got)
+}
+
+func (d *delackLink) since(n int) [][]byte {
+	d.ep.tx.Lock()
+	defer d.ep.tx.Unlock()
+	return append([][]byte(nil), d.sink.got[n:]...)
+}
+
+// ackOf reads a sent packet's acknowledgment number and payload length.
+func ackOf(t *testing.T, p []byte) (ack uint32, payload int) {
+	t.Helper()
+	q, err := ippkt.Parse(p)
+	if err != nil || !q.ChecksumOK {
+		t.Fatalf("sent packet: %v, checksums ok %v", err, q.ChecksumOK)
+	}
+	l4 := p[header.IPv4MinimumSize:]
+	if p[0]>>4 == 6 {
+		l4 = p[header.IPv6MinimumSize:]
+	}
+	return header.TCP(l4).AckNumber(), len(q.Payload)
+}
+
+// wantSent checks that got is exactly the segments with these
+// acknowledgment numbers and payload lengths, in order.
+func (d *delackLink) wantSent(what string, got [][]byte, want ...[2]uint32) {
+	d.t.Helper()
+	var have [][2]uint32
+	for _, p := range got {
+		ack, n := ackOf(d.t, p)
+		have = append(have, [2]uint32{ack, uint32(n)})
+	}
+	if fmt.Sprint(have) != fmt.Sprint(want) {
+		d.t.Fatalf("%s: sent (ack, payload) %v, want %v", what, have, want)
+	}
+}
+
+// waitExpiry waits for the hold timer to send n more packets.
+func (d *delackLink) waitExpiry(before, n int) [][]byte {
+	d.t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for time.Now().Before(deadline) {
+		if got := d.since(before); len(got) >= n {
+			time.Sleep(3 * ackTick) // and no more
+			return d.since(before)
+		}
+		time.Sleep(ackTick / 4)
+	}
+	d.t.Fatalf("the hold timer sent %d packets in 5 s, want %d", len(d.since(before)), n)
+	return nil
+}
+
+func TestDelayedAckRules(t *testing.T) {
+	const mss = 1500 - header.IPv6MinimumSize - header.TCPMinimumSize
+	ack := header.TCPFlagAck
+	for _, v6 := range []bool{false, true} {
+		t.Run(fmt.Sprint("v6=", v6), func(t *testing.T) {
+			d := newDelackLink(t)
+			seg := func(ackNo uint32, flags header.TCPFlags, payload int) outgoing {
+				return outgoing{v6: v6, port: 80, seq: 5000, ack: ackNo, flags: flags, payload: payload}
+			}
+			// A connection the table has no history for: sent.
+			d.wantSent("first segment", d.send(seg(100, ack, 0)), [2]uint32{100, 0})
+			// A request's ACK waits, and the answer carries it.
+			d.wantSent("ACK of a request", d.send(seg(200, ack, 0)))
+			d.wantSent("the answer", d.send(seg(200, ack|header.TCPFlagPsh, 1000)), [2]uint32{200, 1000})
+			if s := d.ep.Stats(); s.AcksDelayed != 1 || s.AcksAbsorbed != 1 {
+				t.Fatalf("after an absorbed ACK: delayed %d absorbed %d", s.AcksDelayed, s.AcksAbsorbed)
+			}
+			// Two full segments or more: at once (a bulk sender's ACK clock).
+			d.wantSent("ACK of bulk data", d.send(seg(200+2*mss, ack, 0)), [2]uint32{200 + 2*mss, 0})
+			// No advance (a window update or a duplicate): at once.
+			d.wantSent("window update", d.send(seg(200+2*mss, ack, 0)), [2]uint32{200 + 2*mss, 0})
+			// SACK blocks report loss: at once.
+			base := uint32(200 + 2*mss)
+			sack := seg(base+50, ack, 0)
+			sack.sack = true
+			d.wantSent("ACK with SACK blocks", d.send(sack), [2]uint32{base + 50, 0})
+			base += 50
+			// A second ACK that acknowledges more replaces the first.
+			d.wantSent("held", d.send(seg(base+10, ack, 0)))
+			d.wantSent("replacing", d.send(seg(base+20, ack, 0)))
+			// One that acknowledges no more: both go, in order.
+			d.wantSent("duplicate of the held", d.send(seg(base+20, ack, 0)), [2]uint32{base + 20, 0}, [2]uint32{base + 20, 0})
+			// A FIN carries the held ACK.
+			d.wantSent("held before FIN", d.send(seg(base+30, ack, 0)))
+			d.wantSent("FIN", d.send(seg(base+31, ack|header.TCPFlagFin, 0)), [2]uint32{base + 31, 0})
+			// An RST sends the held one first.
+			d.wantSent("held before RST", d.send(seg(base+40, ack, 0)))
+			d.wantSent("RST", d.send(seg(base+40, ack|header.TCPFlagRst, 0)), [2]uint32{base + 40, 0}, [2]uint32{base + 40, 0})
+			// A held ACK nothing carries leaves on the timer, unchanged.
+			plain := seg(base+60, ack, 0)
+			want := plain.build()
+			wantBytes := flatten(want, make([]byte, 1500))
+			want.DecRef()
+			before := d.sent()
+			d.wantSent("held for the timer", d.send(plain))
+			got := d.waitExpiry(before, 1)
+			if len(got) != 1 || !bytes.Equal(got[0], wantBytes) {
+				t.Fatalf("the timer sent %d packets; first equal to the held ACK: %v", len(got), len(got) > 0 && bytes.Equal(got[0], wantBytes))
+			}
+			if s := d.ep.Stats(); s.AcksDelayed != 6 || s.AcksAbsorbed != 3 || s.TxPackets != uint64(d.sent()) {
+				t.Fatalf("stats %+v after %d packets sent", s, d.sent())
+			}
+		})
+	}
+}
+
+// TestDelayedAckTableCollision checks that a connection which finds its
+// table entry taken sends the holder's ACK before its own segment.
+func TestDelayedAckTableCollision(t *testing.T) {
+	d := newDelackLink(t)
+	a := outgoing{port: 80, ack: 100, flags: header.TCPFlagAck}
+	pkt := a.build()
+	first, ok := parseOut(pkt)
+	pkt.DecRef()
+	if !ok {
+		t.Fatal("parseOut refused a TCP segment")
+	}
+	home, _ := d.ep.tx.acks.slotOf(&first.key)
+	other := a
+	for other.port = 81; ; other.port++ {
+		pkt := other.build()
+		s, _ := parseOut(pkt)
+		pkt.DecRef()
+		if i, _ := d.ep.tx.acks.slotOf(&s.key); i == home {
+			break
+		}
+	}
+	d.wantSent("a's first", d.send(a), [2]uint32{100, 0})
+	a.ack = 150
+	d.wantSent("a's held", d.send(a))
+	other.ack = 7
+	got := d.send(other)
+	d.wantSent("the other connection's first", got, [2]uint32{150, 0}, [2]uint32{7, 0})
+	if header.TCP(got[0][header.IPv4MinimumSize:]).SourcePort() != 80 {
+		t.Fatal("the released ACK is not the first connection's")
+	}
+	// The entry is the other connection's now: a's next ACK is not held.
+	a.ack = 160
+	d.wantSent("a without history", d.send(a), [2]uint32{160, 0})
+}
+
+// TestDelayedAckDroppedOnceLinkGone checks that the timer sends nothing
+// after the receive loop has ended.
+func TestDelayedAckDroppedOnceLinkGone(t *testing.T) {
+	d := newDelackLink(t)
+	d.send(outgoing{port: 80, ack: 100, flags: header.TCPFlagAck})
+	d.wantSent("held", d.send(outgoing{port: 80, ack: 200, flags: header.TCPFlagAck}))
+	before := d.sent()
+	close(d.ep.done)
+	time.Sleep(4 * ackTick)
+	if got := d.since(before); len(got) != 0 {
+		t.Fatalf("%d packets sent after the link ended", len(got))
+	}
+}
+
+// TestRequestAckRidesOnTheAnswer runs request/response exchanges between
+// two stacks and counts the server's pure ACKs: with delayed ACKs the
+// answer carries nearly every one.
+func TestRequestAckRidesOnTheAnswer(t *testing.T) {
+	var pureAcks, answers atomic.Int64
+	tap := func(from *peer, pkt []byte) bool {
+		if from.addrs[0] != addrB[0] { // not the server
+			return true
+		}
+		p, err := ippkt.Parse(pkt)
+		if err == nil && p.Proto == layers.IPProtocolTCP {
+			if tcp := header.TCP(pkt[header.IPv4MinimumSize:]); tcp.Flags() == header.TCPFlagAck && len(p.Payload) == 0 {
+				pureAcks.Add(1)
+			} else if len(p.Payload) > 0 {
+				answers.Add(1)
+			}
+		}
+		return true
+	}
+	a, b := wiredPair(t, tap)
+	client, conn := connBetween(t, a.s, b.s, 8080)
+	go func() {
+		req := make([]byte, 100)
+		answer := pattern(4096)
+		for {
+			if _, err := io.ReadFull(conn, req); err != nil {
+				return
+			}
+			if _, err := conn.Write(answer); err != nil {
+				return
+			}
+		}
+	}()
+	const n = 200
+	req, got := pattern(100), make([]byte, 4096)
+	time.Sleep(10 * ackTick) // the handshake's ACKs are out of the way
+	acksBefore := pureAcks.Load()
+	for i := range n {
+		if _, err := client.Write(req); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadFull(client, got); err != nil {
+			t.Fatalf("exchange %d: %v", i, err)
+		}
+	}
+	acks := pureAcks.Load() - acksBefore
+	st := b.s.LinkStats()
+	t.Logf("%d exchanges: the server sent %d pure ACKs and %d data segments; delayed %d, absorbed %d", n, acks, answers.Load(), st.AcksDelayed, st.AcksAbsorbed)
+	if acks > n/4 || st.AcksAbsorbed < 3*n/4 {
+		t.Fatalf("%d exchanges: %d pure ACKs from the server, %d absorbed; want at most %d and at least %d", n, acks, st.AcksAbsorbed, n/4, 3*n/4)
+	}
+}
+
+func TestDelayedAckAllocatesNothing(t *testing.T) {
+	d := newDelackLink(t)
+	d.sink.keep = false
+	pure := outgoing{port: 80, ack: 100, flags: header.TCPFlagAck}.build()
+	data := outgoing{port: 80, ack: 100, flags: header.TCPFlagAck | header.TCPFlagPsh, payload: 1000}.build()
+	defer pure.DecRef()
+	defer data.DecRef()
+	ack := uint32(100)
+	write := func(pkt *stack.PacketBuffer) {
+		if err := (linkQDisc{d.ep}).WritePacket(pkt); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if raceEnabled {
+		t.Skip("allocation counts are meaningless under the race detector (sync.Pool drops items)")
+	}
+	allocs := testing.AllocsPerRun(1000, func() {
+		ack += 100
+		header.TCP(pure.TransportHeader().Slice()).SetAckNumber(ack)
+		header.TCP(data.TransportHeader().Slice()).SetAckNumber(ack)
+		write(pure) // held
+		write(data) // carries it
+	})
+	if s := d.ep.Stats(); s.AcksAbsorbed < 1000 {
+		t.Fatalf("only %d of the ACKs were absorbed: the test did not exercise the hold", s.AcksAbsorbed)
+	}
+	if allocs != 0 {
+		t.Fatalf("%v allocations per held and absorbed ACK", allocs)
+	}
+}

@@ -105,12 +105,20 @@ func wiredPairDepth(t *testing.T, tap tapFunc, rxDepth int) (a, b *peer) {
 // the stacks allocate.
 func wirePair(t testing.TB, tap tapFunc, rxDepth int, check bool) (a, b *peer) {
 	t.Helper()
+	return wirePairConfig(t, tap, LinkConfig{RxDepth: rxDepth}, check)
+}
+
+// wirePairConfig is wirePair with both stacks' links configured as cfg
+// (MTU and MaxPacket are the wire's).
+func wirePairConfig(t testing.TB, tap tapFunc, cfg LinkConfig, check bool) (a, b *peer) {
+	t.Helper()
 	mk := func(addrs []netip.Addr) *peer {
 		br, app, err := fabric.NewPair(fabric.Config{RxSlots: 1024, TxSlots: 1024})
 		if err != nil {
 			t.Fatal(err)
 		}
-		s, err := newStack(app, LinkConfig{MTU: 1500, MaxPacket: app.MaxPayload(), RxDepth: rxDepth}, addrs, &grantAll{}, app.Close)
+		cfg.MTU, cfg.MaxPacket = 1500, app.MaxPayload()
+		s, err := newStack(app, cfg, addrs, &grantAll{}, app.Close)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -467,8 +467,18 @@ func TestTCPConnConcurrentUse(t *testing.T) {
 // BenchmarkHTTPKeepAlive is GET requests, one after the other, over one
 // keep-alive connection between two stacks: its allocs/op are net/http's
 // own (client and server), the stacks' and the conns'.
+// BenchmarkHTTPKeepAlive times a keep-alive GET over two stacks, with
+// ACKs delayed (the default) and without.
 func BenchmarkHTTPKeepAlive(b *testing.B) {
-	client, server := quietPair(b)
+	for _, noDelay := range []bool{false, true} {
+		b.Run(fmt.Sprint("no-ack-delay=", noDelay), func(b *testing.B) {
+			pa, pb := wirePairConfig(b, nil, LinkConfig{NoAckDelay: noDelay}, false)
+			benchHTTPKeepAlive(b, pa.s, pb.s)
+		})
+	}
+}
+
+func benchHTTPKeepAlive(b *testing.B, client, server *Stack) {
 	l, err := server.Listen("tcp", ":80")
 	if err != nil {
 		b.Fatal(err)

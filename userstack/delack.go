@@ -30,19 +30,27 @@ import (
 //   - one per connection: a second pure ACK that acknowledges more
 //     replaces it, one that acknowledges no more sends both.
 //
-// Connections are tracked in a fixed table indexed by a hash of their
-// addresses and ports; a connection that finds its entry taken sends the
-// other's held ACK and takes the entry over. Nothing grows, and a
-// connection the table has no history for is not held.
+// Connections are tracked in a fixed table: a hash of their addresses and
+// ports picks a set of four entries. A connection new to a full set takes
+// an entry that holds nothing, or else sends the ACK another holds and
+// takes that one. Nothing grows, and a connection the table has no
+// history for is not held.
 
 const (
 	// ackTick is the hold timer's period: a held ACK leaves at the end of
-	// the tick after the one it was held in, between one and two ticks
-	// after gVisor sent it. Linux delays ACKs by 40 ms at most; this stays
-	// far below a peer's retransmission timer and its RTT's noise floor.
-	ackTick = 500 * time.Microsecond
-	// ackSlotBits sizes the table: 4096 entries of 176 bytes.
-	ackSlotBits = 12
+	// the tick after the one it was held in, one to two ticks after gVisor
+	// sent it. Two milliseconds at most keeps it below the earliest a
+	// Linux peer probes for a lost tail when it has more than one segment
+	// unacknowledged (twice the RTT plus two jiffies, 2 ms at HZ=1000);
+	// with one, it adds the 200 ms minimum RTO, and its own delayed ACKs
+	// wait 40 ms. Longer holds absorb more under deep queues (at 1000
+	// connections on 2 vCPUs, 20 ms ticks absorbed nearly all and 1 ms
+	// ticks 60 %), at the price of probes from such peers.
+	ackTick = time.Millisecond
+	// ackSetBits and ackWays size the table: 1024 sets of 4 entries of
+	// 176 bytes. A thousand busy connections rarely fill a set.
+	ackSetBits = 10
+	ackWays    = 4
 	// ackFrameMax is the largest pure ACK held: IPv6 and TCP headers with
 	// options.
 	ackFrameMax = header.IPv6MinimumSize + header.TCPHeaderMaximumSize
@@ -89,8 +97,9 @@ type outSeg struct {
 	key     ackFlow
 	ack     uint32
 	flags   header.TCPFlags
-	pureAck bool // an ACK alone: no data, SYN, FIN, RST or SACK blocks
-	size    int  // the whole packet's length
+	pureAck bool   // an ACK alone: no data, SYN, FIN, RST or SACK blocks
+	size    int    // the whole packet's length
+	slot    uint32 // its table entry, once judged
 }
 
 // parseOut reads pkt's TCP and IP headers. ok is false for anything but a
@@ -150,18 +159,41 @@ func hasSACK(opts []byte) bool {
 
 // newAckHolder returns the state of an endpoint that delays ACKs.
 func newAckHolder(e *LinkEndpoint) *ackHolder {
-	a := &ackHolder{slots: make([]ackSlot, 1<<ackSlotBits)}
+	a := &ackHolder{slots: make([]ackSlot, ackWays<<ackSetBits)}
 	a.timer = time.AfterFunc(time.Hour, e.expireAcks)
 	a.timer.Stop()
 	return a
 }
 
-// slotOf returns the table entry of k's hash.
-func (a *ackHolder) slotOf(k *ackFlow) (uint32, *ackSlot) {
+// setOf returns the index of the first entry of k's set.
+func setOf(k *ackFlow) uint32 {
 	h := uint64(k.ports) ^ binary.LittleEndian.Uint64(k.addrs[16:24])<<7 ^ binary.LittleEndian.Uint64(k.addrs[24:32])
 	h ^= binary.LittleEndian.Uint64(k.addrs[0:8]) >> 3
-	i := uint32((h * 0x9e3779b97f4a7c15) >> (64 - ackSlotBits))
-	return i, &a.slots[i]
+	return uint32((h*0x9e3779b97f4a7c15)>>(64-ackSetBits)) * ackWays
+}
+
+// find returns k's entry and whether it is k's already. If it is not, the
+// entry is the one k may take: a free one, else one holding nothing, else
+// the set's first.
+func (a *ackHolder) find(k *ackFlow) (uint32, *ackSlot, bool) {
+	base := setOf(k)
+	pick, rank := base, 3
+	for i := base; i < base+ackWays; i++ {
+		s := &a.slots[i]
+		r := 2 // holding
+		switch {
+		case s.used && s.key == *k:
+			return i, s, true
+		case !s.used:
+			r = 0
+		case !s.holding:
+			r = 1
+		}
+		if r < rank {
+			pick, rank = i, r
+		}
+	}
+	return pick, &a.slots[pick], false
 }
 
 // seqAfter reports whether sequence number a comes after b.
@@ -181,8 +213,9 @@ const (
 // held ACK may acknowledge. The caller holds e.tx.
 func (e *LinkEndpoint) judge(s *outSeg, mss uint32) (ackVerdict, error) {
 	a := e.tx.acks
-	_, slot := a.slotOf(&s.key)
-	if !slot.used || slot.key != s.key {
+	i, slot, ok := a.find(&s.key)
+	s.slot = i
+	if !ok {
 		if slot.holding {
 			if err := e.releaseHeld(slot); err != nil {
 				return ackSend, err
@@ -235,7 +268,8 @@ func (e *LinkEndpoint) judge(s *outSeg, mss uint32) (ackVerdict, error) {
 func (e *LinkEndpoint) holdLast(s *outSeg) {
 	t := &e.tx
 	a := t.acks
-	i, slot := a.slotOf(&s.key)
+	i := s.slot
+	slot := &a.slots[i]
 	p := t.batch[len(t.batch)-1]
 	t.batch = t.batch[:len(t.batch)-1]
 	slot.n = uint8(copy(slot.frame[:], p))

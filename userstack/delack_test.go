@@ -206,39 +206,58 @@ func TestDelayedAckRules(t *testing.T) {
 	}
 }
 
-// TestDelayedAckTableCollision checks that a connection which finds its
-// table entry taken sends the holder's ACK before its own segment.
-func TestDelayedAckTableCollision(t *testing.T) {
+// TestDelayedAckFullSet checks that a connection new to a set whose
+// entries all hold an ACK sends one of them before its own segment, and
+// that one holding nothing is taken first.
+func TestDelayedAckFullSet(t *testing.T) {
 	d := newDelackLink(t)
-	a := outgoing{port: 80, ack: 100, flags: header.TCPFlagAck}
-	pkt := a.build()
-	first, ok := parseOut(pkt)
-	pkt.DecRef()
-	if !ok {
-		t.Fatal("parseOut refused a TCP segment")
+	keyOf := func(o outgoing) ackFlow {
+		pkt := o.build()
+		defer pkt.DecRef()
+		s, ok := parseOut(pkt)
+		if !ok {
+			t.Fatal("parseOut refused a TCP segment")
+		}
+		return s.key
 	}
-	home, _ := d.ep.tx.acks.slotOf(&first.key)
-	other := a
-	for other.port = 81; ; other.port++ {
-		pkt := other.build()
-		s, _ := parseOut(pkt)
-		pkt.DecRef()
-		if i, _ := d.ep.tx.acks.slotOf(&s.key); i == home {
+	// ackWays+1 connections that share a set.
+	var conns []outgoing
+	home := setOf(new(keyOf(outgoing{port: 80})))
+	for port := uint16(80); len(conns) <= ackWays; port++ {
+		o := outgoing{port: port, ack: 100, flags: header.TCPFlagAck}
+		if setOf(new(keyOf(o))) == home {
+			conns = append(conns, o)
+		}
+	}
+	for i := range conns[:ackWays] {
+		d.wantSent("first", d.send(conns[i]), [2]uint32{100, 0})
+		conns[i].ack = 150
+		if i > 0 { // the first holds nothing
+			d.wantSent("held", d.send(conns[i]))
+		}
+	}
+	last := conns[ackWays]
+	d.wantSent("new to the set: takes the entry holding nothing", d.send(last), [2]uint32{100, 0})
+	if got := d.send(conns[0]); len(got) != 1 {
+		t.Fatalf("the evicted connection's ACK: %d packets sent, want 1 (no history: not held)", len(got))
+	}
+	conns[0].ack = 200
+	d.wantSent("held again", d.send(conns[0]))
+	// Every entry now holds: the next newcomer must release the first.
+	last.port, last.ack = 0, 7
+	for port := conns[ackWays].port + 1; ; port++ {
+		last.port = port
+		if setOf(new(keyOf(last))) == home {
 			break
 		}
 	}
-	d.wantSent("a's first", d.send(a), [2]uint32{100, 0})
-	a.ack = 150
-	d.wantSent("a's held", d.send(a))
-	other.ack = 7
-	got := d.send(other)
-	d.wantSent("the other connection's first", got, [2]uint32{150, 0}, [2]uint32{7, 0})
-	if header.TCP(got[0][header.IPv4MinimumSize:]).SourcePort() != 80 {
-		t.Fatal("the released ACK is not the first connection's")
+	got := d.send(last)
+	if len(got) != 2 {
+		t.Fatalf("a newcomer to a full set sent %d packets, want a released ACK and its own", len(got))
 	}
-	// The entry is the other connection's now: a's next ACK is not held.
-	a.ack = 160
-	d.wantSent("a without history", d.send(a), [2]uint32{160, 0})
+	if ack, _ := ackOf(t, got[0]); ack != 200 || header.TCP(got[0][header.IPv4MinimumSize:]).SourcePort() != conns[0].port {
+		t.Fatalf("released ACK acknowledges %d, want conns[0]'s 200", ack)
+	}
 }
 
 // TestDelayedAckDroppedOnceLinkGone checks that the timer sends nothing

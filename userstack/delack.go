@@ -2,6 +2,8 @@ package userstack
 
 import (
 	"encoding/binary"
+	"math"
+	"sync/atomic"
 	"time"
 
 	"gvisor.dev/gvisor/pkg/tcpip/header"
@@ -37,16 +39,14 @@ import (
 // history for is not held.
 
 const (
-	// ackTick is the hold timer's period: a held ACK leaves at the end of
-	// the tick after the one it was held in, one to two ticks after gVisor
-	// sent it. Two milliseconds at most keeps it below the earliest a
-	// Linux peer probes for a lost tail when it has more than one segment
-	// unacknowledged (twice the RTT plus two jiffies, 2 ms at HZ=1000);
-	// with one, it adds the 200 ms minimum RTO, and its own delayed ACKs
-	// wait 40 ms. Longer holds absorb more under deep queues (at 1000
-	// connections on 2 vCPUs, 20 ms ticks absorbed nearly all and 1 ms
-	// ticks 60 %), at the price of probes from such peers.
-	ackTick = time.Millisecond
+	// ackHold is how long an ACK waits. Under 2 ms keeps it below the
+	// earliest a Linux peer probes for a lost tail when it has more than
+	// one segment unacknowledged (twice the RTT plus two jiffies, 2 ms at
+	// HZ=1000); with one, it adds the 200 ms minimum RTO, and its own
+	// delayed ACKs wait 40 ms. Longer holds absorb more under deep queues
+	// (at 1000 connections on 2 vCPUs, 20–40 ms absorbed nearly all and
+	// 1–2 ms 60 %), at the price of probes from such peers.
+	ackHold = time.Millisecond
 	// ackSetBits and ackWays size the table: 1024 sets of 4 entries of
 	// 176 bytes. A thousand busy connections rarely fill a set.
 	ackSetBits = 10
@@ -76,9 +76,10 @@ type ackSlot struct {
 	frame   [ackFrameMax]byte
 }
 
-// heldRef queues a hold for the timer, in the order the holds were made.
+// heldRef queues a hold, in the order the holds were made.
 type heldRef struct {
-	slot, gen, tick uint32
+	slot, gen uint32
+	due       int64 // sinceStart when the ACK must leave
 }
 
 // ackHolder is the endpoint's delayed-ACK state. It is guarded by the
@@ -87,9 +88,11 @@ type ackHolder struct {
 	slots []ackSlot
 	queue []heldRef // holds in order; stale ones are skipped
 	head  int
-	tick  uint32 // ticks so far
-	armed bool
+	armed bool // timer runs
 	timer *time.Timer
+	// next is the due time of the oldest hold (noneDue: none), for the
+	// receive loop to look at without the lock.
+	next atomic.Int64
 }
 
 // outSeg is what the holder reads from a segment the stack sends.
@@ -162,6 +165,7 @@ func newAckHolder(e *LinkEndpoint) *ackHolder {
 	a := &ackHolder{slots: make([]ackSlot, ackWays<<ackSetBits)}
 	a.timer = time.AfterFunc(time.Hour, e.expireAcks)
 	a.timer.Stop()
+	a.next.Store(noneDue)
 	return a
 }
 
@@ -196,6 +200,15 @@ func (a *ackHolder) find(k *ackFlow) (uint32, *ackSlot, bool) {
 	return pick, &a.slots[pick], false
 }
 
+// noneDue is heldRef.due's "never".
+const noneDue = math.MaxInt64
+
+// monoBase anchors monoNow.
+var monoBase = time.Now()
+
+// monoNow is the monotonic clock in nanoseconds.
+func sinceStart() int64 { return int64(time.Since(monoBase)) }
+
 // seqAfter reports whether sequence number a comes after b.
 func seqAfter(a, b uint32) bool { return int32(a-b) > 0 }
 
@@ -204,7 +217,7 @@ type ackVerdict uint8
 
 const (
 	ackSend ackVerdict = iota // send it
-	ackHold                   // send it into the holder instead (holdLast)
+	ackKeep                   // send it into the holder instead (holdLast)
 )
 
 // judge decides a segment's fate before it is written and settles the
@@ -241,7 +254,7 @@ func (e *LinkEndpoint) judge(s *outSeg, mss uint32) (ackVerdict, error) {
 			e.stats.txAcksAbsorbed.Add(1) // the new one acknowledges more
 			slot.holding = false
 		}
-		return ackHold, nil
+		return ackKeep, nil
 	}
 	if slot.holding {
 		if seqAfter(slot.heldAck, s.ack) {
@@ -276,11 +289,15 @@ func (e *LinkEndpoint) holdLast(s *outSeg) {
 	slot.holding = true
 	slot.heldAck = s.ack
 	slot.gen++
-	a.queue = append(a.queue, heldRef{slot: i, gen: slot.gen, tick: a.tick})
+	due := sinceStart() + int64(ackHold)
+	if a.head == len(a.queue) {
+		a.next.Store(due)
+	}
+	a.queue = append(a.queue, heldRef{slot: i, gen: slot.gen, due: due})
 	e.stats.txAcksDelayed.Add(1)
 	if !a.armed {
 		a.armed = true
-		a.timer.Reset(ackTick)
+		a.timer.Reset(ackHold)
 	}
 }
 
@@ -296,8 +313,21 @@ func (e *LinkEndpoint) releaseHeld(slot *ackSlot) error {
 	return nil
 }
 
-// expireAcks runs on the hold timer: it sends the ACKs held since before
-// the tick that just ended and rearms while any are left.
+// expireDueAcks sends the held ACKs whose time is up. The receive loop
+// calls it after every batch: under load the timer's goroutine can wait
+// for a P behind every runnable goroutine of the application (hundreds of
+// milliseconds at 1000 connections, long enough for the peers to probe
+// for lost segments), while the loop runs whenever packets arrive.
+func (e *LinkEndpoint) expireDueAcks() {
+	if a := e.tx.acks; a != nil && a.next.Load() != noneDue && sinceStart() >= a.next.Load() {
+		e.tx.Lock()
+		e.sendDueLocked(sinceStart())
+		e.tx.Unlock()
+	}
+}
+
+// expireAcks runs on the hold timer: it sends the ACKs whose time is up
+// and rearms for the next while any are held.
 func (e *LinkEndpoint) expireAcks() {
 	t := &e.tx
 	t.Lock()
@@ -307,15 +337,26 @@ func (e *LinkEndpoint) expireAcks() {
 	select {
 	case <-e.done: // the link is gone: nothing can leave
 		a.queue, a.head = a.queue[:0], 0
+		a.next.Store(noneDue)
 		return
 	default:
 	}
-	now := a.tick
-	a.tick++
+	now := sinceStart()
+	e.sendDueLocked(now)
+	if next := a.next.Load(); next != noneDue {
+		a.armed = true
+		a.timer.Reset(time.Duration(max(next-now, int64(ackHold)/8)))
+	}
+}
+
+// sendDueLocked sends the ACKs due by now. The caller holds e.tx.
+func (e *LinkEndpoint) sendDueLocked(now int64) {
+	a := e.tx.acks
+	sent := false
 	for a.head < len(a.queue) {
 		r := a.queue[a.head]
-		if r.tick == now {
-			break // held during the tick that just ended: one more
+		if r.due > now {
+			break
 		}
 		a.head++
 		slot := &a.slots[r.slot]
@@ -325,16 +366,19 @@ func (e *LinkEndpoint) expireAcks() {
 		if e.releaseHeld(slot) != nil {
 			break // the link refused the batch; the receive loop reports it
 		}
+		sent = true
 	}
 	if a.head == len(a.queue) {
 		a.queue, a.head = a.queue[:0], 0
-	} else if a.head > len(a.queue)/2 {
-		a.queue = a.queue[:copy(a.queue, a.queue[a.head:])]
-		a.head = 0
+		a.next.Store(noneDue)
+	} else {
+		if a.head > len(a.queue)/2 {
+			a.queue = a.queue[:copy(a.queue, a.queue[a.head:])]
+			a.head = 0
+		}
+		a.next.Store(a.queue[a.head].due)
 	}
-	_ = e.flush()
-	if a.head < len(a.queue) {
-		a.armed = true
-		a.timer.Reset(ackTick)
+	if sent {
+		_ = e.flush()
 	}
 }

@@ -81,6 +81,22 @@ func newDelackLink(t *testing.T) *delackLink {
 	return &delackLink{t: t, ep: ep, sink: sink}
 }
 
+// freeze stops the hold timer, so that the test decides when holds end
+// however slowly it runs; thaw starts it again.
+func (d *delackLink) freeze() {
+	d.ep.tx.Lock()
+	defer d.ep.tx.Unlock()
+	d.ep.tx.acks.timer.Stop()
+	d.ep.tx.acks.armed = true // nothing rearms it
+}
+
+func (d *delackLink) thaw() {
+	d.ep.tx.Lock()
+	defer d.ep.tx.Unlock()
+	d.ep.tx.acks.armed = true
+	d.ep.tx.acks.timer.Reset(ackHold)
+}
+
 // send writes o and returns what the sink has received since.
 func (d *delackLink) send(o outgoing) [][]byte {
 	d.t.Helper()
@@ -141,10 +157,10 @@ func (d *delackLink) waitExpiry(before, n int) [][]byte {
 	deadline := time.Now().Add(5 * time.Second)
 	for time.Now().Before(deadline) {
 		if got := d.since(before); len(got) >= n {
-			time.Sleep(3 * ackTick) // and no more
+			time.Sleep(3 * ackHold) // and no more
 			return d.since(before)
 		}
-		time.Sleep(ackTick / 4)
+		time.Sleep(ackHold / 4)
 	}
 	d.t.Fatalf("the hold timer sent %d packets in 5 s, want %d", len(d.since(before)), n)
 	return nil
@@ -156,6 +172,7 @@ func TestDelayedAckRules(t *testing.T) {
 	for _, v6 := range []bool{false, true} {
 		t.Run(fmt.Sprint("v6=", v6), func(t *testing.T) {
 			d := newDelackLink(t)
+			d.freeze()
 			seg := func(ackNo uint32, flags header.TCPFlags, payload int) outgoing {
 				return outgoing{v6: v6, port: 80, seq: 5000, ack: ackNo, flags: flags, payload: payload}
 			}
@@ -195,6 +212,7 @@ func TestDelayedAckRules(t *testing.T) {
 			want.DecRef()
 			before := d.sent()
 			d.wantSent("held for the timer", d.send(plain))
+			d.thaw()
 			got := d.waitExpiry(before, 1)
 			if len(got) != 1 || !bytes.Equal(got[0], wantBytes) {
 				t.Fatalf("the timer sent %d packets; first equal to the held ACK: %v", len(got), len(got) > 0 && bytes.Equal(got[0], wantBytes))
@@ -211,6 +229,7 @@ func TestDelayedAckRules(t *testing.T) {
 // that one holding nothing is taken first.
 func TestDelayedAckFullSet(t *testing.T) {
 	d := newDelackLink(t)
+	d.freeze()
 	keyOf := func(o outgoing) ackFlow {
 		pkt := o.build()
 		defer pkt.DecRef()
@@ -268,7 +287,7 @@ func TestDelayedAckDroppedOnceLinkGone(t *testing.T) {
 	d.wantSent("held", d.send(outgoing{port: 80, ack: 200, flags: header.TCPFlagAck}))
 	before := d.sent()
 	close(d.ep.done)
-	time.Sleep(4 * ackTick)
+	time.Sleep(4 * ackHold)
 	if got := d.since(before); len(got) != 0 {
 		t.Fatalf("%d packets sent after the link ended", len(got))
 	}
@@ -309,7 +328,7 @@ func TestRequestAckRidesOnTheAnswer(t *testing.T) {
 	}()
 	const n = 200
 	req, got := pattern(100), make([]byte, 4096)
-	time.Sleep(10 * ackTick) // the handshake's ACKs are out of the way
+	time.Sleep(10 * ackHold) // the handshake's ACKs are out of the way
 	acksBefore := pureAcks.Load()
 	for i := range n {
 		if _, err := client.Write(req); err != nil {
@@ -329,6 +348,7 @@ func TestRequestAckRidesOnTheAnswer(t *testing.T) {
 
 func TestDelayedAckAllocatesNothing(t *testing.T) {
 	d := newDelackLink(t)
+	d.freeze()
 	d.sink.keep = false
 	pure := outgoing{port: 80, ack: 100, flags: header.TCPFlagAck}.build()
 	data := outgoing{port: 80, ack: 100, flags: header.TCPFlagAck | header.TCPFlagPsh, payload: 1000}.build()
@@ -355,5 +375,78 @@ func TestDelayedAckAllocatesNothing(t *testing.T) {
 	}
 	if allocs != 0 {
 		t.Fatalf("%v allocations per held and absorbed ACK", allocs)
+	}
+}
+
+// TestDelayedAckDueWithoutTheTimer checks that the receive loop's call
+// sends a held ACK once it is due, and not before: under load the timer's
+// goroutine may not run for a long time.
+func TestDelayedAckDueWithoutTheTimer(t *testing.T) {
+	d := newDelackLink(t)
+	d.send(outgoing{port: 80, ack: 100, flags: header.TCPFlagAck})
+	before := d.sent()
+	d.freeze()
+	start := time.Now()
+	d.wantSent("held", d.send(outgoing{port: 80, ack: 200, flags: header.TCPFlagAck}))
+	d.ep.expireDueAcks()
+	if time.Since(start) < ackHold {
+		d.wantSent("before it is due", d.since(before))
+	}
+	time.Sleep(2 * ackHold)
+	d.ep.expireDueAcks()
+	d.wantSent("once due", d.since(before), [2]uint32{200, 0})
+	if next := d.ep.tx.acks.next.Load(); next != noneDue {
+		t.Fatalf("nothing is held, yet the next due time is %d", next)
+	}
+}
+
+// TestReceiveLoopSendsDueAcks stops the server's hold timer, as a
+// scheduler that never runs its goroutine would, and checks that the
+// server's receive loop sends the held ACK once packets arrive after it
+// is due, before the client retransmits for want of it.
+func TestReceiveLoopSendsDueAcks(t *testing.T) {
+	var serverAcks, requests atomic.Int64
+	var retransmittedFirst atomic.Bool
+	tap := func(from *peer, pkt []byte) bool {
+		p, err := ippkt.Parse(pkt)
+		if err != nil || p.Proto != layers.IPProtocolTCP || p.Dst.Port() != 8081 && p.Src.Port() != 8081 {
+			return true
+		}
+		switch {
+		case from.addrs[0] == addrA[0] && len(p.Payload) > 0:
+			requests.Add(1)
+		case from.addrs[0] == addrB[0] && len(p.Payload) == 0 && header.TCP(pkt[header.IPv4MinimumSize:]).Flags() == header.TCPFlagAck:
+			if serverAcks.Add(1) == 1 && requests.Load() > 1 {
+				retransmittedFirst.Store(true)
+			}
+		}
+		return true
+	}
+	a, b := wiredPair(t, tap)
+	client, _ := connBetween(t, a.s, b.s, 8081)
+	time.Sleep(10 * ackHold) // the handshake's ACKs are out of the way
+	serverAcks.Store(0)
+	for _, ep := range b.s.linkEndpoints() {
+		(&delackLink{t: t, ep: ep}).freeze()
+	}
+	if _, err := client.Write([]byte("request nobody answers")); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(3 * ackHold)
+	if serverAcks.Load() != 0 {
+		t.Fatal("the server's ACK left with its timer stopped and no packet arriving")
+	}
+	// Any packet makes the server's receive loop run a batch: a second
+	// connection's.
+	connBetween(t, a.s, b.s, 8082)
+	deadline := time.Now().Add(5 * time.Second)
+	for serverAcks.Load() == 0 {
+		if time.Now().After(deadline) {
+			t.Fatal("no ACK from the server in 5 s")
+		}
+		time.Sleep(ackHold)
+	}
+	if retransmittedFirst.Load() {
+		t.Fatal("the client retransmitted before the server's ACK left: the receive loop did not send it when due")
 	}
 }

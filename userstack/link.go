@@ -411,6 +411,7 @@ func (r *receiver) once() error {
 	}
 	if n > 0 {
 		r.deliver(n)
+		r.e.expireDueAcks()
 		// Delivering readied goroutines: gVisor's TCP processor (runnext
 		// on this P), and through it the application. Yield the P to them
 		// now. Otherwise this goroutine goes back into Recv, spins and
@@ -650,7 +651,7 @@ func (e *LinkEndpoint) writeLocked(pkt *stack.PacketBuffer) (bool, tcpip.Error) 
 		e.tx.batch = e.tx.batch[:0]
 		return false, errLink
 	}
-	if verdict == ackHold {
+	if verdict == ackKeep {
 		e.holdLast(&seg)
 	}
 	return true, nil

@@ -58,8 +58,8 @@ type LinkConfig struct {
 	// NoGRO turns off receive coalescing of TCP segments (see LinkEndpoint).
 	NoGRO bool
 	// NoAckDelay sends every pure ACK the stack makes at once (see
-	// delack.go); by default one that data may soon carry waits up to two
-	// milliseconds for it.
+	// delack.go); by default one that data may soon carry waits a
+	// millisecond for it.
 	NoAckDelay bool
 	// RxDepth is how many packets the link holds for the stack before it
 	// drops (a local stream's RX ring); the stack keeps TCP receive

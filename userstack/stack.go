@@ -55,7 +55,7 @@ type Options struct {
 	// NoGRO turns off receive coalescing (see LinkEndpoint).
 	NoGRO bool
 	// NoAckDelay sends every pure ACK at once instead of letting it wait
-	// up to 2 ms for data to carry it (see LinkConfig).
+	// up to 1 ms for data to carry it (see LinkConfig).
 	NoAckDelay bool
 	// Spin is how long the receive loop keeps polling an empty local
 	// stream before it sleeps until the bridge signals. Zero, the default,

@@ -315,9 +315,9 @@ func (e *LinkEndpoint) releaseHeld(slot *ackSlot) error {
 
 // expireDueAcks sends the held ACKs whose time is up. The receive loop
 // calls it after every batch: under load the timer's goroutine can wait
-// for a P behind every runnable goroutine of the application (hundreds of
-// milliseconds at 1000 connections, long enough for the peers to probe
-// for lost segments), while the loop runs whenever packets arrive.
+// for a P behind every runnable goroutine of the application (at 1000
+// connections long enough for peers to probe for lost segments), while
+// the loop runs whenever packets arrive.
 func (e *LinkEndpoint) expireDueAcks() {
 	if a := e.tx.acks; a != nil && a.next.Load() != noneDue && sinceStart() >= a.next.Load() {
 		e.tx.Lock()

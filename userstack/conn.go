@@ -257,16 +257,30 @@ func (s *Stack) lingerLoop() {
 
 		now := time.Now()
 		closed := s.closed.Load()
+		// A claim must not go back while the link still holds a delayed
+		// ACK of its connection (delack.go): the bridge would refuse it.
+		// Holds last a millisecond; this sends them now, before any drop.
+		flushed := false
+		flush := func() {
+			if !flushed {
+				flushed = true
+				for _, ep := range s.linkEndpoints() {
+					ep.sendHeldAcks()
+				}
+			}
+		}
 		keep := lg.closing[:0]
 		for _, c := range lg.closing {
 			switch tcp.EndpointState(c.ep.State()) {
 			case tcp.StateClose, tcp.StateError, tcp.StateInitial, tcp.StateBound:
+				flush()
 				c.drop()
 			case tcp.StateTimeWait:
 				c.since = now
 				lg.timeWait = append(lg.timeWait, c)
 			default:
 				if closed || now.Sub(c.since) >= lingerMax {
+					flush()
 					c.drop()
 				} else {
 					keep = append(keep, c)
@@ -280,6 +294,7 @@ func (s *Stack) lingerLoop() {
 			if !closed && now.Sub(c.since) < timeWaitHold {
 				break
 			}
+			flush()
 			c.drop()
 			done++
 		}

@@ -326,6 +326,17 @@ func (e *LinkEndpoint) expireDueAcks() {
 	}
 }
 
+// sendHeldAcks sends every held ACK now: the stack is about to give back
+// claims, and a connection's ACK must not leave after its claim.
+func (e *LinkEndpoint) sendHeldAcks() {
+	if e.tx.acks == nil || e.tx.acks.next.Load() == noneDue {
+		return
+	}
+	e.tx.Lock()
+	e.sendDueLocked(math.MaxInt64)
+	e.tx.Unlock()
+}
+
 // expireAcks runs on the hold timer: it sends the ACKs whose time is up
 // and rearms for the next while any are held.
 func (e *LinkEndpoint) expireAcks() {

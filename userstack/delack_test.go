@@ -450,3 +450,22 @@ func TestReceiveLoopSendsDueAcks(t *testing.T) {
 		t.Fatal("the client retransmitted before the server's ACK left: the receive loop did not send it when due")
 	}
 }
+
+// TestSendHeldAcksSendsEverything checks what the claim watcher calls
+// before it gives claims back: every held ACK leaves, due or not.
+func TestSendHeldAcksSendsEverything(t *testing.T) {
+	d := newDelackLink(t)
+	d.freeze()
+	for port := uint16(80); port < 83; port++ {
+		d.send(outgoing{port: port, ack: 100, flags: header.TCPFlagAck})
+	}
+	before := d.sent()
+	for port := uint16(80); port < 83; port++ {
+		d.wantSent("held", d.send(outgoing{port: port, ack: 200, flags: header.TCPFlagAck}))
+	}
+	d.ep.sendHeldAcks()
+	d.wantSent("all at once", d.since(before), [2]uint32{200, 0}, [2]uint32{200, 0}, [2]uint32{200, 0})
+	if next := d.ep.tx.acks.next.Load(); next != noneDue {
+		t.Fatalf("nothing is held, yet the next due time is %d", next)
+	}
+}

@@ -257,13 +257,10 @@ func (e *LinkEndpoint) judge(s *outSeg, mss uint32) (ackVerdict, error) {
 		return ackKeep, nil
 	}
 	if slot.holding {
-		if seqAfter(slot.heldAck, s.ack) {
-			if err := e.releaseHeld(slot); err != nil {
-				return ackSend, err
-			}
-		} else if s.pureAck && s.ack == slot.heldAck {
-			// Acknowledges no more: a duplicate or a window update, which
-			// the peer counts. Both go.
+		// One that acknowledges less, or a pure ACK that acknowledges no
+		// more (a duplicate or a window update, which the peer counts):
+		// both go.
+		if seqAfter(slot.heldAck, s.ack) || s.pureAck && s.ack == slot.heldAck {
 			if err := e.releaseHeld(slot); err != nil {
 				return ackSend, err
 			}
@@ -319,9 +316,13 @@ func (e *LinkEndpoint) releaseHeld(slot *ackSlot) error {
 // connections long enough for peers to probe for lost segments), while
 // the loop runs whenever packets arrive.
 func (e *LinkEndpoint) expireDueAcks() {
-	if a := e.tx.acks; a != nil && a.next.Load() != noneDue && sinceStart() >= a.next.Load() {
+	a := e.tx.acks
+	if a == nil || a.next.Load() == noneDue {
+		return
+	}
+	if now := sinceStart(); now >= a.next.Load() {
 		e.tx.Lock()
-		e.sendDueLocked(sinceStart())
+		e.sendDueLocked(now)
 		e.tx.Unlock()
 	}
 }

@@ -237,3 +237,5 @@ func (a *afpTx) flush()        { a.tx.Flush() }
 func (a *afpTx) reclaim()      {}
 func (a *afpTx) maxFrame() int { return a.tx.MaxFrame() }
 func (a *afpTx) release()      { a.tx.Close() }
+
+func (a *afpTx) offloadStats() (joined, lost uint64) { return 0, 0 }

@@ -122,7 +122,12 @@ type Config struct {
 	// and the next Open with the same PinDir takes it over
 	// (ebpf.Options.PinDir). It does nothing on the AF_PACKET path.
 	PinDir string
-	Logger *slog.Logger
+	// NoSegmentOffload keeps every frame on the AF_XDP TX ring in copy
+	// mode. By default a flush that holds consecutive segments of a TCP
+	// connection goes through a packet socket instead, the segments
+	// joined into one segmentation-offload packet (gso.go).
+	NoSegmentOffload bool
+	Logger           *slog.Logger
 
 	// manual (tests): no loops run; tests drive rxOnce and round themselves.
 	manual bool

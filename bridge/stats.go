@@ -46,6 +46,10 @@ type QueueStats struct {
 	TxPackets, TxBytes uint64 // sent to the wire
 	TxViaKernel        uint64 // handed to the kernel: neighbour not known yet, or fragments of a packet over a lowered MTU
 	TxRejects          Rejects
+	// TxJoined counts the packets sent joined with others of their TCP
+	// connection into one segmentation-offload packet (AF_XDP copy mode,
+	// Config.NoSegmentOffload), TxOffloadLost those such a send lost.
+	TxJoined, TxOffloadLost uint64
 	// FillRingEmpty counts the times the kernel found the fill ring empty
 	// (AF_XDP); KernelRxDrops the frames the kernel dropped for want of
 	// room (AF_XDP: RX ring full or other; AF_PACKET: ring drops).
@@ -97,6 +101,7 @@ func (b *Bridge) Stats() Stats {
 		}
 		qs.TxRejects = rejectsFrom(&rej)
 		qs.FillRingEmpty, qs.KernelRxDrops = q.rx.kernelStats()
+		qs.TxJoined, qs.TxOffloadLost = q.tx.port.offloadStats()
 		s.Queues = append(s.Queues, qs)
 	}
 	slices.SortFunc(s.Queues, func(a, b QueueStats) int { return a.Queue - b.Queue })

@@ -109,6 +109,12 @@ func (b *Bridge) openXSK(id int, bind xsk.BindMode) (*xdpRx, *xdpTx, error) {
 	}
 	tx := &xdpTx{umem: umem, sock: sock, free: make([]uint64, half), descs: make([]xsk.Desc, 0, half), copyMode: !sock.ZeroCopy()}
 	umem.Alloc(tx.free)
+	if tx.copyMode && !b.cfg.NoSegmentOffload {
+		// Without it every frame still leaves, one skb each.
+		if tx.seg, err = newSegOffload(b.ifindex, half); err != nil {
+			b.log.Warn("bridge: TX without segmentation offload", "queue", id, "err", err)
+		}
+	}
 	return rx, tx, nil
 }
 
@@ -181,6 +187,10 @@ type xdpTx struct {
 	descs    []xsk.Desc
 	reaped   [xsk.MaxBatch]uint64
 	copyMode bool
+	// seg, in copy mode unless turned off, sends flushes that hold
+	// consecutive segments of a TCP connection through a packet socket
+	// with segmentation offload (gso.go).
+	seg *segOffload
 }
 
 func (x *xdpTx) lend(bufs [][]byte) int {
@@ -215,6 +225,9 @@ func (x *xdpTx) settle() {
 }
 
 func (x *xdpTx) flush() {
+	if x.seg != nil && len(x.descs) > 1 {
+		x.offload()
+	}
 	if len(x.descs) > 0 {
 		// The TX ring has room for twice the TX frames, so everything
 		// fits; whatever did not would be sent by the next flush.
@@ -231,8 +244,40 @@ func (x *xdpTx) flush() {
 	x.reclaim()
 }
 
+// offload sends the queued frames through the packet socket when two of
+// them join into one offload packet. The kernel copies them inside
+// sendmmsg, as it does in copy mode's sendto, so their frames are free
+// once it returns. Frames queued before are on the wire already (every
+// flush drains the ring in copy mode), so the connection's order holds.
+func (x *xdpTx) offload() {
+	frames := x.seg.frames[:len(x.descs)]
+	for i, d := range x.descs {
+		frames[i] = x.umem.Frame(d.Addr)[:d.Len]
+	}
+	if x.seg.plan(frames) {
+		x.seg.send(frames)
+		for _, d := range x.descs {
+			x.free = append(x.free, d.Addr)
+		}
+		x.descs = x.descs[:0]
+	}
+	clear(frames)
+}
+
 func (x *xdpTx) maxFrame() int { return x.umem.FrameSize() }
-func (x *xdpTx) release()      {}
+
+func (x *xdpTx) release() {
+	if x.seg != nil {
+		x.seg.close()
+	}
+}
+
+func (x *xdpTx) offloadStats() (joined, lost uint64) {
+	if x.seg == nil {
+		return 0, 0
+	}
+	return x.seg.joined.Load(), x.seg.lost.Load()
+}
 
 func (x *xdpTx) reclaim() {
 	for {

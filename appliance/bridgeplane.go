@@ -69,7 +69,9 @@ func bridgeConfig(in config.Interface, log *slog.Logger) (bridge.Config, error) 
 		Spin:       time.Duration(in.Spin),
 		CPUs:       in.CPUs,
 		RouteCache: in.RouteCache,
-		Logger:     log,
+		// The file says what to turn off; the bridge's zero is on.
+		NoSegmentOffload: in.NoSegmentOffload,
+		Logger:           log,
 		// The AF_PACKET path has no flow table to size.
 		FlowCapacity: in.FlowCapacity,
 	}
@@ -380,6 +382,8 @@ var (
 	famQueueTx         = metrics.Family{Name: "fabricbridge_queue_tx_packets_total", Type: metrics.Counter, Help: "Packets a queue sent to the wire."}
 	famQueueTxBytes    = metrics.Family{Name: "fabricbridge_queue_tx_bytes_total", Type: metrics.Counter, Help: "Bytes a queue sent to the wire."}
 	famQueueTxKernel   = metrics.Family{Name: "fabricbridge_queue_tx_via_kernel_total", Type: metrics.Counter, Help: "Packets handed to the kernel: the neighbour was not known yet, or fragments of a packet over a lowered MTU."}
+	famQueueTxJoined   = metrics.Family{Name: "fabricbridge_queue_tx_joined_total", Type: metrics.Counter, Help: "Packets sent joined with others of their TCP connection into one segmentation-offload packet (AF_XDP copy mode)."}
+	famQueueTxOffLost  = metrics.Family{Name: "fabricbridge_queue_tx_offload_lost_total", Type: metrics.Counter, Help: "Packets lost in segmentation-offload sends (the device refused them; TCP sends them again)."}
 	famQueueTxRejects  = metrics.Family{Name: "fabricbridge_queue_tx_rejects_total", Type: metrics.Counter, Help: "Packets refused on transmit, by reason."}
 	famQueueFillEmpty  = metrics.Family{Name: "fabricbridge_queue_fill_ring_empty_total", Type: metrics.Counter, Help: "Times the kernel found the AF_XDP fill ring empty."}
 	famQueueSleeps     = metrics.Family{Name: "fabricbridge_queue_sleeps_total", Type: metrics.Counter, Help: "Times a queue's loop found nothing to do for its spin and slept until woken."}
@@ -442,6 +446,8 @@ func (p *bridgePlane) Collect(w *metrics.Writer, names func(uint32) string, apps
 		w.AddUint(famQueueTx, q.TxPackets, l...)
 		w.AddUint(famQueueTxBytes, q.TxBytes, l...)
 		w.AddUint(famQueueTxKernel, q.TxViaKernel, l...)
+		w.AddUint(famQueueTxJoined, q.TxJoined, l...)
+		w.AddUint(famQueueTxOffLost, q.TxOffloadLost, l...)
 		rejects(w, famQueueTxRejects, q.TxRejects, l...)
 		w.AddUint(famQueueFillEmpty, q.FillRingEmpty, l...)
 		w.AddUint(famQueueKernelDrop, q.KernelRxDrops, l...)

@@ -165,6 +165,12 @@ type Bridge struct {
 	watchStop    chan struct{}
 	watchWG      sync.WaitGroup
 
+	// segUsed: a queue's TX side joins segments (gso.go), only for the
+	// families the device segments, tso (tsoIPv4, tsoIPv6), which
+	// watchTSO keeps up to date.
+	segUsed atomic.Bool
+	tso     atomic.Uint32
+
 	mu         sync.Mutex // serialises control-plane changes
 	streams    atomic.Pointer[streamTable]
 	tables     atomic.Pointer[classifier.Tables]
@@ -316,10 +322,16 @@ func Open(cfg Config) (*Bridge, error) {
 		b.Close()
 		return nil, errors.Join(loopErrs...)
 	}
-	if b.followQueues && !cfg.manual {
+	if (b.followQueues || b.segUsed.Load()) && !cfg.manual {
 		b.watchStop = make(chan struct{})
-		b.watchWG.Add(1)
-		go func() { defer b.watchWG.Done(); b.watchQueues(b.watchStop) }()
+		if b.followQueues {
+			b.watchWG.Add(1)
+			go func() { defer b.watchWG.Done(); b.watchQueues(b.watchStop) }()
+		}
+		if b.segUsed.Load() {
+			b.watchWG.Add(1)
+			go func() { defer b.watchWG.Done(); b.watchTSO(b.watchStop) }()
+		}
 	}
 	return b, nil
 }

@@ -21,6 +21,8 @@ import (
 
 	"golang.org/x/sys/unix"
 	"gvisor.dev/gvisor/pkg/tcpip/header"
+
+	"github.com/fabricbridge/fabricbridge/bridge/features"
 )
 
 // The virtio-net header a packet socket with PACKET_VNET_HDR reads in
@@ -192,12 +194,30 @@ func (o *segOffload) close() {
 	}
 }
 
+// The device's segmentation offloads, as segOffload.plan takes them.
+const (
+	tsoIPv4 = 1 << iota // tx-tcp-segmentation
+	tsoIPv6             // tx-tcp6-segmentation
+	tsoRead             // set once the features have been read
+)
+
 // plan parses the frames and reports whether any two of them join; only
-// then is the flush worth taking off the AF_XDP ring.
-func (o *segOffload) plan(frames [][]byte) bool {
+// then is the flush worth taking off the AF_XDP ring. tso says which
+// families the device segments: with qdisc bypass the kernel drops an
+// offload packet it would have to cut in software.
+func (o *segOffload) plan(frames [][]byte, tso uint32) bool {
 	join := false
 	for i, f := range frames {
-		o.segs[i] = parseSeg(f)
+		s := parseSeg(f)
+		if fam := uint32(tsoIPv4); s.hdr != 0 {
+			if s.v6 {
+				fam = tsoIPv6
+			}
+			if tso&fam == 0 {
+				s = tcpSeg{} // sent as it is
+			}
+		}
+		o.segs[i] = s
 		if i > 0 && !join && o.segs[i-1].hdr != 0 && o.segs[i].hdr != 0 &&
 			joins(frames[i-1], f, o.segs[i-1], o.segs[i], o.segs[i-1].payload) {
 			join = true
@@ -315,4 +335,18 @@ func iovec(b []byte) unix.Iovec {
 	v := unix.Iovec{Base: &b[0]}
 	v.SetLen(len(b))
 	return v
+}
+
+// tsoOf reads which families the device segments TCP for.
+func tsoOf(f *features.Interface) uint32 {
+	var tso uint32
+	for _, x := range []struct {
+		name string
+		bit  uint32
+	}{{"tx-tcp-segmentation", tsoIPv4}, {"tx-tcp6-segmentation", tsoIPv6}} {
+		if st, err := f.Get(x.name); err == nil && st.Active {
+			tso |= x.bit
+		}
+	}
+	return tso
 }

@@ -3,6 +3,8 @@ package bridge
 import (
 	"errors"
 	"fmt"
+	"sync/atomic"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -111,9 +113,14 @@ func (b *Bridge) openXSK(id int, bind xsk.BindMode) (*xdpRx, *xdpTx, error) {
 	umem.Alloc(tx.free)
 	if tx.copyMode && !b.cfg.NoSegmentOffload {
 		// Without it every frame still leaves, one skb each.
-		if tx.seg, err = newSegOffload(b.ifindex, half); err != nil {
+		if b.feats == nil {
+			b.log.Warn("bridge: TX without segmentation offload: the device's features cannot be read", "interface", b.cfg.Interface)
+		} else if tx.seg, err = newSegOffload(b.ifindex, half); err != nil {
 			b.log.Warn("bridge: TX without segmentation offload", "queue", id, "err", err)
+		} else if !b.segUsed.Swap(true) {
+			b.readTSO()
 		}
+		tx.tso = &b.tso
 	}
 	return rx, tx, nil
 }
@@ -191,6 +198,7 @@ type xdpTx struct {
 	// consecutive segments of a TCP connection through a packet socket
 	// with segmentation offload (gso.go).
 	seg *segOffload
+	tso *atomic.Uint32 // the device's TCP segmentation offloads (Bridge.tso)
 }
 
 func (x *xdpTx) lend(bufs [][]byte) int {
@@ -254,7 +262,7 @@ func (x *xdpTx) offload() {
 	for i, d := range x.descs {
 		frames[i] = x.umem.Frame(d.Addr)[:d.Len]
 	}
-	if x.seg.plan(frames) {
+	if x.seg.plan(frames, x.tso.Load()) {
 		x.seg.send(frames)
 		for _, d := range x.descs {
 			x.free = append(x.free, d.Addr)
@@ -290,3 +298,33 @@ func (x *xdpTx) reclaim() {
 		}
 	}
 }
+
+// readTSO reads which families the device segments TCP for. Segments of
+// the others are never joined: with qdisc bypass the kernel drops an
+// offload packet it would have to cut in software.
+func (b *Bridge) readTSO() {
+	tso := tsoOf(b.feats)
+	if old := b.tso.Swap(tso | tsoRead); old != tso|tsoRead {
+		b.log.Info("bridge: TCP segmentation offload of the device", "interface", b.cfg.Interface, "ipv4", tso&tsoIPv4 != 0, "ipv6", tso&tsoIPv6 != 0)
+	}
+}
+
+// watchTSO follows the device's segmentation offloads (ethtool -K) until
+// stop is closed. A change takes up to segPoll to be seen; offload packets
+// sent in that window to a device that no longer segments are lost and
+// counted (QueueStats.TxOffloadLost), and TCP sends them again.
+func (b *Bridge) watchTSO(stop <-chan struct{}) {
+	t := time.NewTicker(segPoll)
+	defer t.Stop()
+	for {
+		select {
+		case <-stop:
+			return
+		case <-t.C:
+			b.readTSO()
+		}
+	}
+}
+
+// segPoll is how often watchTSO reads the device's features.
+const segPoll = time.Second

@@ -351,6 +351,20 @@ func runEndToEnd(t *testing.T, remote bool) {
 			t.Errorf("stream %d: the bridge refused %+v of what the stack sent", ss.ID, ss.TxRejects)
 		}
 	}
+	// The downloads above went out as offload packets where the path
+	// copies (the veth segments TCP), and none was lost.
+	var joined, lost uint64
+	for _, q := range st.Queues {
+		joined += q.TxJoined
+		lost += q.TxOffloadLost
+	}
+	if copies := st.Path == bridge.PathNativeCopy.String() || st.Path == bridge.PathGeneric.String(); copies && joined == 0 {
+		t.Errorf("path %s: no segment was sent joined", st.Path)
+	}
+	if lost != 0 {
+		t.Errorf("%d segments lost in offload sends", lost)
+	}
+	t.Logf("path %s: %d segments sent joined", st.Path, joined)
 }
 
 // exchange writes size bytes tagged with i and expects them echoed.

@@ -93,6 +93,10 @@ type Interface struct {
 	// beyond it is refused. The table is preallocated: FlowEntryBytes of
 	// kernel memory a flow.
 	FlowCapacity int `yaml:"flow_capacity"`
+	// NoSegmentOffload keeps every frame on the AF_XDP TX ring in copy
+	// mode instead of joining a TCP connection's consecutive segments
+	// into segmentation-offload packets (bridge Config.NoSegmentOffload).
+	NoSegmentOffload bool `yaml:"no_segment_offload"`
 }
 
 // Streams sizes the stream an application gets when it does not ask for

@@ -35,7 +35,7 @@ import (
 // The serving benchmark's child processes are this test binary: with
 // FB_TEST_MAIN=1 it is fabricbridge (TestMain), with FB_BENCH_KERNEL_HTTP
 // and FB_BENCH_KERNEL_SINK the kernel baseline, with FB_BENCH_BULK_SEND the
-// bulk sender. With FB_BENCH_CPUPROFILE=FILE,FOR a SIGUSR1 starts a CPU
+// bulk sender, with FB_BENCH_BULK_GET the downloader. With FB_BENCH_CPUPROFILE=FILE,FOR a SIGUSR1 starts a CPU
 // profile of FOR: the benchmark picks the window, and the daemon's signal
 // handling would exit without flushing a profile kept to the end.
 func init() {
@@ -45,6 +45,13 @@ func init() {
 	if dst := os.Getenv("FB_BENCH_BULK_SEND"); dst != "" {
 		if err := bulkSend(dst); err != nil {
 			fmt.Fprintln(os.Stderr, "bulk:", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	if url := os.Getenv("FB_BENCH_BULK_GET"); url != "" {
+		if err := bulkGet(url); err != nil {
+			fmt.Fprintln(os.Stderr, "download:", err)
 			os.Exit(1)
 		}
 		os.Exit(0)
@@ -115,6 +122,30 @@ func bulkSend(dst string) error {
 	}
 	if _, err := io.Copy(io.Discard, c); err != nil {
 		return fmt.Errorf("waiting for the sink to close: %w", err)
+	}
+	fmt.Printf("bulk: %d bytes in %d ns\n", n, time.Since(start))
+	return nil
+}
+
+// bulkGet downloads url, a /bytes/N of httpHandler, on one connection and
+// prints, as bulkSend does, how long the whole body took from the dial.
+func bulkGet(url string) error {
+	start := time.Now()
+	c := &http.Client{Timeout: 2 * time.Minute, Transport: &http.Transport{DisableCompression: true}}
+	resp, err := c.Get(url)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("GET %s: %s", url, resp.Status)
+	}
+	n, err := io.CopyBuffer(io.Discard, resp.Body, make([]byte, 256<<10))
+	if err != nil {
+		return err
+	}
+	if n != resp.ContentLength {
+		return fmt.Errorf("GET %s: %d bytes of %d", url, n, resp.ContentLength)
 	}
 	fmt.Printf("bulk: %d bytes in %d ns\n", n, time.Since(start))
 	return nil
@@ -607,7 +638,9 @@ type bulkResult struct {
 //     apache2-utils);
 //
 //   - one connection sending FB_BENCH_BULK_MB MiB (1000; 0: none) from a
-//     process of its own: Gbit/s and the machine's CPU seconds per GB.
+//     process of its own into `app sink` and a kernel sink, then one
+//     downloading as much from each HTTP server (/bytes/N): Gbit/s and the
+//     machine's CPU seconds per GB.
 //
 //     FB_REQUIRE_PRIVILEGED=1 go test -run '^$' -bench ServeHTTP -benchtime 1x -v ./cmd/fabricbridge
 //
@@ -618,6 +651,8 @@ type bulkResult struct {
 // pins the bridge's loop (the interface's cpus; the daemon's other threads
 // go to loop and app CPUs), the applications, the kernel server (to the loop
 // and app CPUs together, the cores both sides get) and the clients.
+// FB_BENCH_INTERFACE adds settings to the daemon's interface, such as
+// "no_segment_offload: true".
 func BenchmarkServeHTTP(b *testing.B) {
 	testenv.RequirePrivileged(b)
 	wrk, err := exec.LookPath("wrk")
@@ -678,6 +713,9 @@ func BenchmarkServeHTTP(b *testing.B) {
 			list = append(list, strconv.Itoa(c))
 		}
 		loopCPUs = ", cpus: [" + strings.Join(list, ", ") + "]"
+	}
+	if extra := os.Getenv("FB_BENCH_INTERFACE"); extra != "" {
+		loopCPUs += ", " + extra
 	}
 	cfg := fmt.Sprintf(`interfaces: [{name: %s, path: native-copy%s}]
 addresses: [%s]
@@ -835,8 +873,12 @@ metrics: {address: %q}
 	if err != nil {
 		b.Fatal(err)
 	}
-	bulkRun := func(port int) bulkResult {
-		text, delta := runClient(nil, []string{"FB_BENCH_BULK_SEND=" + hostPort(port), fmt.Sprintf("FB_BENCH_BULK_BYTES=%d", bulkMB<<20)}, self)
+	bulkRun := func(port int, download bool) bulkResult {
+		env := []string{"FB_BENCH_BULK_SEND=" + hostPort(port), fmt.Sprintf("FB_BENCH_BULK_BYTES=%d", bulkMB<<20)}
+		if download {
+			env = []string{fmt.Sprintf("FB_BENCH_BULK_GET=http://%s/bytes/%d", hostPort(port), bulkMB<<20)}
+		}
+		text, delta := runClient(nil, env, self)
 		m := bulkDone.FindStringSubmatch(text)
 		if m == nil {
 			b.Fatalf("bulk sender:\n%s", text)
@@ -864,23 +906,31 @@ metrics: {address: %q}
 			reportLoad(b, fmt.Sprintf("c=%d", c), fmt.Sprintf("c%d-", c), kr, br)
 		}
 		if sink != nil {
-			var kr, br []bulkResult
-			for i := range rounds {
-				kr = append(kr, bulkRun(kernelSinkPort))
-				br = append(br, bulkRun(sinkPort))
-				for _, x := range []struct {
-					who string
-					r   bulkResult
-				}{{"kernel", kr[i]}, {"bridge", br[i]}} {
-					b.Logf("bulk round %d %s: %.2f Gbit/s, CPU %.2f s/GB, ring-full %d, client retransmits %d", i, x.who, x.r.gbps, x.r.cpuPerGB, x.r.ringFull, x.r.retrans)
+			// Into the sink (the client sends), then out of the HTTP
+			// servers (the client downloads /bytes/N).
+			for _, d := range []struct {
+				name, metric       string
+				kernelPort, bridge int
+				download           bool
+			}{{"bulk", "bulk-", kernelSinkPort, sinkPort, false}, {"download", "download-", kernelPort, appPort, true}} {
+				var kr, br []bulkResult
+				for i := range rounds {
+					kr = append(kr, bulkRun(d.kernelPort, d.download))
+					br = append(br, bulkRun(d.bridge, d.download))
+					for _, x := range []struct {
+						who string
+						r   bulkResult
+					}{{"kernel", kr[i]}, {"bridge", br[i]}} {
+						b.Logf("%s round %d %s: %.2f Gbit/s, CPU %.2f s/GB, ring-full %d, client retransmits %d", d.name, i, x.who, x.r.gbps, x.r.cpuPerGB, x.r.ringFull, x.r.retrans)
+					}
 				}
+				k, br1 := medianBulk(kr), medianBulk(br)
+				b.Logf("%s %d MiB medians of %d: bridge/kernel Gbit/s %.2f/%.2f = %.2fx; CPU s/GB %.2f/%.2f = %.2fx; ring-full %d/%d; retransmits %d/%d",
+					d.name, bulkMB, rounds, br1.gbps, k.gbps, br1.gbps/k.gbps, br1.cpuPerGB, k.cpuPerGB, br1.cpuPerGB/k.cpuPerGB, br1.ringFull, k.ringFull, br1.retrans, k.retrans)
+				b.ReportMetric(br1.gbps/k.gbps, d.metric+"rate-ratio")
+				b.ReportMetric(br1.cpuPerGB/k.cpuPerGB, d.metric+"cpu-ratio")
+				b.ReportMetric(float64(br1.ringFull), d.metric+"ring-full")
 			}
-			k, br1 := medianBulk(kr), medianBulk(br)
-			b.Logf("bulk %d MiB medians of %d: bridge/kernel Gbit/s %.2f/%.2f = %.2fx; CPU s/GB %.2f/%.2f = %.2fx; ring-full %d/%d; retransmits %d/%d",
-				bulkMB, rounds, br1.gbps, k.gbps, br1.gbps/k.gbps, br1.cpuPerGB, k.cpuPerGB, br1.cpuPerGB/k.cpuPerGB, br1.ringFull, k.ringFull, br1.retrans, k.retrans)
-			b.ReportMetric(br1.gbps/k.gbps, "bulk-rate-ratio")
-			b.ReportMetric(br1.cpuPerGB/k.cpuPerGB, "bulk-cpu-ratio")
-			b.ReportMetric(float64(br1.ringFull), "bulk-ring-full")
 		}
 		if abErr != nil {
 			b.Log("ab is not installed (Debian: apt-get install apache2-utils): no new-connection comparison")

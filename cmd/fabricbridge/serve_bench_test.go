@@ -932,6 +932,16 @@ metrics: {address: %q}
 				b.ReportMetric(float64(br1.ringFull), d.metric+"ring-full")
 			}
 		}
+		if s, err := scrapeIn(bridgeNS, metricsAddr); err == nil {
+			var joined, lost float64
+			for _, x := range metrics.Find(s, "fabricbridge_queue_tx_joined_total") {
+				joined += x.Value
+			}
+			for _, x := range metrics.Find(s, "fabricbridge_queue_tx_offload_lost_total") {
+				lost += x.Value
+			}
+			b.Logf("segmentation offload so far: %.0f packets sent joined, %.0f lost", joined, lost)
+		}
 		if abErr != nil {
 			b.Log("ab is not installed (Debian: apt-get install apache2-utils): no new-connection comparison")
 			continue

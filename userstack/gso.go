@@ -3,6 +3,7 @@ package userstack
 import (
 	"errors"
 
+	"gvisor.dev/gvisor/pkg/buffer"
 	"gvisor.dev/gvisor/pkg/tcpip"
 	"gvisor.dev/gvisor/pkg/tcpip/checksum"
 	"gvisor.dev/gvisor/pkg/tcpip/header"
@@ -41,10 +42,15 @@ func (e *LinkEndpoint) writeOffload(pkt *stack.PacketBuffer) error {
 		}
 		// Larger than one MSS yet within a slot: cut it like a big one.
 	}
-	if size > len(e.tx.gso) || mss <= 0 {
+	if size > gsoMaxSize+header.IPv6MinimumSize || mss <= 0 {
 		return errMalformedOffload
 	}
-	whole := flatten(pkt, e.tx.gso)
+	// Only the headers are gathered; each segment's payload is copied
+	// straight from the packet's views into its slot, one pass over the
+	// data instead of two.
+	views, skip := pkt.AsViewList()
+	src := viewCursor{v: views.Front(), off: skip}
+	whole := e.tx.gso[:src.read(e.tx.gso[:min(size, maxOffloadHeaders)])]
 	l3, hdr, ok := tcpHeaders(whole)
 	if ok {
 		mss = e.segmentSize(mss, hdr)
@@ -53,7 +59,10 @@ func (e *LinkEndpoint) writeOffload(pkt *stack.PacketBuffer) error {
 		return errMalformedOffload
 	}
 	e.stats.txSegmented.Add(1)
-	payload := whole[hdr:]
+	src = viewCursor{v: views.Front(), off: skip}
+	src.skip(hdr)
+	whole = whole[:hdr]
+	payload := size - hdr
 	tcp := header.TCP(whole[l3:])
 	seq := tcp.SequenceNumber()
 	flags := tcp.Flags()
@@ -62,19 +71,21 @@ func (e *LinkEndpoint) writeOffload(pkt *stack.PacketBuffer) error {
 	if !v6 {
 		id = header.IPv4(whole).ID()
 	}
-	for i, off := 0, 0; off < len(payload); i++ {
-		n := min(mss, len(payload)-off)
+	for i, off := 0, 0; off < payload; i++ {
+		n := min(mss, payload-off)
 		dst, err := e.slot()
 		if err != nil {
 			return err
 		}
 		copy(dst, whole[:hdr])
-		copy(dst[hdr:], payload[off:off+n])
+		if src.read(dst[hdr:hdr+n]) != n {
+			return errMalformedOffload
+		}
 		seg := dst[:hdr+n]
 		t := header.TCP(seg[l3:])
 		t.SetSequenceNumber(seq + uint32(off))
 		f := flags
-		if off+n < len(payload) {
+		if off+n < payload {
 			f &^= header.TCPFlagFin | header.TCPFlagPsh
 		}
 		if i > 0 {
@@ -96,6 +107,10 @@ func (e *LinkEndpoint) writeOffload(pkt *stack.PacketBuffer) error {
 	}
 	return nil
 }
+
+// maxOffloadHeaders bounds the IP and TCP headers of an offload packet:
+// 60 bytes of IPv4 header and 60 of TCP (IPv6's fixed 40 is less).
+const maxOffloadHeaders = 120
 
 // tcpHeaders finds the TCP header of an IPv4 or IPv6 packet from the stack
 // (no IPv6 extension headers: gVisor's TCP adds none) and returns its
@@ -143,4 +158,37 @@ func finishTCP(p []byte, l3 int) {
 	t.SetChecksum(0)
 	x := header.PseudoHeaderChecksum(header.TCPProtocolNumber, src, dst, uint16(len(p)-l3))
 	t.SetChecksum(^checksum.Checksum(p[l3:], x))
+}
+
+// viewCursor reads a packet's bytes from its views in order.
+type viewCursor struct {
+	v   *buffer.View
+	off int
+}
+
+// read copies the next len(dst) bytes, or as many as are left, into dst.
+func (c *viewCursor) read(dst []byte) int {
+	n := 0
+	for n < len(dst) && c.v != nil {
+		s := c.v.AsSlice()
+		k := copy(dst[n:], s[c.off:])
+		n += k
+		if c.off += k; c.off >= len(s) {
+			c.v, c.off = c.v.Next(), 0
+		}
+	}
+	return n
+}
+
+// skip passes over n bytes.
+func (c *viewCursor) skip(n int) {
+	for n > 0 && c.v != nil {
+		left := len(c.v.AsSlice()) - c.off
+		if n < left {
+			c.off += n
+			return
+		}
+		n -= left
+		c.v, c.off = c.v.Next(), 0
+	}
 }

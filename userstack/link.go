@@ -140,7 +140,7 @@ type txState struct {
 	sync.Mutex
 	bufs  [][]byte   // Batch buffers of maxPacket bytes, the flattening targets
 	batch [][]byte   // the packets of the batch being built (slices of bufs)
-	gso   []byte     // one whole offload packet, flattened before it is cut
+	gso   []byte     // an offload packet's headers, gathered before it is cut
 	acks  *ackHolder // nil: ACKs are not delayed
 }
 
@@ -226,7 +226,7 @@ func NewLinkEndpoint(l Link, cfg LinkConfig) (*LinkEndpoint, error) {
 		e.tx.bufs[i] = make([]byte, cfg.MaxPacket)
 	}
 	e.tx.batch = make([][]byte, 0, cfg.Batch)
-	e.tx.gso = make([]byte, gsoMaxSize+header.IPv6MinimumSize)
+	e.tx.gso = make([]byte, maxOffloadHeaders)
 	if !cfg.NoAckDelay {
 		e.tx.acks = newAckHolder(e)
 	}

@@ -233,7 +233,9 @@ func (x *xdpTx) settle() {
 }
 
 func (x *xdpTx) flush() {
-	if x.seg != nil && len(x.descs) > 1 {
+	if x.seg != nil && len(x.descs) > 1 && x.sock.TX.Pending() == 0 {
+		// Frames the kernel has not taken from the ring yet would be
+		// overtaken: those flushes stay on the ring.
 		x.offload()
 	}
 	if len(x.descs) > 0 {
@@ -255,8 +257,8 @@ func (x *xdpTx) flush() {
 // offload sends the queued frames through the packet socket when two of
 // them join into one offload packet. The kernel copies them inside
 // sendmmsg, as it does in copy mode's sendto, so their frames are free
-// once it returns. Frames queued before are on the wire already (every
-// flush drains the ring in copy mode), so the connection's order holds.
+// once it returns. Frames queued before are on the wire already (flush
+// calls it only when the ring is empty), so the connection's order holds.
 func (x *xdpTx) offload() {
 	frames := x.seg.frames[:len(x.descs)]
 	for i, d := range x.descs {

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # servebench.sh: issue 14's serving benchmark (BenchmarkServeHTTP: wrk and ab
 # against `app http` behind the daemon and against a kernel net/http server,
-# a bulk transfer into `app sink` and into a kernel sink, ratios from one run)
+# a bulk transfer into `app sink` and into a kernel sink, a download from each
+# HTTP server, ratios from one run)
 # for a machine with cores to spare and no Go toolchain: build here, carry the
 # folder there, run it from the repository root.
 #
@@ -50,8 +51,9 @@ run)
 		pinned="no pinning on $cpus CPUs"
 	fi
 	export FB_BENCH_PIN=$pin
-	# About 2.5 minutes on 16 CPUs: wrk 3x2x(10 s + 5 s), ab and the bulk
-	# transfers 3x2 each; the limits keep it within a 5-minute window.
+	# About 3 minutes on 16 CPUs: wrk 3x2x(10 s + 5 s), ab, the bulk
+	# transfers and the downloads 3x2 each; the limits keep it within a
+	# 5-minute window.
 	{
 		echo "servebench: $pinned"
 		FB_REQUIRE_PRIVILEGED=1 FB_BENCH_ROUNDS=${FB_BENCH_ROUNDS:-3} FB_BENCH_SECONDS=${FB_BENCH_SECONDS:-10} timeout 280 "$dir/cmd.test" \

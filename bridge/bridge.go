@@ -166,10 +166,12 @@ type Bridge struct {
 	watchWG      sync.WaitGroup
 
 	// segUsed: a queue's TX side joins segments (gso.go), only for the
-	// families the device segments, tso (tsoIPv4, tsoIPv6), which
-	// watchTSO keeps up to date.
-	segUsed atomic.Bool
-	tso     atomic.Uint32
+	// families in tso (tsoIPv4, tsoIPv6): those the device segments, as
+	// watchTSO last read them into tsoDevice, less all of them after an
+	// offload send failed.
+	segUsed   atomic.Bool
+	tso       atomic.Uint32
+	tsoDevice atomic.Uint32
 
 	mu         sync.Mutex // serialises control-plane changes
 	streams    atomic.Pointer[streamTable]

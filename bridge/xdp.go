@@ -265,7 +265,12 @@ func (x *xdpTx) offload() {
 		frames[i] = x.umem.Frame(d.Addr)[:d.Len]
 	}
 	if x.seg.plan(frames, x.tso.Load()) {
-		x.seg.send(frames)
+		if x.seg.send(frames) < len(frames) {
+			// A device that stopped segmenting drops every offload
+			// packet, the retransmissions' too: stop joining until the
+			// next reading of its features says it segments.
+			x.tso.Store(0)
+		}
 		for _, d := range x.descs {
 			x.free = append(x.free, d.Addr)
 		}
@@ -305,16 +310,18 @@ func (x *xdpTx) reclaim() {
 // the others are never joined: with qdisc bypass the kernel drops an
 // offload packet it would have to cut in software.
 func (b *Bridge) readTSO() {
-	tso := tsoOf(b.feats)
-	if old := b.tso.Swap(tso | tsoRead); old != tso|tsoRead {
+	tso := tsoOf(b.feats) | tsoRead
+	b.tso.Store(tso)
+	if old := b.tsoDevice.Swap(tso); old != tso {
 		b.log.Info("bridge: TCP segmentation offload of the device", "interface", b.cfg.Interface, "ipv4", tso&tsoIPv4 != 0, "ipv6", tso&tsoIPv6 != 0)
 	}
 }
 
 // watchTSO follows the device's segmentation offloads (ethtool -K) until
-// stop is closed. A change takes up to segPoll to be seen; offload packets
-// sent in that window to a device that no longer segments are lost and
-// counted (QueueStats.TxOffloadLost), and TCP sends them again.
+// stop is closed. A change takes up to segPoll to be seen; the first
+// offload send the device refuses in that window stops joining until the
+// next reading (its packets are counted in QueueStats.TxOffloadLost, and
+// TCP sends them again).
 func (b *Bridge) watchTSO(stop <-chan struct{}) {
 	t := time.NewTicker(segPoll)
 	defer t.Stop()

@@ -268,6 +268,37 @@ struct rule_scan {
 	struct fb_rule *hit;
 };
 
+// The tables' keys, the parsed packet and the metadata are stored a whole
+// word at a time, each word built in a register. A word stored as narrower
+// pieces and then loaded whole (by the hash and compare of a map lookup, or
+// by a struct copy) cannot be forwarded from the CPU's store buffer: the load
+// waits until the pieces reach the cache. On the flow-hit path those stalls
+// cost more than the parsing (docs/performance.md). The packing below puts
+// the bytes where the structs' layouts have them on a little-endian target,
+// the only one built (gen.go).
+#if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "word packing assumes a little-endian target"
+#endif
+
+// load_addr4 is an IPv4 address as the first word of a __u64[2] address:
+// its bytes in order, then zeros.
+static __always_inline __u64 load_addr4(const __u8 *b)
+{
+	__u32 v;
+
+	__builtin_memcpy(&v, b, IPV4_ADDR_LEN);
+	return v;
+}
+
+// load_addr8 is 8 bytes of an address, in order, as one word.
+static __always_inline __u64 load_addr8(const __u8 *b)
+{
+	__u64 v;
+
+	__builtin_memcpy(&v, b, sizeof(v));
+	return v;
+}
+
 static __always_inline __u16 load_be16(const __u8 *p)
 {
 	return ((__u16)p[0] << 8) | p[1];
@@ -432,36 +463,41 @@ static __always_inline void spread_steer(__u32 index, const struct pkt *p, struc
 // stream of a listener with a spread, and returns 1.
 static __always_inline int steer(struct pkt *p, struct fb_meta *m)
 {
-	struct fb_flow_key fk = {
-		.family = p->family,
-		.proto = p->proto,
-		.sport = p->sport,
-		.dport = p->dport,
-	};
-	struct fb_listen_key lk = {
-		.family = p->family,
-		.proto = p->proto,
-		.port = p->dport,
-	};
+	// The keys as the words they are stored in (see load_addr4).
+	union {
+		struct fb_flow_key k;
+		__u64 w[5];
+	} fk;
+	union {
+		struct fb_listen_key k;
+		__u32 w[5];
+	} lk;
 	struct fb_target *t;
 	struct fb_listener *l;
 
-	fk.src[0] = p->src[0];
-	fk.src[1] = p->src[1];
-	fk.dst[0] = p->dst[0];
-	fk.dst[1] = p->dst[1];
-	t = bpf_map_lookup_elem(&flows, &fk);
+	// family, proto, sport, dport, pad
+	fk.w[0] = p->family | (__u32)p->proto << 8 | (__u32)p->sport << 16 | (__u64)p->dport << 32;
+	fk.w[1] = p->src[0];
+	fk.w[2] = p->src[1];
+	fk.w[3] = p->dst[0];
+	fk.w[4] = p->dst[1];
+	t = bpf_map_lookup_elem(&flows, &fk.k);
 	if (t) {
 		m->verdict = FB_VERDICT_STEER;
 		m->stream_id = t->stream_id;
 		m->rule_id = t->rule_id;
 		return 1;
 	}
-	__builtin_memcpy(lk.addr, p->dst, IPV6_ADDR_LEN); // both 4-byte aligned: four word copies
-	l = bpf_map_lookup_elem(&listeners, &lk);
+	// family, proto, port
+	lk.w[0] = p->family | (__u32)p->proto << 8 | (__u32)p->dport << 16;
+	lk.w[1] = p->dst[0];
+	lk.w[2] = p->dst[0] >> 32;
+	lk.w[3] = p->dst[1];
+	lk.w[4] = p->dst[1] >> 32;
+	l = bpf_map_lookup_elem(&listeners, &lk.k);
 	if (!l) {
-		__builtin_memset(lk.addr, 0, IPV6_ADDR_LEN);
-		l = bpf_map_lookup_elem(&listeners, &lk);
+		lk.w[1] = lk.w[2] = lk.w[3] = lk.w[4] = 0;
+		l = bpf_map_lookup_elem(&listeners, &lk.k);
 	}
 	if (!l)
 		return 0;
@@ -574,8 +610,8 @@ static __always_inline void icmp_error(const struct frame *f, const struct l3 *i
 		    (load_be16(ip + IPV4_FRAG_OFF) & IPV4_OFFSET_MASK))
 			return;
 		p->proto = ip[IPV4_PROTO];
-		__builtin_memcpy(p->src, ip + IPV4_DST, IPV4_ADDR_LEN);
-		__builtin_memcpy(p->dst, ip + IPV4_SRC, IPV4_ADDR_LEN);
+		p->src[0] = load_addr4(ip + IPV4_DST);
+		p->dst[0] = load_addr4(ip + IPV4_SRC);
 		q += ihl;
 	} else {
 		if (ip3->proto != PROTO_ICMPV6)
@@ -586,8 +622,10 @@ static __always_inline void icmp_error(const struct frame *f, const struct l3 *i
 		    ip + IPV6_HDR_LEN + QUOTED_L4_LEN > data_end || ip_version(ip) != FB_FAMILY_IPV6)
 			return;
 		p->proto = ip[IPV6_NEXT]; // extension headers in the quote are not followed
-		__builtin_memcpy(p->src, ip + IPV6_DST, IPV6_ADDR_LEN);
-		__builtin_memcpy(p->dst, ip + IPV6_SRC, IPV6_ADDR_LEN);
+		p->src[0] = load_addr8(ip + IPV6_DST);
+		p->src[1] = load_addr8(ip + IPV6_DST + 8);
+		p->dst[0] = load_addr8(ip + IPV6_SRC);
+		p->dst[1] = load_addr8(ip + IPV6_SRC + 8);
 		q += IPV6_HDR_LEN;
 	}
 	if (p->proto != PROTO_TCP && p->proto != PROTO_UDP)
@@ -644,8 +682,8 @@ static __always_inline enum step parse_ipv4(const struct frame *f, struct fb_met
 	ip->l4 = ip->off + hlen;
 	ip->proto = h[IPV4_PROTO];
 	p->family = FB_FAMILY_IPV4;
-	__builtin_memcpy(p->src, h + IPV4_SRC, IPV4_ADDR_LEN);
-	__builtin_memcpy(p->dst, h + IPV4_DST, IPV4_ADDR_LEN);
+	p->src[0] = load_addr4(h + IPV4_SRC);
+	p->dst[0] = load_addr4(h + IPV4_DST);
 	frag_off = load_be16(h + IPV4_FRAG_OFF);
 	if (!(frag_off & (IPV4_MF | IPV4_OFFSET_MASK)))
 		return NEXT;
@@ -744,8 +782,10 @@ static __always_inline enum step parse_ipv6(const struct frame *f, struct fb_met
 		return malformed(m);
 	ip->proto = h[IPV6_NEXT];
 	p->family = FB_FAMILY_IPV6;
-	__builtin_memcpy(p->src, h + IPV6_SRC, IPV6_ADDR_LEN);
-	__builtin_memcpy(p->dst, h + IPV6_DST, IPV6_ADDR_LEN);
+	p->src[0] = load_addr8(h + IPV6_SRC);
+	p->src[1] = load_addr8(h + IPV6_SRC + 8);
+	p->dst[0] = load_addr8(h + IPV6_DST);
+	p->dst[1] = load_addr8(h + IPV6_DST + 8);
 	ip->l4 = ip->off + IPV6_HDR_LEN;
 	return walk_ipv6_ext(f, m, ip, p, frag);
 }
@@ -953,7 +993,16 @@ static __always_inline int redirect(struct xdp_md *ctx, struct fb_meta *m)
 		count_event(FB_EVENT_META_FAILED);
 		return XDP_PASS;
 	}
-	*meta = *m;
+	// Field by field: each load matches the store that wrote the field
+	// (see load_addr4); the frame's bytes are not read back here.
+	meta->rx_timestamp_ns = m->rx_timestamp_ns;
+	meta->stream_id = m->stream_id;
+	meta->rule_id = m->rule_id;
+	meta->l3_offset = m->l3_offset;
+	meta->l4_offset = m->l4_offset;
+	meta->vlan = m->vlan;
+	meta->verdict = m->verdict;
+	meta->flags = m->flags;
 
 	ret = bpf_redirect_map(&xsks, ctx->rx_queue_index, drop_unbound ? XDP_DROP : XDP_PASS);
 	if (ret != XDP_REDIRECT)

@@ -113,8 +113,8 @@ type Config struct {
 	// (shared, and per queue); default DefaultRouteCache. Beyond it, a
 	// random entry is evicted.
 	RouteCache int
-	// FlowCapacity is how many exact flows the XDP program's table holds
-	// (ebpf.Options); 0: ebpf.DefaultFlowCapacity.
+	// FlowCapacity is how many exact flows of each IP family the XDP
+	// program's tables hold (ebpf.Options); 0: ebpf.DefaultFlowCapacity.
 	FlowCapacity int
 	// PinDir, if set, is a directory on a bpf file system (one per
 	// interface and daemon) where the XDP program pins its link and

@@ -46,6 +46,16 @@ const (
 	bpfFbFlagFB_FLAG_SECOND_CHANCE  bpfFbFlag = 8
 )
 
+type bpfFbFlow4Key struct {
+	_     structs.HostLayout
+	Src   uint32
+	Dst   uint32
+	Sport uint16
+	Dport uint16
+	Proto uint8
+	Pad   [3]uint8
+}
+
 type bpfFbFlowKey struct {
 	_      structs.HostLayout
 	Family uint8
@@ -194,6 +204,7 @@ const (
 const (
 	bpfMapEventCounters    = "event_counters"
 	bpfMapFlows            = "flows"
+	bpfMapFlows4           = "flows4"
 	bpfMapFragments        = "fragments"
 	bpfMapIngestXsks       = "ingest_xsks"
 	bpfMapLastMeta         = "last_meta"
@@ -272,6 +283,7 @@ type bpfProgramSpecs struct {
 type bpfMapSpecs struct {
 	EventCounters   *ebpf.MapSpec `ebpf:"event_counters"`
 	Flows           *ebpf.MapSpec `ebpf:"flows"`
+	Flows4          *ebpf.MapSpec `ebpf:"flows4"`
 	Fragments       *ebpf.MapSpec `ebpf:"fragments"`
 	IngestXsks      *ebpf.MapSpec `ebpf:"ingest_xsks"`
 	LastMeta        *ebpf.MapSpec `ebpf:"last_meta"`
@@ -324,6 +336,7 @@ func (o *bpfObjects) Close() error {
 type bpfMaps struct {
 	EventCounters   *ebpf.Map `ebpf:"event_counters"`
 	Flows           *ebpf.Map `ebpf:"flows"`
+	Flows4          *ebpf.Map `ebpf:"flows4"`
 	Fragments       *ebpf.Map `ebpf:"fragments"`
 	IngestXsks      *ebpf.Map `ebpf:"ingest_xsks"`
 	LastMeta        *ebpf.Map `ebpf:"last_meta"`
@@ -340,6 +353,7 @@ func (m *bpfMaps) Close() error {
 	return _BpfClose(
 		m.EventCounters,
 		m.Flows,
+		m.Flows4,
 		m.Fragments,
 		m.IngestXsks,
 		m.LastMeta,

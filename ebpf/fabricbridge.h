@@ -98,7 +98,7 @@ struct fb_ingest_meta {
 _Static_assert(sizeof(struct fb_ingest_meta) == 40, "fb_ingest_meta is classifier.IngestMetaSize bytes");
 _Static_assert(FB_MAX_RULE_ID <= 0xffff, "rule ids fit fb_ingest_meta.rule_id");
 
-// The flows table's key: classifier.FlowKey in the kernel's layout.
+// The IPv6 flows table's key: classifier.FlowKey in the kernel's layout.
 struct fb_flow_key {
 	__u8 family;
 	__u8 proto;
@@ -111,6 +111,21 @@ struct fb_flow_key {
 	__u64 dst[2];
 };
 
+// The IPv4 flows table's key: classifier.FlowKey of an IPv4 flow. The
+// kernel hashes a key with jhash, whose cost grows with every 12 bytes; at
+// 16 bytes an IPv4 flow hit costs about 10 ns less than under fb_flow_key
+// (docs/performance.md), so IPv4 flows, the common ones, get a table of
+// their own. The family is the table's.
+struct fb_flow4_key {
+	__u32 src; // the address's bytes in order
+	__u32 dst;
+	__u16 sport;
+	__u16 dport;
+	__u8 proto;
+	__u8 pad[3];
+};
+_Static_assert(sizeof(struct fb_flow4_key) == 16, "fb_flow4_key is 16 bytes");
+
 // The listeners table's key: classifier.ListenKey in the kernel's layout.
 struct fb_listen_key {
 	__u8 family;
@@ -119,7 +134,7 @@ struct fb_listen_key {
 	__u32 addr[4]; // all zero: any address of the family
 };
 
-// The value of the flows table; classifier.Target.
+// The value of the flows tables; classifier.Target.
 struct fb_target {
 	__u32 stream_id;
 	__u32 rule_id;

@@ -19,11 +19,17 @@ func deltaFlow(i int) classifier.Flow {
 		Local:  netip.AddrPortFrom(netip.MustParseAddr("198.18.0.1"), uint16(10000+i))}
 }
 
-// TestFlowDeltas: flows added and removed one at a time leave the kernel's
-// table equal to the compiled tables of the flows left, and a whole Update
-// afterwards changes nothing.
+// TestFlowDeltas: flows of both families added and removed one at a time
+// leave the kernel's tables equal to the compiled tables of the flows left,
+// and a whole Update afterwards changes nothing.
 func TestFlowDeltas(t *testing.T) {
 	testenv.RequirePrivileged(t)
+	flow := func(i int) classifier.Flow {
+		if i%2 == 1 {
+			return deltaFlow6(i)
+		}
+		return deltaFlow(i)
+	}
 	p, err := Load()
 	if err != nil {
 		t.Fatal(err)
@@ -34,10 +40,10 @@ func TestFlowDeltas(t *testing.T) {
 	for range 3000 {
 		i := rng.IntN(500)
 		if held[i] {
-			err = p.RemoveFlows([]classifier.Flow{deltaFlow(i)})
+			err = p.RemoveFlows([]classifier.Flow{flow(i)})
 			delete(held, i)
 		} else {
-			err = p.AddFlows([]classifier.Flow{deltaFlow(i)})
+			err = p.AddFlows([]classifier.Flow{flow(i)})
 			held[i] = true
 		}
 		if err != nil {
@@ -46,7 +52,7 @@ func TestFlowDeltas(t *testing.T) {
 	}
 	var set classifier.RuleSet
 	for i := range held {
-		set.Flows = append(set.Flows, deltaFlow(i))
+		set.Flows = append(set.Flows, flow(i))
 	}
 	want, err := classifier.Compile(&set)
 	if err != nil {
@@ -73,9 +79,19 @@ func TestFlowDeltas(t *testing.T) {
 		t.Fatal(err)
 	}
 	check("after a whole update")
-	if err := p.RemoveFlows([]classifier.Flow{deltaFlow(100000)}); err != nil {
-		t.Fatalf("removing a flow never added: %v", err)
+	if err := p.RemoveFlows([]classifier.Flow{deltaFlow(100000), deltaFlow6(100001), flow(0), flow(1)}); err != nil {
+		t.Fatalf("removing flows never added among installed ones: %v", err)
 	}
+	delete(held, 0)
+	delete(held, 1)
+	set.Flows = nil
+	for i := range held {
+		set.Flows = append(set.Flows, flow(i))
+	}
+	if want, err = classifier.Compile(&set); err != nil {
+		t.Fatal(err)
+	}
+	check("after removing flows never added among installed ones")
 }
 
 // memlock is what the kernel charges for map fd (its fdinfo's memlock).
@@ -97,9 +113,19 @@ func memlock(t *testing.T, fd int) int {
 	return 0
 }
 
-// TestFlowCapacityMemory: the flow table takes the capacity it is given,
-// a flow beyond it is refused, and its memory is about FlowEntryBytes a
-// flow.
+// deltaFlow6 is deltaFlow over IPv6, which the program keeps in a table of
+// its own.
+func deltaFlow6(i int) classifier.Flow {
+	f := deltaFlow(i)
+	f.Remote = netip.AddrPortFrom(netip.AddrFrom16([16]byte{0x20, 0x01, 0x0d, 0xb8, 5, 14: byte(i >> 8), 15: byte(i)}), f.Remote.Port())
+	f.Local = netip.AddrPortFrom(netip.MustParseAddr("2001:db8::1"), f.Local.Port())
+	return f
+}
+
+// TestFlowCapacityMemory: each family's flow table takes the capacity it
+// is given, a flow beyond it is refused, and the memory the tables take up
+// front (all of the IPv4 table, the IPv6 table's buckets) is about
+// FlowEntryBytes a flow of capacity.
 func TestFlowCapacityMemory(t *testing.T) {
 	testenv.RequirePrivileged(t)
 	small, err := LoadWith(Options{FlowCapacity: 4})
@@ -110,25 +136,32 @@ func TestFlowCapacityMemory(t *testing.T) {
 	if small.FlowCapacity() != 4 {
 		t.Fatalf("capacity %d, want 4", small.FlowCapacity())
 	}
-	for i := range 4 {
-		if err := small.AddFlows([]classifier.Flow{deltaFlow(i)}); err != nil {
-			t.Fatal(err)
+	for _, flow := range []func(int) classifier.Flow{deltaFlow, deltaFlow6} {
+		for i := range 4 {
+			if err := small.AddFlows([]classifier.Flow{flow(i)}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := small.AddFlows([]classifier.Flow{flow(4)}); err == nil {
+			t.Fatalf("a fifth flow (%v) fitted a table of four", flow(4).Remote)
 		}
 	}
-	if err := small.AddFlows([]classifier.Flow{deltaFlow(4)}); err == nil {
-		t.Fatal("a fifth flow fitted a table of four")
+	if got, err := small.InstalledFlows(); err != nil || len(got) != 8 {
+		t.Fatalf("%d flows installed (%v), want 8: four of each family", len(got), err)
 	}
-	per := map[int]int{}
+	per4, per6 := map[int]int{}, map[int]int{}
 	for _, n := range []int{1 << 16, 1 << 20} {
 		p, err := LoadWith(Options{FlowCapacity: n})
 		if err != nil {
 			t.Fatal(err)
 		}
-		per[n] = memlock(t, p.objs.Flows.FD())
+		per4[n], per6[n] = memlock(t, p.objs.Flows4.FD()), memlock(t, p.objs.Flows.FD())
 		p.Close()
 	}
-	bytes := float64(per[1<<20]-per[1<<16]) / float64(1<<20-1<<16)
-	t.Logf("flow table: %d bytes for 65,536 flows, %d for 1,048,576: %.0f bytes a flow", per[1<<16], per[1<<20], bytes)
+	slope := func(per map[int]int) float64 { return float64(per[1<<20]-per[1<<16]) / float64(1<<20-1<<16) }
+	bytes := slope(per4) + slope(per6)
+	t.Logf("flow tables, IPv4 + IPv6: %d + %d bytes for 65,536 flows, %d + %d for 1,048,576: %.0f + %.0f bytes a flow",
+		per4[1<<16], per6[1<<16], per4[1<<20], per6[1<<20], slope(per4), slope(per6))
 	if bytes < FlowEntryBytes/2 || bytes > FlowEntryBytes*2 {
 		t.Errorf("%.0f bytes a flow; FlowEntryBytes says %d", bytes, FlowEntryBytes)
 	}

@@ -70,21 +70,23 @@ type Program struct {
 	heldListeners map[bpfFbListenKey]struct{}
 }
 
-// DefaultFlowCapacity is the size of the exact-flow table unless Options
+// DefaultFlowCapacity is the size of each exact-flow table unless Options
 // say otherwise.
 const DefaultFlowCapacity = 262144
 
-// FlowEntryBytes is about what one slot of the exact-flow table costs in
-// kernel memory (a BPF hash map preallocates every slot: key, value, and
-// the element's header and bucket), measured on Linux 6.18 with
-// TestFlowCapacityMemory.
-const FlowEntryBytes = 112
+// FlowEntryBytes is about what one flow of capacity costs in kernel memory
+// up front: a slot of the IPv4 table (a BPF hash map that preallocates every
+// slot: key, value, the element's header and bucket; 88 bytes) and a bucket
+// of the IPv6 table (16 bytes), which allocates an element when a flow is
+// added. Measured on Linux 6.18 with TestFlowCapacityMemory.
+const FlowEntryBytes = 104
 
 // Options change how the program is loaded. The zero value is the default.
 type Options struct {
-	// FlowCapacity is how many exact flows the program's table holds (a
-	// claim beyond it is refused); 0 means DefaultFlowCapacity. The table
-	// is preallocated: about FlowEntryBytes of kernel memory a flow.
+	// FlowCapacity is how many exact flows of each family the program's
+	// tables hold (a claim beyond it is refused); 0 means
+	// DefaultFlowCapacity. About FlowEntryBytes of kernel memory a flow
+	// is taken up front; IPv6 flows take theirs as they are added.
 	FlowCapacity int
 	// DropUnbound drops a steered frame that finds no AF_XDP socket on its
 	// queue, where the default passes it to the kernel. The kernel has no
@@ -117,6 +119,7 @@ func load(opts Options, testHooks bool) (*Program, error) {
 		return nil, fmt.Errorf("ebpf: flow capacity %d outside 0..%d", opts.FlowCapacity, 1<<27)
 	}
 	if opts.FlowCapacity > 0 {
+		spec.Maps[bpfMapFlows4].MaxEntries = uint32(opts.FlowCapacity)
 		spec.Maps[bpfMapFlows].MaxEntries = uint32(opts.FlowCapacity)
 	}
 	if opts.DropUnbound {
@@ -331,12 +334,63 @@ func (p *Program) StampsSteered() (bool, error) {
 	return v != 0, nil
 }
 
-// FlowCapacity is how many exact flows the program's table holds.
-func (p *Program) FlowCapacity() int { return int(p.objs.Flows.MaxEntries()) }
+// FlowCapacity is how many exact flows of each family the program's tables
+// hold.
+func (p *Program) FlowCapacity() int { return int(p.objs.Flows4.MaxEntries()) }
 
-// flowKey is f's key in the program's flow table.
+// flowKey is f's key as this package keeps it, whatever its family; the
+// program keeps IPv4 flows under a shorter key in a table of their own
+// (fabricbridge.h, fb_flow4_key), and flowTable picks table and key.
 func flowKey(k classifier.FlowKey) bpfFbFlowKey {
 	return bpfFbFlowKey{Family: k.Family, Proto: k.Proto, Sport: k.SrcPort, Dport: k.DstPort, Src: words64(k.Src), Dst: words64(k.Dst)}
+}
+
+// flowTable is the program's table of the flow keyed k and k as that table
+// keys it.
+func (p *Program) flowTable(k *bpfFbFlowKey) (*ebpf.Map, any) {
+	if k.Family == ipv4 {
+		return p.objs.Flows4, flow4Key(k)
+	}
+	return p.objs.Flows, k
+}
+
+// ipv4 is classifier's family of IPv4 flows.
+const ipv4 = 4
+
+// flow4Key is IPv4 flow k in the IPv4 table's form: an address is the first
+// four bytes of its Addr16.
+func flow4Key(k *bpfFbFlowKey) *bpfFbFlow4Key {
+	return &bpfFbFlow4Key{Src: addr4(k.Src), Dst: addr4(k.Dst), Sport: k.Sport, Dport: k.Dport, Proto: k.Proto}
+}
+
+// flowOf4 is the key of the flow that the IPv4 table keys as k.
+func flowOf4(k *bpfFbFlow4Key) bpfFbFlowKey {
+	return bpfFbFlowKey{Family: ipv4, Proto: k.Proto, Sport: k.Sport, Dport: k.Dport, Src: words4(k.Src), Dst: words4(k.Dst)}
+}
+
+// addr4 and words4 convert between an IPv4 address as the wide words hold
+// it and as a uint32 holds it, keeping its bytes in order in memory.
+func addr4(w [2]uint64) uint32 {
+	var b [8]byte
+	binary.NativeEndian.PutUint64(b[:], w[0])
+	return binary.NativeEndian.Uint32(b[:4])
+}
+
+func words4(a uint32) [2]uint64 {
+	var b [8]byte
+	binary.NativeEndian.PutUint32(b[:4], a)
+	return [2]uint64{binary.NativeEndian.Uint64(b[:])}
+}
+
+// putFlow and deleteFlow write and delete one flow in its table.
+func (p *Program) putFlow(k *bpfFbFlowKey, v *bpfFbTarget) error {
+	m, key := p.flowTable(k)
+	return m.Put(key, v)
+}
+
+func (p *Program) deleteFlow(k *bpfFbFlowKey) error {
+	m, key := p.flowTable(k)
+	return m.Delete(key)
 }
 
 // AddFlows installs flows one map update each, without touching anything
@@ -347,7 +401,7 @@ func (p *Program) AddFlows(flows []classifier.Flow) error {
 	defer p.mu.Unlock()
 	for _, f := range flows {
 		k, v := flowKey(f.Key()), bpfFbTarget{StreamId: f.Stream, RuleId: f.ID}
-		if err := p.objs.Flows.Put(&k, &v); err != nil {
+		if err := p.putFlow(&k, &v); err != nil {
 			return fmt.Errorf("ebpf: add flow %v -> %v: %w", f.Remote, f.Local, err)
 		}
 		p.flows[k] = v
@@ -375,52 +429,66 @@ func (p *Program) RemoveFlows(flows []classifier.Flow) error {
 }
 
 func (p *Program) removeFlows(flows []classifier.Flow) error {
-	keys := make([]bpfFbFlowKey, len(flows))
-	for i, f := range flows {
-		keys[i] = flowKey(f.Key())
-	}
+	var keys4 []bpfFbFlow4Key
+	var keys6 []bpfFbFlowKey
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	for _, k := range keys {
+	for _, f := range flows {
+		k := flowKey(f.Key())
 		delete(p.flows, k)
+		if k.Family == ipv4 {
+			keys4 = append(keys4, *flow4Key(&k))
+		} else {
+			keys6 = append(keys6, k)
+		}
 	}
-	// One syscall for the chunk; the kernel stops at a key it lacks, which
-	// is then skipped.
+	if err := deleteBatch(p.objs.Flows4, keys4); err != nil {
+		return fmt.Errorf("ebpf: remove flows: %w", err)
+	}
+	if err := deleteBatch(p.objs.Flows, keys6); err != nil {
+		return fmt.Errorf("ebpf: remove flows: %w", err)
+	}
+	return nil
+}
+
+// deleteBatch deletes keys from m, one syscall for them all where the
+// kernel has batch operations; a key m lacks is no error.
+func deleteBatch[K any](m *ebpf.Map, keys []K) error {
+	// The kernel stops at a key it lacks, which is then skipped.
 	for len(keys) > 0 {
-		n, err := p.objs.Flows.BatchDelete(keys, nil)
+		n, err := m.BatchDelete(keys, nil)
 		switch {
 		case err == nil:
 			return nil
 		case errors.Is(err, ebpf.ErrKeyNotExist):
 			keys = keys[n+1:]
 		case errors.Is(err, ebpf.ErrNotSupported):
-			return p.deleteEach(keys)
+			return deleteEach(m, keys)
 		default:
-			return fmt.Errorf("ebpf: remove flows: %w", err)
+			return err
 		}
 	}
 	return nil
 }
 
-// deleteEach is removeFlows for kernels without batch operations.
-func (p *Program) deleteEach(keys []bpfFbFlowKey) error {
+// deleteEach is deleteBatch for kernels without batch operations.
+func deleteEach[K any](m *ebpf.Map, keys []K) error {
 	for _, k := range keys {
-		if err := p.objs.Flows.Delete(&k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
-			return fmt.Errorf("ebpf: remove flow: %w", err)
+		if err := m.Delete(&k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+			return err
 		}
 	}
 	return nil
 }
 
-// InstalledFlows reads the exact-flow table back from the kernel.
+// InstalledFlows reads the exact-flow tables back from the kernel.
 func (p *Program) InstalledFlows() (map[classifier.FlowKey]classifier.Target, error) {
+	flows, err := p.readFlows()
+	if err != nil {
+		return nil, err
+	}
 	out := map[classifier.FlowKey]classifier.Target{}
-	var (
-		k bpfFbFlowKey
-		v bpfFbTarget
-	)
-	it := p.objs.Flows.Iterate()
-	for it.Next(&k, &v) {
+	for k, v := range flows {
 		fk := classifier.FlowKey{Family: k.Family, Proto: k.Proto, SrcPort: k.Sport, DstPort: k.Dport}
 		ne := binary.NativeEndian
 		for i, w := range k.Src {
@@ -430,6 +498,28 @@ func (p *Program) InstalledFlows() (map[classifier.FlowKey]classifier.Target, er
 			ne.PutUint64(fk.Dst[8*i:], w)
 		}
 		out[fk] = classifier.Target{Stream: v.StreamId, Rule: v.RuleId}
+	}
+	return out, nil
+}
+
+// readFlows reads both flow tables, keyed as this package keys flows.
+func (p *Program) readFlows() (map[bpfFbFlowKey]bpfFbTarget, error) {
+	out := map[bpfFbFlowKey]bpfFbTarget{}
+	var (
+		k4 bpfFbFlow4Key
+		k  bpfFbFlowKey
+		v  bpfFbTarget
+	)
+	it := p.objs.Flows4.Iterate()
+	for it.Next(&k4, &v) {
+		out[flowOf4(&k4)] = v
+	}
+	if err := it.Err(); err != nil {
+		return nil, fmt.Errorf("ebpf: read IPv4 flows: %w", err)
+	}
+	it = p.objs.Flows.Iterate()
+	for it.Next(&k, &v) {
+		out[k] = v
 	}
 	if err := it.Err(); err != nil {
 		return nil, fmt.Errorf("ebpf: read flows: %w", err)
@@ -470,19 +560,19 @@ func (p *Program) Update(t *classifier.Tables) error {
 		key := bpfFbListenKey{Family: k.Family, Proto: k.Proto, Port: k.Port, Addr: words32(k.Addr)}
 		listeners[key] = bpfFbListener{StreamId: v.Stream, RuleId: v.Rule, Spread: spreadIndex[k]}
 	}
-	if err := putChanged(p.objs.Flows, p.flows, flows, p.heldFlows); err != nil {
+	if err := putChanged(p.putFlow, p.flows, flows, p.heldFlows); err != nil {
 		return fmt.Errorf("ebpf: flows: %w", err)
 	}
-	if err := putChanged(p.objs.Listeners, p.listeners, listeners, p.heldListeners); err != nil {
+	if err := putChanged(p.putListener, p.listeners, listeners, p.heldListeners); err != nil {
 		return fmt.Errorf("ebpf: listeners: %w", err)
 	}
 	if err := p.installRules(t.Rules()); err != nil {
 		return err
 	}
-	if err := deleteStale(p.objs.Flows, p.flows, flows); err != nil {
+	if err := deleteStale(p.deleteFlow, p.flows, flows); err != nil {
 		return fmt.Errorf("ebpf: flows: %w", err)
 	}
-	if err := deleteStale(p.objs.Listeners, p.listeners, listeners); err != nil {
+	if err := deleteStale(p.deleteListener, p.listeners, listeners); err != nil {
 		return fmt.Errorf("ebpf: listeners: %w", err)
 	}
 	p.releaseSpreads(spreads)
@@ -505,15 +595,25 @@ func target(t classifier.Target) bpfFbTarget {
 	return bpfFbTarget{StreamId: t.Stream, RuleId: t.Rule}
 }
 
-// putChanged writes the entries of want that installed lacks or holds
-// differently, and records them in installed; an entry written is no
+// putListener and deleteListener are putFlow and deleteFlow for the one
+// listeners table.
+func (p *Program) putListener(k *bpfFbListenKey, v *bpfFbListener) error {
+	return p.objs.Listeners.Put(k, v)
+}
+
+func (p *Program) deleteListener(k *bpfFbListenKey) error {
+	return p.objs.Listeners.Delete(k)
+}
+
+// putChanged writes with put the entries of want that installed lacks or
+// holds differently, and records them in installed; an entry written is no
 // longer held.
-func putChanged[K, V comparable](m *ebpf.Map, installed, want map[K]V, held map[K]struct{}) error {
+func putChanged[K, V comparable](put func(*K, *V) error, installed, want map[K]V, held map[K]struct{}) error {
 	for k, v := range want {
 		if old, ok := installed[k]; ok && old == v {
 			continue
 		}
-		if err := m.Put(&k, &v); err != nil {
+		if err := put(&k, &v); err != nil {
 			return err
 		}
 		installed[k] = v
@@ -522,13 +622,13 @@ func putChanged[K, V comparable](m *ebpf.Map, installed, want map[K]V, held map[
 	return nil
 }
 
-// deleteStale removes the entries of installed that want lacks.
-func deleteStale[K, V comparable](m *ebpf.Map, installed, want map[K]V) error {
+// deleteStale removes with del the entries of installed that want lacks.
+func deleteStale[K, V comparable](del func(*K) error, installed, want map[K]V) error {
 	for k := range maps.Clone(installed) {
 		if _, ok := want[k]; ok {
 			continue
 		}
-		if err := m.Delete(&k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		if err := del(&k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 			return err
 		}
 		delete(installed, k)

@@ -22,7 +22,8 @@ import (
 //
 //	PinDir/link                  the bpf_link that attaches the program
 //	PinDir/program-BUILD         the program
-//	PinDir/tables-LAYOUT/flows   exact flows
+//	PinDir/tables-LAYOUT/flows4  exact IPv4 flows
+//	PinDir/tables-LAYOUT/flows   exact IPv6 flows
 //	PinDir/tables-LAYOUT/listeners
 //	PinDir/tables-LAYOUT/rulesets
 //	PinDir/tables-LAYOUT/spreads   listeners' spread tables (spread.go)
@@ -55,10 +56,13 @@ const linkPin = "link"
 
 // pinnedTables are the maps a program hands to its successor. The counters,
 // the fragment table and the socket maps are each program's own.
-var pinnedTables = []string{bpfMapFlows, bpfMapListeners, bpfMapRulesets, bpfMapSpreads}
+var pinnedTables = []string{bpfMapFlows4, bpfMapFlows, bpfMapListeners, bpfMapRulesets, bpfMapSpreads}
 
-// tablesDir is the directory of this program's table layout.
-var tablesDir = "tables-" + layoutTag(bpfFbFlowKey{}, bpfFbListenKey{}, bpfFbTarget{}, bpfFbListener{}, bpfFbRuleset{}, bpfFbSpread{})
+// tablesDir is the directory of this program's table layout. The IPv4
+// flow key is in the tag, so tables pinned before IPv4 flows had a table of
+// their own (when flows held them all) are not adopted: the successor
+// starts with empty tables and Adoption.Replaced says why.
+var tablesDir = "tables-" + layoutTag(bpfFbFlow4Key{}, bpfFbFlowKey{}, bpfFbListenKey{}, bpfFbTarget{}, bpfFbListener{}, bpfFbRuleset{}, bpfFbSpread{})
 
 // layoutTag is a short hash of the names, offsets and sizes of the fields of
 // vs, recursively.
@@ -192,7 +196,7 @@ func (p *Program) reuse(spec *ebpf.CollectionSpec, build string) bool {
 	}
 	objs := bpfObjects{bpfPrograms: bpfPrograms{Fabricbridge: prog}}
 	for name, dst := range map[string]**ebpf.Map{
-		bpfMapEventCounters: &objs.EventCounters, bpfMapFlows: &objs.Flows, bpfMapFragments: &objs.Fragments,
+		bpfMapEventCounters: &objs.EventCounters, bpfMapFlows: &objs.Flows, bpfMapFlows4: &objs.Flows4, bpfMapFragments: &objs.Fragments,
 		bpfMapIngestXsks: &objs.IngestXsks, bpfMapLastMeta: &objs.LastMeta, bpfMapListeners: &objs.Listeners,
 		bpfMapRuleCounters: &objs.RuleCounters, bpfMapRulesets: &objs.Rulesets, bpfMapSpreads: &objs.Spreads,
 		bpfMapVerdictCounters: &objs.VerdictCounters, bpfMapXsks: &objs.Xsks,
@@ -244,7 +248,7 @@ func (p *Program) pinTables(dir string) error {
 	if err := os.MkdirAll(base, 0o700); err != nil {
 		return fmt.Errorf("ebpf: pin tables: %w", err)
 	}
-	for name, m := range map[string]*ebpf.Map{bpfMapFlows: p.objs.Flows, bpfMapListeners: p.objs.Listeners, bpfMapRulesets: p.objs.Rulesets, bpfMapSpreads: p.objs.Spreads} {
+	for name, m := range map[string]*ebpf.Map{bpfMapFlows4: p.objs.Flows4, bpfMapFlows: p.objs.Flows, bpfMapListeners: p.objs.Listeners, bpfMapRulesets: p.objs.Rulesets, bpfMapSpreads: p.objs.Spreads} {
 		// The program's maps are clones, unpinned as far as the library
 		// knows, so that closing them never removes the pins.
 		c, err := m.Clone()
@@ -265,16 +269,17 @@ func (p *Program) pinTables(dir string) error {
 // the previous daemon, whose stream ids the next one gives to others. Then
 // it empties the spread tables, which no listener names any more.
 func (p *Program) hold() error {
-	flows, err := keysOf[bpfFbFlowKey, bpfFbTarget](p.objs.Flows)
+	flows, err := p.readFlows()
 	if err != nil {
-		return fmt.Errorf("ebpf: read pinned flows: %w", err)
+		return fmt.Errorf("ebpf: pinned flows: %w", err)
 	}
 	listeners, err := keysOf[bpfFbListenKey, bpfFbListener](p.objs.Listeners)
 	if err != nil {
 		return fmt.Errorf("ebpf: read pinned listeners: %w", err)
 	}
-	for _, k := range flows {
-		if err := holdEntry(p.objs.Flows, &k, func(v *bpfFbTarget) { v.StreamId = HoldStream }); err != nil {
+	for k := range flows {
+		m, key := p.flowTable(&k)
+		if err := holdEntry(m, key, func(v *bpfFbTarget) { v.StreamId = HoldStream }); err != nil {
 			return fmt.Errorf("ebpf: hold flow: %w", err)
 		}
 		p.heldFlows[k] = struct{}{}
@@ -327,7 +332,7 @@ func (p *Program) ReleaseHeld() (flows, listeners int, err error) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	for k := range p.heldFlows {
-		if err := p.objs.Flows.Delete(&k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
+		if err := p.deleteFlow(&k); err != nil && !errors.Is(err, ebpf.ErrKeyNotExist) {
 			return flows, listeners, fmt.Errorf("ebpf: release held flow: %w", err)
 		}
 		delete(p.heldFlows, k)

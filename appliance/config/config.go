@@ -88,10 +88,10 @@ type Interface struct {
 	// hop of (bridge Config.RouteCache); a flood of new peer addresses
 	// evicts entries instead of growing the daemon.
 	RouteCache int `yaml:"route_cache"`
-	// FlowCapacity is how many exact flows (outgoing connections) the XDP
-	// program's flow table holds (bridge Config.FlowCapacity); a claim
-	// beyond it is refused. The table is preallocated: FlowEntryBytes of
-	// kernel memory a flow.
+	// FlowCapacity is how many exact flows (outgoing connections) of each
+	// IP family the XDP program's flow tables hold (bridge
+	// Config.FlowCapacity); a claim beyond it is refused. FlowEntryBytes
+	// of kernel memory a flow are taken up front.
 	FlowCapacity int `yaml:"flow_capacity"`
 	// NoSegmentOffload keeps every frame on the AF_XDP TX ring in copy
 	// mode instead of joining a TCP connection's consecutive segments

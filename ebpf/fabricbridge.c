@@ -285,7 +285,7 @@ struct rule_scan {
 // pieces and then loaded whole (by the hash and compare of a map lookup, or
 // by a struct copy) cannot be forwarded from the CPU's store buffer: the load
 // waits until the pieces reach the cache. On the flow-hit path those stalls
-// cost more than the parsing (docs/performance.md). The packing below puts
+// cost about 5 ns (docs/performance.md). The packing below puts
 // the bytes where the structs' layouts have them on a little-endian target,
 // the only one built (gen.go).
 #if __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__

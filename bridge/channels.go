@@ -130,23 +130,30 @@ func (b *Bridge) watchQueues(stop <-chan struct{}) {
 		b.log.Warn("bridge: cannot follow the receive queues in use", "interface", b.cfg.Interface, "err", err)
 		return
 	}
-	t := time.NewTicker(channelPoll)
-	defer t.Stop()
-	for {
-		select {
-		case <-stop:
-			return
-		case <-t.C:
-		}
+	every(stop, channelPoll, func() {
 		n, from := b.rxQueuesInUse(0)
 		if from == fromAllocated {
-			continue
+			return
 		}
 		b.mu.Lock()
 		if n != b.inUse && !b.closed {
 			b.queuesChanged(n, from)
 		}
 		b.mu.Unlock()
+	})
+}
+
+// every calls fn every d until stop is closed.
+func every(stop <-chan struct{}, d time.Duration, fn func()) {
+	t := time.NewTicker(d)
+	defer t.Stop()
+	for {
+		select {
+		case <-stop:
+			return
+		case <-t.C:
+			fn()
+		}
 	}
 }
 

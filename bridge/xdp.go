@@ -322,18 +322,7 @@ func (b *Bridge) readTSO() {
 // offload send the device refuses in that window stops joining until the
 // next reading (its packets are counted in QueueStats.TxOffloadLost, and
 // TCP sends them again).
-func (b *Bridge) watchTSO(stop <-chan struct{}) {
-	t := time.NewTicker(segPoll)
-	defer t.Stop()
-	for {
-		select {
-		case <-stop:
-			return
-		case <-t.C:
-			b.readTSO()
-		}
-	}
-}
+func (b *Bridge) watchTSO(stop <-chan struct{}) { every(stop, segPoll, b.readTSO) }
 
 // segPoll is how often watchTSO reads the device's features.
 const segPoll = time.Second

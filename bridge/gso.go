@@ -272,32 +272,32 @@ func (o *segOffload) send(frames [][]byte) int {
 		nmsg++
 		i = j
 	}
-	sent := o.sendmmsg(nmsg)
-	n := 0
-	for _, m := range o.msgs[:sent] {
-		n += int(m.Hdr.Iovlen) - 1
-	}
+	n := o.sendmmsg(nmsg)
 	if n < len(frames) {
 		o.lost.Add(uint64(len(frames) - n))
 	}
 	return n
 }
 
-// sendmmsg sends msgs[:n], going on past a message the kernel refuses
-// (once each), and returns how many leading messages went.
-func (o *segOffload) sendmmsg(n int) int {
-	done := 0
-	for done < n {
+// sendmmsg sends msgs[:n] and returns how many frames they carried went.
+// A message the kernel refuses is lost alone: sendmmsg reports the error
+// of the first message it could not send, and the rest are tried after it.
+func (o *segOffload) sendmmsg(n int) (frames int) {
+	for done := 0; done < n; {
 		r, _, errno := unix.Syscall6(unix.SYS_SENDMMSG, uintptr(o.fd), uintptr(unsafe.Pointer(&o.msgs[done])), uintptr(n-done), unix.MSG_DONTWAIT, 0, 0)
 		if errno == unix.EINTR {
 			continue
 		}
 		if errno != 0 || r == 0 {
-			break
+			done++
+			continue
+		}
+		for _, m := range o.msgs[done : done+int(r)] {
+			frames += int(m.Hdr.Iovlen) - 1
 		}
 		done += int(r)
 	}
-	return done
+	return frames
 }
 
 // head rewrites the first frame's headers into those of an offload packet

@@ -429,6 +429,18 @@ func TestSegmentOffloadOnTheWire(t *testing.T) {
 					if o.plan(frames, tso) {
 						t.Fatal("segments joined for a device that cannot cut them")
 					}
+					// Joined all the same, the run is refused and lost
+					// alone: the lone segment after it still leaves.
+					if !o.plan(frames, tsoIPv4|tsoIPv6) {
+						t.Fatal("the segments do not join")
+					}
+					if n := o.send(frames); n != 1 || o.lost.Load() != 3 {
+						t.Fatalf("a refused run: %d frames sent, %d lost; want 1 and 3", n, o.lost.Load())
+					}
+					if got := receiveFlow(t, rx, f, 1, 3*time.Second); len(got) != 1 || !bytes.Equal(got[0], want[3]) {
+						t.Fatalf("after a refused run, received %v bytes, want the lone segment", lens(got))
+					}
+					frames = cloneFrames(want)
 					// The qdisc's path segments in software, which the
 					// bypass (production's path) does not.
 					if err := unix.SetsockoptInt(o.fd, unix.SOL_PACKET, unix.PACKET_QDISC_BYPASS, 0); err != nil {

@@ -23,42 +23,28 @@ import (
 // sinkServer reads each connection to its end, then answers one byte so
 // the sender knows everything arrived.
 func sinkServer(l net.Listener) {
-	for {
-		c, err := l.Accept()
-		if err != nil {
-			return
-		}
-		go func() {
-			defer c.Close()
-			io.Copy(io.Discard, c)
-			c.Write([]byte{1})
-		}()
-	}
+	serveConns(l, func(c net.Conn) {
+		io.Copy(io.Discard, c)
+		c.Write([]byte{1})
+	})
 }
 
 // rrServer answers every byte with one byte.
 func rrServer(l net.Listener) {
-	for {
-		c, err := l.Accept()
-		if err != nil {
-			return
-		}
-		go func() {
-			defer c.Close()
-			b := make([]byte, 1)
-			for {
-				if _, err := io.ReadFull(c, b); err != nil {
-					return
-				}
-				if l := benchLog.Load(); l != nil {
-					l.add(ptServerRead, monoNow())
-				}
-				if _, err := c.Write(b); err != nil {
-					return
-				}
+	serveConns(l, func(c net.Conn) {
+		b := make([]byte, 1)
+		for {
+			if _, err := io.ReadFull(c, b); err != nil {
+				return
 			}
-		}()
-	}
+			if l := benchLog.Load(); l != nil {
+				l.add(ptServerRead, monoNow())
+			}
+			if _, err := c.Write(b); err != nil {
+				return
+			}
+		}
+	})
 }
 
 // goodput sends n bytes to addr and returns bit/s, timed until the server

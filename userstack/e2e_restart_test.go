@@ -38,20 +38,13 @@ func (e *e2e) restart(t *testing.T) {
 // serveGated serves want on each connection: the first MiB at once, the
 // rest once gate is closed.
 func serveGated(l net.Listener, want []byte, gate <-chan struct{}) {
-	for {
-		c, err := l.Accept()
-		if err != nil {
+	serveConns(l, func(c net.Conn) {
+		if _, err := c.Write(want[:1<<20]); err != nil {
 			return
 		}
-		go func() {
-			defer c.Close()
-			if _, err := c.Write(want[:1<<20]); err != nil {
-				return
-			}
-			<-gate
-			c.Write(want[1<<20:])
-		}()
-	}
+		<-gate
+		c.Write(want[1<<20:])
+	})
 }
 
 // TestRemoteStackOutlivesItsBridge: an application on another host, over

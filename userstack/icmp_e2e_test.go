@@ -413,20 +413,13 @@ func routedFarHost(t *testing.T, e *e2e, mtu int) (*topology.NS, *topology.Veth)
 
 // hashServer answers each connection with the SHA-256 of all it read.
 func hashServer(l net.Listener) {
-	for {
-		c, err := l.Accept()
-		if err != nil {
-			return
+	serveConns(l, func(c net.Conn) {
+		c.SetDeadline(time.Now().Add(60 * time.Second))
+		h := sha256.New()
+		if _, err := io.Copy(h, c); err == nil {
+			c.Write(h.Sum(nil))
 		}
-		go func() {
-			defer c.Close()
-			c.SetDeadline(time.Now().Add(60 * time.Second))
-			h := sha256.New()
-			if _, err := io.Copy(h, c); err == nil {
-				c.Write(h.Sum(nil))
-			}
-		}()
-	}
+	})
 }
 
 // sendAndHash dials addr from the stack, sends data, closes its side and

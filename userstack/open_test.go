@@ -151,16 +151,9 @@ func TestOpenServesHTTPThroughTheBridge(t *testing.T) {
 
 // echo serves l, echoing every connection until EOF.
 func echo(l net.Listener) {
-	for {
-		c, err := l.Accept()
-		if err != nil {
-			return
-		}
-		go func() {
-			defer c.Close()
-			io.Copy(c, c)
-		}()
-	}
+	serveConns(l, func(c net.Conn) {
+		io.Copy(c, c)
+	})
 }
 
 func TestTwoHundredConcurrentConnectionsBothWays(t *testing.T) {

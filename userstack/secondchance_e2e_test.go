@@ -170,25 +170,18 @@ func (r *spreadRig) setSlots(slot func(int) classifier.Slot) {
 
 // echoAs answers every line of every connection with name, ':', the line.
 func echoAs(l net.Listener, name string) {
-	for {
-		c, err := l.Accept()
-		if err != nil {
-			return
-		}
-		go func() {
-			defer c.Close()
-			in := bufio.NewReader(c)
-			for {
-				line, err := in.ReadString('\n')
-				if err != nil {
-					return
-				}
-				if _, err := io.WriteString(c, name+":"+line); err != nil {
-					return
-				}
+	serveConns(l, func(c net.Conn) {
+		in := bufio.NewReader(c)
+		for {
+			line, err := in.ReadString('\n')
+			if err != nil {
+				return
 			}
-		}()
-	}
+			if _, err := io.WriteString(c, name+":"+line); err != nil {
+				return
+			}
+		}
+	})
 }
 
 // client is one kernel TCP connection from the outside host.

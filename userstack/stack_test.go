@@ -182,6 +182,21 @@ func body(n int) []byte {
 	return b
 }
 
+// serveConns runs serve on every connection l accepts, each in a
+// goroutine of its own, and closes it after; it returns when l is closed.
+func serveConns(l net.Listener, serve func(c net.Conn)) {
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			return
+		}
+		go func() {
+			defer c.Close()
+			serve(c)
+		}()
+	}
+}
+
 // serveBody serves want at / on l.
 func serveBody(t testing.TB, l net.Listener, want []byte) {
 	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {

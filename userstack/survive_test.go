@@ -78,23 +78,16 @@ func (w *world) explainFailure(t *testing.T, stacks map[string]*Stack, events ma
 // servePaced writes want to every connection it accepts, a chunk every
 // millisecond, so that a transfer spans what a test does meanwhile.
 func servePaced(l net.Listener, want []byte) {
-	for {
-		c, err := l.Accept()
-		if err != nil {
-			return
-		}
-		go func() {
-			defer c.Close()
-			for b := want; len(b) > 0; {
-				n, err := c.Write(b[:min(len(b), 32<<10)])
-				if err != nil {
-					return
-				}
-				b = b[n:]
-				time.Sleep(time.Millisecond)
+	serveConns(l, func(c net.Conn) {
+		for b := want; len(b) > 0; {
+			n, err := c.Write(b[:min(len(b), 32<<10)])
+			if err != nil {
+				return
 			}
-		}()
-	}
+			b = b[n:]
+			time.Sleep(time.Millisecond)
+		}
+	})
 }
 
 // transfer is want arriving on a connection from servePaced.

@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"net"
 	"net/netip"
+	"slices"
 	"testing"
 	"time"
 	"unsafe"
@@ -175,7 +176,7 @@ func TestSegmentJoinRules(t *testing.T) {
 			} {
 				t.Run(c.name, func(t *testing.T) {
 					frames := buildSegments(t, fl.f, c.specs)
-					if got := runsOf(frames); !equalInts(got, c.runs) {
+					if got := runsOf(frames); !slices.Equal(got, c.runs) {
 						t.Fatalf("runs %v, want %v", got, c.runs)
 					}
 				})
@@ -218,22 +219,10 @@ func TestSegmentJoinRules(t *testing.T) {
 			specs[i].size = 100
 		}
 		frames := buildSegments(t, testFlow4, specs)
-		if runs := runsOf(frames); !equalInts(runs, []int{gsoMaxSegments, 3}) {
+		if runs := runsOf(frames); !slices.Equal(runs, []int{gsoMaxSegments, 3}) {
 			t.Fatalf("runs %v, want %d and 3", runs, gsoMaxSegments)
 		}
 	})
-}
-
-func equalInts(a, b []int) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
 }
 
 // cutLikeTSO cuts an offload packet with its virtio-net header the way the

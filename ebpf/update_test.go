@@ -1,9 +1,12 @@
 package ebpf
 
 import (
+	"maps"
 	"math/rand/v2"
 	"sync/atomic"
 	"testing"
+
+	"github.com/cilium/ebpf"
 
 	"github.com/fabricbridge/fabricbridge/classifier"
 	"github.com/fabricbridge/fabricbridge/internal/testing/framegen"
@@ -156,4 +159,44 @@ func flipWhileRunning(t *testing.T, p *pair, tables [2]*classifier.Tables, frame
 		t.Fatal(err)
 	}
 	return runs
+}
+
+// TestRuleCountersAcrossBatches puts known per-CPU counts at ids on both
+// sides of readCounters' batch boundaries and at the last id, and wants
+// exactly them back, summed over CPUs.
+func TestRuleCountersAcrossBatches(t *testing.T) {
+	p := newPair(t)
+	ncpu := ebpf.MustPossibleCPU()
+	want := map[uint32]Counter{}
+	for i, id := range []uint32{0, 1, counterBatch - 1, counterBatch, 5*counterBatch + 7, classifier.MaxRuleID} {
+		per := make([]bpfFbCounter, ncpu)
+		var sum Counter
+		for c := range per {
+			per[c] = bpfFbCounter{Packets: uint64(i*100 + c + 1), Bytes: uint64(i*1000 + 10*c + 60)}
+			sum.Packets += per[c].Packets
+			sum.Bytes += per[c].Bytes
+		}
+		if err := p.prog.objs.RuleCounters.Put(id, per); err != nil {
+			t.Fatal(err)
+		}
+		want[id] = sum
+	}
+	got, err := p.prog.RuleCounters()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !maps.Equal(got, want) {
+		t.Errorf("RuleCounters() = %v, want %v", got, want)
+	}
+}
+
+// BenchmarkRuleCounters is what one metrics scrape pays for the per-rule
+// counters.
+func BenchmarkRuleCounters(b *testing.B) {
+	p := newPair(b)
+	for b.Loop() {
+		if _, err := p.prog.RuleCounters(); err != nil {
+			b.Fatal(err)
+		}
+	}
 }

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -161,20 +160,34 @@ func profileOnSignal(spec string) {
 	sig := make(chan os.Signal, 1)
 	signal.Notify(sig, syscall.SIGUSR1)
 	go func() {
-		<-sig
-		f, err := os.Create(file)
-		if err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			return
+		// The first window is FILE, the n-th FILE with -n before its
+		// extension.
+		for n := 1; ; n++ {
+			<-sig
+			name := file
+			if n > 1 {
+				ext := filepath.Ext(file)
+				name = fmt.Sprintf("%s-%d%s", strings.TrimSuffix(file, ext), n, ext)
+			}
+			if err := profileFor(name, d); err != nil {
+				fmt.Fprintln(os.Stderr, err)
+			}
 		}
-		defer f.Close()
-		if err := pprof.StartCPUProfile(f); err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			return
-		}
-		time.Sleep(d)
-		pprof.StopCPUProfile()
 	}()
+}
+
+func profileFor(file string, d time.Duration) error {
+	f, err := os.Create(file)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if err := pprof.StartCPUProfile(f); err != nil {
+		return err
+	}
+	time.Sleep(d)
+	pprof.StopCPUProfile()
+	return nil
 }
 
 // servingProc is one serving process in the bridge namespace.
@@ -517,12 +530,16 @@ func clientTCP(ns *topology.NS) (in, out, retrans uint64, err error) {
 
 // serveCounters are what the benchmark reads before and after each client run,
 // in clock ticks (machine: all CPUs busy; owned: the serving processes) and
-// counts.
-type serveCounters struct{ machine, owned, ringFull, retrans, segsIn, segsOut uint64 }
+// counts. client, the client process's own CPU time, is filled in after it
+// exits.
+type serveCounters struct {
+	machine, owned, ringFull, retrans, segsIn, segsOut uint64
+	client                                             time.Duration
+}
 
 func (c serveCounters) since(before serveCounters) serveCounters {
 	return serveCounters{c.machine - before.machine, c.owned - before.owned, c.ringFull - before.ringFull, c.retrans - before.retrans,
-		c.segsIn - before.segsIn, c.segsOut - before.segsOut}
+		c.segsIn - before.segsIn, c.segsOut - before.segsOut, c.client - before.client}
 }
 
 // clockTick is USER_HZ on Linux.
@@ -616,8 +633,15 @@ func (t requestTool) parse(text string) (requestResult, error) {
 
 // bulkResult is what one bulk transfer and the counters around it measured.
 type bulkResult struct {
-	gbps, cpuPerGB    float64 // Gbit/s; the machine's CPU seconds per 10⁹ bytes
-	ringFull, retrans uint64
+	gbps, cpuPerGB float64 // Gbit/s; the machine's CPU seconds per 10⁹ bytes
+	// servingPerGB and clientPerGB split cpuPerGB: the serving processes'
+	// own time (daemon and application, or the kernel server) and the
+	// client's; the rest is softirq work outside both and other threads.
+	servingPerGB, clientPerGB float64
+	ringFull, retrans         uint64
+	// segsIn and segsOut are the client's TCP segments received and sent
+	// per MiB moved: the sender's ACKs in, or the downloader's data.
+	segsIn, segsOut float64
 }
 
 // BenchmarkServeHTTP is issue 14's measurement: clients in the outside
@@ -645,9 +669,12 @@ type bulkResult struct {
 //     FB_REQUIRE_PRIVILEGED=1 go test -run '^$' -bench ServeHTTP -benchtime 1x -v ./cmd/fabricbridge
 //
 // FB_BENCH_ROUNDS (3, for each test), FB_BENCH_SECONDS (10, c1000 half of
-// it), FB_BENCH_CONNS (50,1000) and FB_BENCH_PROFILE_DIR (CPU profiles of
+// it), FB_BENCH_CONNS (50,1000; none: no wrk), FB_BENCH_AB (0: no ab) and
+// FB_BENCH_PROFILE_DIR (CPU profiles of
 // the daemon and the application during the first bridge round at the first
-// connection count) change the run. FB_BENCH_PIN=loop=2,app=3-5,client=8-11
+// connection count; with FB_BENCH_CONNS=none, two seconds of the first
+// transfer into the sink (daemon.pprof, sink.pprof) and of the first
+// download (daemon-2.pprof, app.pprof)) change the run. FB_BENCH_PIN=loop=2,app=3-5,client=8-11
 // pins the bridge's loop (the interface's cpus; the daemon's other threads
 // go to loop and app CPUs), the applications, the kernel server (to the loop
 // and app CPUs together, the cores both sides get) and the clients.
@@ -660,13 +687,24 @@ func BenchmarkServeHTTP(b *testing.B) {
 		b.Skip("wrk is not installed (Debian: apt-get install wrk)")
 	}
 	ab, abErr := exec.LookPath("ab")
+	if abErr != nil {
+		abErr = errors.New("ab is not installed (Debian: apt-get install apache2-utils)")
+	}
+	if os.Getenv("FB_BENCH_AB") == "0" {
+		ab, abErr = "", errors.New("skipped (FB_BENCH_AB=0)")
+	}
 	rounds := envInt("FB_BENCH_ROUNDS", 3)
 	seconds := envInt("FB_BENCH_SECONDS", 10)
 	conns := []int{50, 1000}
-	if s := os.Getenv("FB_BENCH_CONNS"); s != "" {
+	if s := os.Getenv("FB_BENCH_CONNS"); s == "none" {
+		conns = nil
+	} else if s != "" {
 		conns = nil
 		for _, f := range strings.Split(s, ",") {
-			n, _ := strconv.Atoi(f)
+			n, err := strconv.Atoi(f)
+			if err != nil || n <= 0 {
+				b.Fatalf("FB_BENCH_CONNS=%q: want connection counts such as 50,1000, or none", s)
+			}
 			conns = append(conns, n)
 		}
 	}
@@ -686,7 +724,11 @@ func BenchmarkServeHTTP(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
-	b.Logf("clients: %s; ab: %s", wrk, cmp.Or(ab, "not installed"))
+	if abErr != nil {
+		b.Logf("clients: %s; ab: %v", wrk, abErr)
+	} else {
+		b.Logf("clients: %s; ab: %s", wrk, ab)
+	}
 	servers := slices.Compact(slices.Sorted(slices.Values(slices.Concat(pin.loop, pin.app))))
 	if servers != nil {
 		b.Logf("pinned: bridge loop on CPUs %s (the daemon's other threads on %s), applications on %s, kernel server on %s, clients (wrk, ab, bulk sender) on %s",
@@ -735,12 +777,16 @@ metrics: {address: %q}
 		if profileDir == "" {
 			return nil
 		}
-		// The window is the first bridge round, as long as wrkRun makes it.
-		first := seconds
-		if conns[0] > 100 {
-			first = max(1, seconds/2)
+		// The window is the first bridge round, as long as wrkRun makes it;
+		// without wrk, two seconds of the first bulk transfer into the sink.
+		span := 2 * time.Second
+		if len(conns) > 0 {
+			first := seconds
+			if conns[0] > 100 {
+				first = max(1, seconds/2)
+			}
+			span = time.Duration(first) * time.Second * 8 / 10
 		}
-		span := time.Duration(first) * time.Second * 8 / 10
 		return []string{fmt.Sprintf("FB_BENCH_CPUPROFILE=%s,%s", filepath.Join(profileDir, name+".pprof"), span)}
 	}
 	main := []string{"FB_TEST_MAIN=1"}
@@ -750,7 +796,7 @@ metrics: {address: %q}
 	app := startServing(b, bridgeNS, "app", append(main, profileEnv("app")...), pin.app, "app", "http", "--name", "web", "--control", control, "--listen", fmt.Sprintf(":%d", appPort), "--size", strconv.Itoa(size))
 	var sink *servingProc
 	if bulkMB > 0 {
-		sink = startServing(b, bridgeNS, "sink", main, pin.app, "app", "sink", "--name", "bulk", "--control", control, "--listen", fmt.Sprintf(":%d", sinkPort), "--every", "1h")
+		sink = startServing(b, bridgeNS, "sink", append(main, profileEnv("sink")...), pin.app, "app", "sink", "--name", "bulk", "--control", control, "--listen", fmt.Sprintf(":%d", sinkPort), "--every", "1h")
 	}
 	hostPort := func(port int) string { return net.JoinHostPort(addr.String(), strconv.Itoa(port)) }
 	dial := func(ctx context.Context, network, a string) (c net.Conn, err error) {
@@ -844,7 +890,9 @@ metrics: {address: %q}
 		if err != nil {
 			b.Fatalf("%s: %v\n%s", args[0], err, out.String())
 		}
-		return out.String(), sample(false, owners...).since(before)
+		delta := sample(false, owners...).since(before)
+		delta.client = cmd.ProcessState.UserTime() + cmd.ProcessState.SystemTime()
+		return out.String(), delta
 	}
 	load := func(tool requestTool, cmdline string, owners ...*servingProc) requestResult {
 		// wrk and ab need a descriptor per connection; Go gives children
@@ -873,19 +921,23 @@ metrics: {address: %q}
 	if err != nil {
 		b.Fatal(err)
 	}
-	bulkRun := func(port int, download bool) bulkResult {
+	bulkRun := func(port int, download bool, owners ...*servingProc) bulkResult {
 		env := []string{"FB_BENCH_BULK_SEND=" + hostPort(port), fmt.Sprintf("FB_BENCH_BULK_BYTES=%d", bulkMB<<20)}
 		if download {
 			env = []string{fmt.Sprintf("FB_BENCH_BULK_GET=http://%s/bytes/%d", hostPort(port), bulkMB<<20)}
 		}
-		text, delta := runClient(nil, env, self)
+		text, delta := runClient(owners, env, self)
 		m := bulkDone.FindStringSubmatch(text)
 		if m == nil {
 			b.Fatalf("bulk sender:\n%s", text)
 		}
 		n, _ := strconv.ParseFloat(m[1], 64)
 		ns, _ := strconv.ParseFloat(m[2], 64)
-		return bulkResult{gbps: n * 8 / ns, cpuPerGB: float64(delta.machine) * clockTick.Seconds() / (n / 1e9), ringFull: delta.ringFull, retrans: delta.retrans}
+		gb := n / 1e9
+		return bulkResult{gbps: n * 8 / ns, cpuPerGB: float64(delta.machine) * clockTick.Seconds() / gb,
+			servingPerGB: float64(delta.owned) * clockTick.Seconds() / gb, clientPerGB: delta.client.Seconds() / gb,
+			ringFull: delta.ringFull, retrans: delta.retrans,
+			segsIn: float64(delta.segsIn) / (n / (1 << 20)), segsOut: float64(delta.segsOut) / (n / (1 << 20))}
 	}
 
 	b.ResetTimer()
@@ -908,25 +960,35 @@ metrics: {address: %q}
 		if sink != nil {
 			// Into the sink (the client sends), then out of the HTTP
 			// servers (the client downloads /bytes/N).
+			profileBulk := !profiled
+			profiled = true
 			for _, d := range []struct {
 				name, metric       string
 				kernelPort, bridge int
 				download           bool
-			}{{"bulk", "bulk-", kernelSinkPort, sinkPort, false}, {"download", "download-", kernelPort, appPort, true}} {
+				app                *servingProc
+			}{{"bulk", "bulk-", kernelSinkPort, sinkPort, false, sink}, {"download", "download-", kernelPort, appPort, true, app}} {
 				var kr, br []bulkResult
 				for i := range rounds {
-					kr = append(kr, bulkRun(d.kernelPort, d.download))
-					br = append(br, bulkRun(d.bridge, d.download))
+					kr = append(kr, bulkRun(d.kernelPort, d.download, kernel))
+					if profileBulk && i == 0 {
+						// The first bridge round of each direction.
+						daemon.cmd.Process.Signal(syscall.SIGUSR1)
+						d.app.cmd.Process.Signal(syscall.SIGUSR1)
+					}
+					br = append(br, bulkRun(d.bridge, d.download, daemon, d.app))
 					for _, x := range []struct {
 						who string
 						r   bulkResult
 					}{{"kernel", kr[i]}, {"bridge", br[i]}} {
-						b.Logf("%s round %d %s: %.2f Gbit/s, CPU %.2f s/GB, ring-full %d, client retransmits %d", d.name, i, x.who, x.r.gbps, x.r.cpuPerGB, x.r.ringFull, x.r.retrans)
+						b.Logf("%s round %d %s: %.2f Gbit/s, CPU %.2f s/GB (serving %.2f, client %.2f), ring-full %d, client retransmits %d, client segments/MiB in %.1f out %.1f",
+							d.name, i, x.who, x.r.gbps, x.r.cpuPerGB, x.r.servingPerGB, x.r.clientPerGB, x.r.ringFull, x.r.retrans, x.r.segsIn, x.r.segsOut)
 					}
 				}
 				k, br1 := medianBulk(kr), medianBulk(br)
-				b.Logf("%s %d MiB medians of %d: bridge/kernel Gbit/s %.2f/%.2f = %.2fx; CPU s/GB %.2f/%.2f = %.2fx; ring-full %d/%d; retransmits %d/%d",
-					d.name, bulkMB, rounds, br1.gbps, k.gbps, br1.gbps/k.gbps, br1.cpuPerGB, k.cpuPerGB, br1.cpuPerGB/k.cpuPerGB, br1.ringFull, k.ringFull, br1.retrans, k.retrans)
+				b.Logf("%s %d MiB medians of %d: bridge/kernel Gbit/s %.2f/%.2f = %.2fx; CPU s/GB %.2f/%.2f = %.2fx (serving %.2f/%.2f, client %.2f/%.2f); ring-full %d/%d; retransmits %d/%d",
+					d.name, bulkMB, rounds, br1.gbps, k.gbps, br1.gbps/k.gbps, br1.cpuPerGB, k.cpuPerGB, br1.cpuPerGB/k.cpuPerGB,
+					br1.servingPerGB, k.servingPerGB, br1.clientPerGB, k.clientPerGB, br1.ringFull, k.ringFull, br1.retrans, k.retrans)
 				b.ReportMetric(br1.gbps/k.gbps, d.metric+"rate-ratio")
 				b.ReportMetric(br1.cpuPerGB/k.cpuPerGB, d.metric+"cpu-ratio")
 				b.ReportMetric(float64(br1.ringFull), d.metric+"ring-full")
@@ -943,7 +1005,7 @@ metrics: {address: %q}
 			b.Logf("segmentation offload so far: %.0f packets sent joined, %.0f lost", joined, lost)
 		}
 		if abErr != nil {
-			b.Log("ab is not installed (Debian: apt-get install apache2-utils): no new-connection comparison")
+			b.Logf("no new-connection comparison: %v", abErr)
 			continue
 		}
 		// ab last: a run it cannot finish fails the benchmark, and the
@@ -1011,10 +1073,12 @@ func medianResult(rs []requestResult) requestResult {
 // medianBulk takes each field's median on its own.
 func medianBulk(rs []bulkResult) bulkResult {
 	return bulkResult{
-		gbps:     medianOf(rs, func(r bulkResult) float64 { return r.gbps }),
-		cpuPerGB: medianOf(rs, func(r bulkResult) float64 { return r.cpuPerGB }),
-		ringFull: uint64(medianOf(rs, func(r bulkResult) float64 { return float64(r.ringFull) })),
-		retrans:  uint64(medianOf(rs, func(r bulkResult) float64 { return float64(r.retrans) })),
+		gbps:         medianOf(rs, func(r bulkResult) float64 { return r.gbps }),
+		cpuPerGB:     medianOf(rs, func(r bulkResult) float64 { return r.cpuPerGB }),
+		servingPerGB: medianOf(rs, func(r bulkResult) float64 { return r.servingPerGB }),
+		clientPerGB:  medianOf(rs, func(r bulkResult) float64 { return r.clientPerGB }),
+		ringFull:     uint64(medianOf(rs, func(r bulkResult) float64 { return float64(r.ringFull) })),
+		retrans:      uint64(medianOf(rs, func(r bulkResult) float64 { return float64(r.retrans) })),
 	}
 }
 

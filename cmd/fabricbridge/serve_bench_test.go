@@ -205,9 +205,15 @@ func startServing(tb testing.TB, ns *topology.NS, name string, env []string, cpu
 	if err != nil {
 		tb.Fatal(err)
 	}
+	return startCommand(tb, ns, name, env, cpus, append([]string{self}, args...)...)
+}
+
+// startCommand is startServing for any program: argv[0] and its arguments.
+func startCommand(tb testing.TB, ns *topology.NS, name string, env []string, cpus []int, argv ...string) *servingProc {
+	tb.Helper()
 	p := &servingProc{name: name, out: &testenv.Output{}}
 	// ip netns exec execs the command: the pid is the server's.
-	p.cmd = exec.Command("ip", append([]string{"netns", "exec", ns.Name, self}, args...)...)
+	p.cmd = exec.Command("ip", append([]string{"netns", "exec", ns.Name}, argv...)...)
 	p.cmd.Env = append(os.Environ(), env...)
 	p.cmd.Stdout, p.cmd.Stderr = p.out, p.out
 	if err := startPinned(p.cmd, cpus); err != nil {
@@ -463,12 +469,17 @@ func (p *servingProc) cpuTicks() (uint64, error) {
 	}
 	// Fields after the command name, which may hold spaces, in parentheses.
 	f := strings.Fields(string(b[strings.LastIndexByte(string(b), ')')+1:]))
-	if len(f) < 13 {
+	if len(f) < 15 {
 		return 0, fmt.Errorf("/proc/%d/stat: %d fields", p.cmd.Process.Pid, len(f))
 	}
-	utime, _ := strconv.ParseUint(f[11], 10, 64)
-	stime, _ := strconv.ParseUint(f[12], 10, 64)
-	return utime + stime, nil
+	// utime, stime, and the same of children it has reaped (socat's
+	// sink forks one per connection).
+	var sum uint64
+	for _, x := range f[11:15] {
+		n, _ := strconv.ParseUint(x, 10, 64)
+		sum += n
+	}
+	return sum, nil
 }
 
 // machineTicks is the busy time of all CPUs in clock ticks (everything in
@@ -532,13 +543,15 @@ func clientTCP(ns *topology.NS) (in, out, retrans uint64, err error) {
 // in clock ticks (machine: all CPUs busy; owned: the serving processes) and
 // counts. client, the client process's own CPU time, is filled in after it
 // exits.
+// lead is the first serving process's share of owned (the daemon's, on the
+// bridge's side).
 type serveCounters struct {
-	machine, owned, ringFull, retrans, segsIn, segsOut uint64
-	client                                             time.Duration
+	machine, owned, lead, ringFull, retrans, segsIn, segsOut uint64
+	client                                                   time.Duration
 }
 
 func (c serveCounters) since(before serveCounters) serveCounters {
-	return serveCounters{c.machine - before.machine, c.owned - before.owned, c.ringFull - before.ringFull, c.retrans - before.retrans,
+	return serveCounters{c.machine - before.machine, c.owned - before.owned, c.lead - before.lead, c.ringFull - before.ringFull, c.retrans - before.retrans,
 		c.segsIn - before.segsIn, c.segsOut - before.segsOut, c.client - before.client}
 }
 
@@ -551,6 +564,7 @@ type requestResult struct {
 	p50, p99          time.Duration
 	errors            string
 	machineCPU, owned time.Duration // per request
+	lead              time.Duration // per request: the daemon's part of owned
 	ringFull, retrans uint64
 	// segsIn and segsOut are the client's TCP segments received and sent
 	// per request.
@@ -561,6 +575,7 @@ type requestResult struct {
 func (r *requestResult) charge(d serveCounters) {
 	r.machineCPU = time.Duration(float64(d.machine) * float64(clockTick) / r.reqs)
 	r.owned = time.Duration(float64(d.owned) * float64(clockTick) / r.reqs)
+	r.lead = time.Duration(float64(d.lead) * float64(clockTick) / r.reqs)
 	r.ringFull, r.retrans = d.ringFull, d.retrans
 	r.segsIn, r.segsOut = float64(d.segsIn)/r.reqs, float64(d.segsOut)/r.reqs
 }
@@ -631,6 +646,15 @@ func (t requestTool) parse(text string) (requestResult, error) {
 	return r, nil
 }
 
+// bulkClient is how a bulk transfer's client moves the bytes.
+type bulkClient int
+
+const (
+	viaSend  bulkClient = iota // this binary sends (bulkSend)
+	viaGet                     // this binary downloads (bulkGet)
+	viaSocat                   // socat sends from /dev/zero
+)
+
 // bulkResult is what one bulk transfer and the counters around it measured.
 type bulkResult struct {
 	gbps, cpuPerGB float64 // Gbit/s; the machine's CPU seconds per 10⁹ bytes
@@ -679,7 +703,9 @@ type bulkResult struct {
 // go to loop and app CPUs), the applications, the kernel server (to the loop
 // and app CPUs together, the cores both sides get) and the clients.
 // FB_BENCH_INTERFACE adds settings to the daemon's interface, such as
-// "no_segment_offload: true".
+// "no_segment_offload: true". FB_BENCH_BINARY runs another build's
+// fabricbridge as the daemon and the applications (the same config and
+// flags), for an A/B against an older release.
 func BenchmarkServeHTTP(b *testing.B) {
 	testenv.RequirePrivileged(b)
 	wrk, err := exec.LookPath("wrk")
@@ -736,7 +762,7 @@ func BenchmarkServeHTTP(b *testing.B) {
 	}
 	const size = 4096
 	const kernelPort, appPort = 8080, 80
-	const kernelSinkPort, sinkPort = 8009, 9
+	const kernelSinkPort, socatSinkPort, sinkPort = 8009, 8010, 9
 	const abRequests, abConns = 20000, 1000
 	const metricsAddr = "127.0.0.1:9471" // inside the bridge namespace
 
@@ -790,13 +816,35 @@ metrics: {address: %q}
 		return []string{fmt.Sprintf("FB_BENCH_CPUPROFILE=%s,%s", filepath.Join(profileDir, name+".pprof"), span)}
 	}
 	main := []string{"FB_TEST_MAIN=1"}
-	daemon := startServing(b, bridgeNS, "daemon", append(main, profileEnv("daemon")...), servers, "run", "--config", cfgPath)
+	// startFabricbridge starts this binary as fabricbridge or, with
+	// FB_BENCH_BINARY, another build's (an A/B against a release; the
+	// kernel side and the clients stay this binary's, and profiles are
+	// this binary's only).
+	startFabricbridge := func(name string, cpus []int, args ...string) *servingProc {
+		if bin := os.Getenv("FB_BENCH_BINARY"); bin != "" {
+			return startCommand(b, bridgeNS, name, nil, cpus, append([]string{bin}, args...)...)
+		}
+		return startServing(b, bridgeNS, name, append(main, profileEnv(name)...), cpus, args...)
+	}
+	if bin := os.Getenv("FB_BENCH_BINARY"); bin != "" {
+		if profileDir != "" {
+			b.Fatal("FB_BENCH_PROFILE_DIR profiles this binary only: unset it or FB_BENCH_BINARY")
+		}
+		b.Logf("daemon and applications: %s", bin)
+	}
+	daemon := startFabricbridge("daemon", servers, "run", "--config", cfgPath)
 	waitServing(b, func() error { _, err := scrapeIn(bridgeNS, metricsAddr); return err }, daemon)
 	kernel := startServing(b, bridgeNS, "kernel", []string{fmt.Sprintf("FB_BENCH_KERNEL_HTTP=:%d", kernelPort), fmt.Sprintf("FB_BENCH_KERNEL_SINK=:%d", kernelSinkPort), fmt.Sprintf("FB_BENCH_SIZE=%d", size)}, servers)
-	app := startServing(b, bridgeNS, "app", append(main, profileEnv("app")...), pin.app, "app", "http", "--name", "web", "--control", control, "--listen", fmt.Sprintf(":%d", appPort), "--size", strconv.Itoa(size))
-	var sink *servingProc
+	app := startFabricbridge("app", pin.app, "app", "http", "--name", "web", "--control", control, "--listen", fmt.Sprintf(":%d", appPort), "--size", strconv.Itoa(size))
+	var sink, socatSink *servingProc
+	socat, socatErr := exec.LookPath("socat")
 	if bulkMB > 0 {
-		sink = startServing(b, bridgeNS, "sink", append(main, profileEnv("sink")...), pin.app, "app", "sink", "--name", "bulk", "--control", control, "--listen", fmt.Sprintf(":%d", sinkPort), "--every", "1h")
+		sink = startFabricbridge("sink", pin.app, "app", "sink", "--name", "bulk", "--control", control, "--listen", fmt.Sprintf(":%d", sinkPort), "--every", "1h")
+		if socatErr == nil {
+			// The issue's own kernel sink: socat into /dev/null, a process
+			// forked per connection.
+			socatSink = startCommand(b, bridgeNS, "socat sink", nil, servers, socat, "-u", fmt.Sprintf("TCP-LISTEN:%d,reuseaddr,fork", socatSinkPort), "OPEN:/dev/null")
+		}
 	}
 	hostPort := func(port int) string { return net.JoinHostPort(addr.String(), strconv.Itoa(port)) }
 	dial := func(ctx context.Context, network, a string) (c net.Conn, err error) {
@@ -835,6 +883,9 @@ metrics: {address: %q}
 		waitServing(b, accepts(kernelSinkPort), kernel)
 		waitServing(b, accepts(sinkPort), sink, daemon)
 	}
+	if socatSink != nil {
+		waitServing(b, accepts(socatSinkPort), socatSink)
+	}
 	profiled := profileDir == ""
 
 	ringFull := func() uint64 {
@@ -860,12 +911,15 @@ metrics: {address: %q}
 		if c.machine, err = machineTicks(); err != nil {
 			b.Fatal(err)
 		}
-		for _, p := range owners {
+		for i, p := range owners {
 			t, err := p.cpuTicks()
 			if err != nil {
 				b.Fatal(err)
 			}
 			c.owned += t
+			if i == 0 {
+				c.lead = t
+			}
 		}
 		if c.segsIn, c.segsOut, c.retrans, err = clientTCP(outside); err != nil {
 			b.Fatal(err)
@@ -877,7 +931,11 @@ metrics: {address: %q}
 	}
 	// runClient runs args in the outside namespace on the client CPUs and
 	// returns what it wrote, with the counters over its run.
-	runClient := func(owners []*servingProc, env []string, args ...string) (string, serveCounters) {
+	//
+	// linger waits after the client's exit before the closing sample, for
+	// a server that finishes its part after the client is gone (socat's
+	// sink, whose child must be reaped for its parent's time to hold it).
+	runClient := func(linger time.Duration, owners []*servingProc, env []string, args ...string) (string, serveCounters) {
 		cmd := exec.Command("ip", append([]string{"netns", "exec", outside.Name}, args...)...)
 		cmd.Env = append(os.Environ(), env...)
 		var out strings.Builder
@@ -890,6 +948,7 @@ metrics: {address: %q}
 		if err != nil {
 			b.Fatalf("%s: %v\n%s", args[0], err, out.String())
 		}
+		time.Sleep(linger)
 		delta := sample(false, owners...).since(before)
 		delta.client = cmd.ProcessState.UserTime() + cmd.ProcessState.SystemTime()
 		return out.String(), delta
@@ -897,7 +956,7 @@ metrics: {address: %q}
 	load := func(tool requestTool, cmdline string, owners ...*servingProc) requestResult {
 		// wrk and ab need a descriptor per connection; Go gives children
 		// the limit it found, often 1024.
-		text, delta := runClient(owners, nil, "sh", "-c", "ulimit -n $(ulimit -Hn) && exec "+cmdline)
+		text, delta := runClient(0, owners, nil, "sh", "-c", "ulimit -n $(ulimit -Hn) && exec "+cmdline)
 		r, err := tool.parse(text)
 		if err != nil {
 			b.Fatal(err)
@@ -921,20 +980,41 @@ metrics: {address: %q}
 	if err != nil {
 		b.Fatal(err)
 	}
-	bulkRun := func(port int, download bool, owners ...*servingProc) bulkResult {
-		env := []string{"FB_BENCH_BULK_SEND=" + hostPort(port), fmt.Sprintf("FB_BENCH_BULK_BYTES=%d", bulkMB<<20)}
-		if download {
-			env = []string{fmt.Sprintf("FB_BENCH_BULK_GET=http://%s/bytes/%d", hostPort(port), bulkMB<<20)}
+	// bulkRun moves bulkMB MiB on one connection: sent by this binary
+	// (bulkSend) or downloaded by it (bulkGet), timed by the client from
+	// its dial to the end; or sent by socat, as the issue measured it,
+	// timed from its start to its exit.
+	bulkRun := func(port int, how bulkClient, owners ...*servingProc) bulkResult {
+		n := float64(int64(bulkMB) << 20)
+		var (
+			text  string
+			delta serveCounters
+			took  time.Duration
+		)
+		switch how {
+		case viaSocat:
+			start := time.Now()
+			text, delta = runClient(100*time.Millisecond, owners, nil, socat, "-u", fmt.Sprintf("FILE:/dev/zero,readbytes=%d", int64(n)), "TCP:"+hostPort(port))
+			took = time.Since(start)
+		default:
+			env := []string{"FB_BENCH_BULK_SEND=" + hostPort(port), fmt.Sprintf("FB_BENCH_BULK_BYTES=%d", int64(n))}
+			if how == viaGet {
+				env = []string{fmt.Sprintf("FB_BENCH_BULK_GET=http://%s/bytes/%d", hostPort(port), int64(n))}
+			}
+			text, delta = runClient(0, owners, env, self)
+			m := bulkDone.FindStringSubmatch(text)
+			if m == nil {
+				b.Fatalf("bulk client:\n%s", text)
+			}
+			moved, _ := strconv.ParseFloat(m[1], 64)
+			ns, _ := strconv.ParseInt(m[2], 10, 64)
+			if moved != n {
+				b.Fatalf("bulk client moved %.0f bytes, want %.0f:\n%s", moved, n, text)
+			}
+			took = time.Duration(ns)
 		}
-		text, delta := runClient(owners, env, self)
-		m := bulkDone.FindStringSubmatch(text)
-		if m == nil {
-			b.Fatalf("bulk sender:\n%s", text)
-		}
-		n, _ := strconv.ParseFloat(m[1], 64)
-		ns, _ := strconv.ParseFloat(m[2], 64)
 		gb := n / 1e9
-		return bulkResult{gbps: n * 8 / ns, cpuPerGB: float64(delta.machine) * clockTick.Seconds() / gb,
+		return bulkResult{gbps: n * 8 / float64(took.Nanoseconds()), cpuPerGB: float64(delta.machine) * clockTick.Seconds() / gb,
 			servingPerGB: float64(delta.owned) * clockTick.Seconds() / gb, clientPerGB: delta.client.Seconds() / gb,
 			ringFull: delta.ringFull, retrans: delta.retrans,
 			segsIn: float64(delta.segsIn) / (n / (1 << 20)), segsOut: float64(delta.segsOut) / (n / (1 << 20))}
@@ -965,18 +1045,26 @@ metrics: {address: %q}
 			for _, d := range []struct {
 				name, metric       string
 				kernelPort, bridge int
-				download           bool
-				app                *servingProc
-			}{{"bulk", "bulk-", kernelSinkPort, sinkPort, false, sink}, {"download", "download-", kernelPort, appPort, true, app}} {
+				how                bulkClient
+				kernel, app        *servingProc
+			}{
+				{"bulk", "bulk-", kernelSinkPort, sinkPort, viaSend, kernel, sink},
+				{"bulk socat", "bulk-socat-", socatSinkPort, sinkPort, viaSocat, socatSink, sink},
+				{"download", "download-", kernelPort, appPort, viaGet, kernel, app},
+			} {
+				if d.kernel == nil {
+					b.Logf("%s: skipped, socat is not installed (Debian: apt-get install socat)", d.name)
+					continue
+				}
 				var kr, br []bulkResult
 				for i := range rounds {
-					kr = append(kr, bulkRun(d.kernelPort, d.download, kernel))
+					kr = append(kr, bulkRun(d.kernelPort, d.how, d.kernel))
 					if profileBulk && i == 0 {
 						// The first bridge round of each direction.
 						daemon.cmd.Process.Signal(syscall.SIGUSR1)
 						d.app.cmd.Process.Signal(syscall.SIGUSR1)
 					}
-					br = append(br, bulkRun(d.bridge, d.download, daemon, d.app))
+					br = append(br, bulkRun(d.bridge, d.how, daemon, d.app))
 					for _, x := range []struct {
 						who string
 						r   bulkResult
@@ -1026,8 +1114,12 @@ func logLoadRound(b *testing.B, label string, round int, kernel, bridge requestR
 		who string
 		r   requestResult
 	}{{"kernel", kernel}, {"bridge", bridge}} {
-		b.Logf("%s round %d %s: %.0f req/s, CPU/req machine %v serving %v, p50 %v p99 %v, ring-full %d, client retransmits %d, client segments/req in %.2f out %.2f %s",
-			label, round, x.who, x.r.rate, x.r.machineCPU, x.r.owned, x.r.p50, x.r.p99, x.r.ringFull, x.r.retrans, x.r.segsIn, x.r.segsOut, x.r.errors)
+		daemon := ""
+		if x.who == "bridge" {
+			daemon = fmt.Sprintf(" (daemon %v)", x.r.lead)
+		}
+		b.Logf("%s round %d %s: %.0f req/s, CPU/req machine %v serving %v%s, p50 %v p99 %v, ring-full %d, client retransmits %d, client segments/req in %.2f out %.2f %s",
+			label, round, x.who, x.r.rate, x.r.machineCPU, x.r.owned, daemon, x.r.p50, x.r.p99, x.r.ringFull, x.r.retrans, x.r.segsIn, x.r.segsOut, x.r.errors)
 	}
 }
 

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # servebench.sh: issue 14's serving benchmark (BenchmarkServeHTTP: wrk and ab
 # against `app http` behind the daemon and against a kernel net/http server,
-# a bulk transfer into `app sink` and into a kernel sink, a download from each
-# HTTP server, ratios from one run)
+# a bulk transfer into `app sink` and into a kernel sink, the same sent by
+# socat into a socat sink as the issue measured it, a download from each HTTP
+# server, ratios from one run)
 # for a machine with cores to spare and no Go toolchain: build here, carry the
 # folder there, run it from the repository root.
 #
 #   here:   cmd/fabricbridge/servebench.sh build [DIR]   (DIR defaults to .perf)
 #   there:  bash DIR/servebench.sh run                   (logs to $OUT, or DIR)
 #
-# build puts the test binary, wrk, ab and iproute2 from Debian (with the
-# libraries wrk and ab need) into DIR; run uses the machine's own ip when it
+# build puts the test binary, wrk, ab, socat and iproute2 from Debian (with
+# the libraries they need) into DIR; run uses the machine's own ip when it
 # has one. On 8 CPUs or more, run pins the loop, the applications and the
 # clients apart unless FB_BENCH_PIN says otherwise (FB_BENCH_PIN=none: no
 # pinning).
@@ -19,11 +20,11 @@ case "${1:-}" in
 build)
 	dir=${2:-.perf}
 	rm -rf "$dir" && mkdir -p "$dir/deb" "$dir/root" "$dir/bin"
-	(cd "$dir/deb" && apt-get download wrk libluajit-5.1-2 apache2-utils libapr1 libaprutil1 libexpat1 libcrypt1 libuuid1 iproute2 libbpf1 libelf1 libmnl0 libcap2 libxtables12 libbsd0 libmd0 >/dev/null)
+	(cd "$dir/deb" && apt-get download wrk libluajit-5.1-2 apache2-utils socat libwrap0 libapr1 libaprutil1 libexpat1 libcrypt1 libuuid1 iproute2 libbpf1 libelf1 libmnl0 libcap2 libxtables12 libbsd0 libmd0 >/dev/null)
 	for d in "$dir"/deb/*.deb; do dpkg -x "$d" "$dir/root"; done
 	rm -rf "$dir/deb"
 	cp -L /lib/x86_64-linux-gnu/libssl.so.3 /lib/x86_64-linux-gnu/libcrypto.so.3 "$dir/root/usr/lib/x86_64-linux-gnu/"
-	for tool in wrk:usr/bin/wrk ab:usr/bin/ab ip-fallback:bin/ip; do
+	for tool in wrk:usr/bin/wrk ab:usr/bin/ab socat:usr/bin/socat ip-fallback:bin/ip; do
 		printf '#!/bin/sh\nR=$(cd "$(dirname "$0")/../root" && pwd)\nLD_LIBRARY_PATH=$R/usr/lib/x86_64-linux-gnu:$R/lib/x86_64-linux-gnu exec "$R/%s" "$@"\n' \
 			"${tool#*:}" >"$dir/bin/${tool%%:*}"
 	done

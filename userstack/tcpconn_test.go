@@ -478,6 +478,58 @@ func BenchmarkHTTPKeepAlive(b *testing.B) {
 	}
 }
 
+// BenchmarkHTTPConnPerRequest is ab's workload between two stacks: a
+// connection per GET of a 4096-byte body, so each op is both stacks'
+// handshake, request, answer and close, and net/http's goroutine per
+// connection on each side.
+func BenchmarkHTTPConnPerRequest(b *testing.B) {
+	pa, pb := wirePairConfig(b, nil, LinkConfig{}, false)
+	l, err := pb.s.Listen("tcp", ":80")
+	if err != nil {
+		b.Fatal(err)
+	}
+	page := bytes.Repeat([]byte("x"), 4096)
+	srv := &http.Server{ReadTimeout: time.Minute, WriteTimeout: time.Minute, Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Write(page)
+	})}
+	go srv.Serve(l)
+	b.Cleanup(func() { srv.Close() })
+	tr := &http.Transport{DialContext: pa.s.Dial, DisableKeepAlives: true}
+	defer tr.CloseIdleConnections()
+	c := &http.Client{Transport: tr}
+	b.ReportAllocs()
+	// Many connections at once, as ab's are, so that the op is bound by
+	// CPU, not by the round trips of one connection; cpu-ns/op is the
+	// process's CPU time (both stacks, both sides of net/http) per op.
+	b.SetParallelism(8)
+	cpu0 := processCPU(b)
+	b.ResetTimer()
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			resp, err := c.Get("http://198.18.0.2/")
+			if err != nil {
+				b.Error(err)
+				return
+			}
+			if n, _ := io.Copy(io.Discard, resp.Body); n != int64(len(page)) {
+				b.Errorf("body of %d bytes, want %d", n, len(page))
+			}
+			resp.Body.Close()
+		}
+	})
+	b.StopTimer()
+	b.ReportMetric(float64((processCPU(b)-cpu0).Nanoseconds())/float64(b.N), "cpu-ns/op")
+}
+
+// processCPU is the CPU time this process has used, user and system.
+func processCPU(tb testing.TB) time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		tb.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
 func benchHTTPKeepAlive(b *testing.B, client, server *Stack) {
 	l, err := server.Listen("tcp", ":80")
 	if err != nil {

@@ -698,7 +698,9 @@ type bulkResult struct {
 // the daemon and the application during the first bridge round at the first
 // connection count; with FB_BENCH_CONNS=none, two seconds of the first
 // transfer into the sink (daemon.pprof, sink.pprof) and of the first
-// download (daemon-2.pprof, app.pprof)) change the run. FB_BENCH_PIN=loop=2,app=3-5,client=8-11
+// download (daemon-2.pprof, app.pprof); with no transfers either
+// (FB_BENCH_BULK_MB=0), two seconds of ab's first bridge round) change the
+// run. FB_BENCH_PIN=loop=2,app=3-5,client=8-11
 // pins the bridge's loop (the interface's cpus; the daemon's other threads
 // go to loop and app CPUs), the applications, the kernel server (to the loop
 // and app CPUs together, the cores both sides get) and the clients.
@@ -1102,6 +1104,13 @@ metrics: {address: %q}
 		label := fmt.Sprintf("ab n=%d c=%d", abRequests, abConns)
 		for i := range rounds {
 			kr = append(kr, abRun(kernelPort, kernel))
+			if !profiled {
+				// Neither wrk nor a transfer ran: ab's first bridge round
+				// is the profiles' window.
+				daemon.cmd.Process.Signal(syscall.SIGUSR1)
+				app.cmd.Process.Signal(syscall.SIGUSR1)
+				profiled = true
+			}
 			br = append(br, abRun(appPort, daemon, app))
 			logLoadRound(b, label, i, kr[i], br[i])
 		}

@@ -158,6 +158,7 @@ type Bridge struct {
 
 	// Following the queues in use (channels.go).
 	dev          *features.Device // nil if no ethtool socket could be opened
+	txAllocated  int              // the interface's NumTxQueues, when no better count is found
 	followQueues bool             // Config.Queues was nil: serve all in use
 	inUse        int              // receive queues in use when last read, under mu
 	queueErrs    atomic.Uint64    // queues that came into use and could not be served
@@ -166,12 +167,13 @@ type Bridge struct {
 	watchWG      sync.WaitGroup
 
 	// segUsed: a queue's TX side joins segments (gso.go), only for the
-	// families in tso (tsoIPv4, tsoIPv6): those the device segments, as
-	// watchTSO last read them into tsoDevice, less all of them after an
-	// offload send failed.
+	// families in tso (tsoIPv4, tsoIPv6): those the device segments on its
+	// one transmit queue, as watchTSO last read them into tsoDevice, less
+	// all of them after an offload send failed.
 	segUsed   atomic.Bool
 	tso       atomic.Uint32
 	tsoDevice atomic.Uint32
+	txQueues  atomic.Int32 // transmit queues in use at watchTSO's last reading
 
 	mu         sync.Mutex // serialises control-plane changes
 	streams    atomic.Pointer[streamTable]
@@ -378,6 +380,7 @@ func (b *Bridge) openCommon() error {
 	if b.mtu+ethHeader > b.cfg.FrameSize-xdpHeadroom {
 		return fmt.Errorf("bridge: MTU %d of %s does not fit frames of %d bytes", b.mtu, b.cfg.Interface, b.cfg.FrameSize)
 	}
+	b.txAllocated = a.NumTxQueues
 	if err := b.chooseQueues(a.NumRxQueues); err != nil {
 		return err
 	}

@@ -56,17 +56,32 @@ func (b *Bridge) rxQueuesInUse(allocated int) (int, string) {
 			return c.RxQueues(), fromChannels
 		}
 	}
-	if n, ok := sysfsRxQueues(b.cfg.Interface, b.ifindex, b.mac); ok {
+	if n, ok := sysfsQueues("rx", b.cfg.Interface, b.ifindex, b.mac); ok {
 		return n, fromSysfs
 	}
 	return max(allocated, 1), fromAllocated
 }
 
-// sysfsRxQueues counts /sys/class/net/NAME/queues/rx-*: the kernel keeps an
-// entry for each queue in use. /sys shows the network namespace it was
-// mounted in, which need not be the bridge's; the entry counts only if its
-// index and address are the interface's.
-func sysfsRxQueues(name string, ifindex int, mac [6]byte) (int, bool) {
+// txQueuesInUse counts the transmit queues of the bridge's interface in
+// use, as rxQueuesInUse counts the receive queues; the last resort is the
+// queues the interface allocated.
+func (b *Bridge) txQueuesInUse() int {
+	if b.dev != nil {
+		if c, err := b.dev.Channels(); err == nil && c.TxQueues() > 0 {
+			return c.TxQueues()
+		}
+	}
+	if n, ok := sysfsQueues("tx", b.cfg.Interface, b.ifindex, b.mac); ok {
+		return n
+	}
+	return max(b.txAllocated, 1)
+}
+
+// sysfsQueues counts /sys/class/net/NAME/queues/KIND-* (KIND rx or tx): the
+// kernel keeps an entry for each queue in use. /sys shows the network
+// namespace it was mounted in, which need not be the bridge's; the entry
+// counts only if its index and address are the interface's.
+func sysfsQueues(kind, name string, ifindex int, mac [6]byte) (int, bool) {
 	dir := filepath.Join("/sys/class/net", name)
 	idx, err := os.ReadFile(filepath.Join(dir, "ifindex"))
 	if err != nil || strings.TrimSpace(string(idx)) != strconv.Itoa(ifindex) {
@@ -76,11 +91,11 @@ func sysfsRxQueues(name string, ifindex int, mac [6]byte) (int, bool) {
 	if err != nil || !bytes.Equal(bytes.TrimSpace(addr), []byte(macString(mac))) {
 		return 0, false
 	}
-	rx, err := filepath.Glob(filepath.Join(dir, "queues", "rx-*"))
-	if err != nil || len(rx) == 0 {
+	qs, err := filepath.Glob(filepath.Join(dir, "queues", kind+"-*"))
+	if err != nil || len(qs) == 0 {
 		return 0, false
 	}
-	return len(rx), true
+	return len(qs), true
 }
 
 func macString(mac [6]byte) string {

@@ -308,12 +308,23 @@ func (x *xdpTx) reclaim() {
 
 // readTSO reads which families the device segments TCP for. Segments of
 // the others are never joined: with qdisc bypass the kernel drops an
-// offload packet it would have to cut in software.
+// offload packet it would have to cut in software. Nor are any joined while
+// the device transmits on more than one queue: the packet socket's queue is
+// the kernel's pick (XPS or a hash of the flow), the AF_XDP socket's is its
+// own, and a connection whose consecutive flushes took the two could have
+// its segments reordered between the queues.
 func (b *Bridge) readTSO() {
-	tso := tsoOf(b.feats) | tsoRead
+	tso := tsoOf(b.feats)
+	txq := b.txQueuesInUse()
+	if txq > 1 {
+		tso = 0
+	}
+	tso |= tsoRead
 	b.tso.Store(tso)
-	if old := b.tsoDevice.Swap(tso); old != tso {
-		b.log.Info("bridge: TCP segmentation offload of the device", "interface", b.cfg.Interface, "ipv4", tso&tsoIPv4 != 0, "ipv6", tso&tsoIPv6 != 0)
+	old := b.tsoDevice.Swap(tso)
+	oldTxq := b.txQueues.Swap(int32(txq))
+	if old != tso || (oldTxq > 1) != (txq > 1) {
+		b.log.Info("bridge: TCP segmentation offload of the device", "interface", b.cfg.Interface, "ipv4", tso&tsoIPv4 != 0, "ipv6", tso&tsoIPv6 != 0, "tx_queues", txq)
 	}
 }
 

@@ -72,9 +72,18 @@ type e2e struct {
 
 var e2ePorts = classifier.PortRange{Lo: 42000, Hi: 42999}
 
-func newE2E(t testing.TB) *e2e {
+func newE2E(t testing.TB) *e2e { return newE2EWith(t, topology.VethOptions{}, nil) }
+
+// newE2EWith is newE2E on a wire made with opts; prepare, if not nil, runs
+// on the wire before the bridge opens on it.
+func newE2EWith(t testing.TB, opts topology.VethOptions, prepare func(*topology.Veth) error) *e2e {
 	testenv.RequirePrivileged(t)
-	out, br, wire := topology.Pair(t, topology.VethOptions{})
+	out, br, wire := topology.Pair(t, opts)
+	if prepare != nil {
+		if err := prepare(wire); err != nil {
+			t.Fatal(err)
+		}
+	}
 	e := &e2e{t: t, out: out, br: br, wire: wire, secret: []byte("e2e-shared-secret-0123"),
 		local4: wire.B.Addr4.Addr(), local6: wire.B.Addr6.Addr(), outside4: wire.A.Addr4.Addr(), outside6: wire.A.Addr6.Addr()}
 	// A real wire carries complete checksums; a veth leaves them to

@@ -2,11 +2,13 @@ package userstack
 
 import (
 	"bytes"
+	"fmt"
 	"testing"
 	"time"
 
 	"github.com/fabricbridge/fabricbridge/bridge"
 	"github.com/fabricbridge/fabricbridge/bridge/features"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
 
 // TestSegmentOffloadFollowsTSO turns the bridge interface's TCP
@@ -77,5 +79,99 @@ func TestSegmentOffloadFollowsTSO(t *testing.T) {
 	again, lost := joined()
 	if again == off || lost != 0 {
 		t.Fatalf("TSO on again: %d more segments joined, %d lost; want some joined, none lost", again-off, lost)
+	}
+}
+
+// TestSegmentOffloadNeedsOneTxQueue runs a bridge on a wire that transmits
+// on one of its two queues, then gives it the second (ethtool -L):
+// segments are joined while the device transmits on one queue and not once
+// it has two, where the packet socket could put a connection's segments on
+// another queue than the AF_XDP socket's. Downloads arrive whole every
+// time. (The way back is refused by the kernel: the bridge's AF_XDP socket
+// on queue 1 holds the channel.)
+func TestSegmentOffloadNeedsOneTxQueue(t *testing.T) {
+	// Both ends are made with two queues and narrowed to one before the
+	// bridge opens: a veth with XDP wants as many receive queues as its
+	// peer transmits on, and the bridge then serves queue 0 alone.
+	var dev *features.Device
+	var first features.Channels
+	narrow := func(end topology.End, keep *features.Channels, opened **features.Device) error {
+		var d *features.Device
+		if err := end.NS.Do(func() (err error) { d, err = features.OpenDevice(end.Name); return err }); err != nil {
+			return err
+		}
+		c, err := d.Channels()
+		if err != nil {
+			d.Close()
+			return err
+		}
+		if c.TxQueues() != 2 {
+			d.Close()
+			return fmt.Errorf("%s transmits on %d queues, not the 2 it was made with", end.Name, c.TxQueues())
+		}
+		c.Rx, c.Tx = 1, 1
+		if err := d.SetChannels(c); err != nil {
+			d.Close()
+			return err
+		}
+		if opened == nil {
+			return d.Close()
+		}
+		*keep, *opened = c, d
+		t.Cleanup(func() { d.Close() })
+		return nil
+	}
+	e := newE2EWith(t, topology.VethOptions{Queues: 2}, func(wire *topology.Veth) error {
+		if err := narrow(wire.A, nil, nil); err != nil {
+			return err
+		}
+		return narrow(wire.B, &first, &dev)
+	})
+	if p := e.b.Stats().Path; p != bridge.PathNativeCopy.String() && p != bridge.PathGeneric.String() {
+		t.Fatalf("path %s: the test needs a copy path", p)
+	}
+	s := e.open(false)
+	l, err := s.Listen("tcp", ":80")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	want := body(2 << 20)
+	serveBody(t, l, want)
+	download := func(what string) {
+		t.Helper()
+		for _, host := range []string{e.local4.String(), "[" + e.local6.String() + "]"} {
+			got, err := httpGet(testCtx(t, 30*time.Second), e.dialOutside, "http://"+host+"/")
+			if err != nil {
+				t.Fatalf("%s, %s: %v", what, host, err)
+			}
+			if !bytes.Equal(got, want) {
+				t.Fatalf("%s, %s: %d bytes arrived, not the %d served", what, host, len(got), len(want))
+			}
+		}
+	}
+	joined := func() (n, lost uint64) {
+		for _, q := range e.b.Stats().Queues {
+			n += q.TxJoined
+			lost += q.TxOffloadLost
+		}
+		return n, lost
+	}
+
+	download("one transmit queue")
+	one, lost := joined()
+	if one == 0 || lost != 0 {
+		t.Fatalf("one transmit queue: %d segments joined, %d lost; want some joined, none lost", one, lost)
+	}
+	second := first
+	second.Tx = 2
+	if err := dev.SetChannels(second); err != nil {
+		t.Fatal(err)
+	}
+	// The bridge reads the queues every second.
+	time.Sleep(1500 * time.Millisecond)
+	download("two transmit queues")
+	if n, lost := joined(); n != one || lost != 0 {
+		t.Fatalf("two transmit queues: %d more segments joined, %d lost; want none of either", n-one, lost)
 	}
 }

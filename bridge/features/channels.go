@@ -20,6 +20,9 @@ type Channels struct {
 // 0 to RxQueues-1 receive frames.
 func (c Channels) RxQueues() int { return int(c.Rx + c.Combined) }
 
+// TxQueues is how many transmit queues the channels in use give.
+func (c Channels) TxQueues() int { return int(c.Tx + c.Combined) }
+
 // Device is an ethtool socket for one interface, opened in the network
 // namespace of the thread that opened it; its methods may then be called
 // from any thread, since the kernel looks the interface up in the socket's

@@ -811,7 +811,7 @@ func (b *Bridge) AddStream(id uint32, s fabric.BridgeEnd, own classifier.Ownersh
 	if _, ok := old[id]; ok {
 		return fmt.Errorf("bridge: stream %d exists", id)
 	}
-	e := &streamEntry{id: id, s: s, txQueue: int(id) % len(b.queues), maxPayload: s.MaxPayload()}
+	e := &streamEntry{id: id, s: s, txQueue: b.txQueueFor(id), maxPayload: s.MaxPayload()}
 	e.own.Store(o)
 	done := make(chan struct{})
 	b.queues[e.txQueue].tx.command(txCmd{add: e, done: done})
@@ -820,6 +820,29 @@ func (b *Bridge) AddStream(id uint32, s fabric.BridgeEnd, own classifier.Ownersh
 	next[id] = e
 	b.streams.Store(&next)
 	return nil
+}
+
+// txQueueFor picks the queue whose loop drains stream id's TX ring, spreading
+// streams over the queues. On the copy path an AF_XDP socket transmits on
+// the device's queue of its own number, so a queue numbered past the
+// transmit queues in use (more receive than transmit channels, as
+// `ethtool -L rx 2 tx 1` makes) cannot send, and no stream is put there.
+// The kernel refuses to take a transmit queue away while a socket is bound
+// to its number, so a stream never has to move. Called with b.mu held.
+func (b *Bridge) txQueueFor(id uint32) int {
+	if b.path == PathNativeCopy || b.path == PathGeneric {
+		txq := b.txQueuesInUse()
+		var able []int
+		for i, q := range b.queues {
+			if q.id < txq {
+				able = append(able, i)
+			}
+		}
+		if len(able) > 0 {
+			return able[int(id)%len(able)]
+		}
+	}
+	return int(id) % len(b.queues)
 }
 
 // SetOwnership atomically replaces what stream id may send: each packet is

@@ -1,0 +1,62 @@
+package userstack
+
+import (
+	"bytes"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/fabricbridge/fabricbridge/bridge"
+	"github.com/fabricbridge/fabricbridge/bridge/features"
+	"github.com/fabricbridge/fabricbridge/internal/topology"
+)
+
+// TestStreamsTransmitOnQueuesThatExist runs the bridge on a wire with two
+// receive queues in use and one transmit queue: the AF_XDP socket of queue
+// 1 can receive but not transmit. Four applications, whose streams the
+// bridge would otherwise spread over both queues, each serve a download to
+// the outside, and every download arrives whole.
+func TestStreamsTransmitOnQueuesThatExist(t *testing.T) {
+	e := newE2EWith(t, topology.VethOptions{Queues: 2}, func(wire *topology.Veth) error {
+		var dev *features.Device
+		if err := wire.B.NS.Do(func() (err error) { dev, err = features.OpenDevice(wire.B.Name); return err }); err != nil {
+			return err
+		}
+		defer dev.Close()
+		c, err := dev.Channels()
+		if err != nil {
+			return err
+		}
+		if c.RxQueues() != 2 || c.TxQueues() != 2 {
+			return fmt.Errorf("%s has %d receive and %d transmit queues in use, not the 2 and 2 it was made with", wire.B.Name, c.RxQueues(), c.TxQueues())
+		}
+		c.Tx = 1
+		return dev.SetChannels(c)
+	})
+	if p := e.b.Stats().Path; p != bridge.PathNativeCopy.String() && p != bridge.PathGeneric.String() {
+		t.Fatalf("path %s: the test needs a copy path", p)
+	}
+	if n := len(e.b.Stats().Queues); n != 2 {
+		t.Fatalf("the bridge serves %d queues, want both receive queues", n)
+	}
+	want := body(256 << 10)
+	for i := range 4 {
+		port := 80 + i
+		l, err := e.open(false).Listen("tcp", fmt.Sprint(":", port))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer l.Close()
+		serveBody(t, l, want)
+		for _, host := range []string{e.local4.String(), "[" + e.local6.String() + "]"} {
+			url := fmt.Sprintf("http://%s:%d/", host, port)
+			got, err := httpGet(testCtx(t, 10*time.Second), e.dialOutside, url)
+			if err != nil {
+				t.Fatalf("application %d, %s: %v", i, url, err)
+			}
+			if !bytes.Equal(got, want) {
+				t.Fatalf("application %d, %s: %d bytes arrived, not the %d served", i, url, len(got), len(want))
+			}
+		}
+	}
+}

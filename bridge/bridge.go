@@ -316,6 +316,19 @@ func Open(cfg Config) (*Bridge, error) {
 		}
 	}
 	b.log.Info("bridge: running", "interface", cfg.Interface, "path", b.path.String(), "queues", len(b.queues), "cpus", cfg.CPUs)
+	if b.path == PathNativeCopy || b.path == PathGeneric {
+		txq := b.txQueuesInUse()
+		var mute []int
+		for _, q := range b.queues {
+			if q.id >= txq {
+				mute = append(mute, q.id)
+			}
+		}
+		if mute != nil {
+			// txQueueFor keeps streams off them.
+			b.log.Warn("bridge: queues that receive but cannot transmit on the copy path: the device transmits on fewer queues (ethtool -l); streams are placed on the others", "interface", cfg.Interface, "queues", mute, "tx_queues", txq)
+		}
+	}
 	var loopErrs []error
 	for _, q := range b.queues {
 		if err := b.startLoop(q); err != nil {

@@ -17,36 +17,7 @@ import (
 // them, and no offload send is lost once the bridge has seen the change.
 func TestSegmentOffloadFollowsTSO(t *testing.T) {
 	e := newE2E(t)
-	if p := e.b.Stats().Path; p != bridge.PathNativeCopy.String() && p != bridge.PathGeneric.String() {
-		t.Fatalf("path %s: the test needs a copy path", p)
-	}
-	s := e.open(false)
-	l, err := s.Listen("tcp", ":80")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	want := body(2 << 20)
-	serveBody(t, l, want)
-	download := func(what string) {
-		t.Helper()
-		for _, host := range []string{e.local4.String(), "[" + e.local6.String() + "]"} {
-			got, err := httpGet(testCtx(t, 30*time.Second), e.dialOutside, "http://"+host+"/")
-			if err != nil {
-				t.Fatalf("%s, %s: %v", what, host, err)
-			}
-			if !bytes.Equal(got, want) {
-				t.Fatalf("%s, %s: %d bytes arrived, not the %d served", what, host, len(got), len(want))
-			}
-		}
-	}
-	joined := func() (n, lost uint64) {
-		for _, q := range e.b.Stats().Queues {
-			n += q.TxJoined
-			lost += q.TxOffloadLost
-		}
-		return n, lost
-	}
+	download, joined := offloadDownloads(t, e)
 	var feats *features.Interface
 	if err := e.br.Do(func() (err error) { feats, err = features.Open(e.wire.B.Name); return err }); err != nil {
 		t.Fatal(err)
@@ -127,36 +98,7 @@ func TestSegmentOffloadNeedsOneTxQueue(t *testing.T) {
 		}
 		return narrow(wire.B, &first, &dev)
 	})
-	if p := e.b.Stats().Path; p != bridge.PathNativeCopy.String() && p != bridge.PathGeneric.String() {
-		t.Fatalf("path %s: the test needs a copy path", p)
-	}
-	s := e.open(false)
-	l, err := s.Listen("tcp", ":80")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	want := body(2 << 20)
-	serveBody(t, l, want)
-	download := func(what string) {
-		t.Helper()
-		for _, host := range []string{e.local4.String(), "[" + e.local6.String() + "]"} {
-			got, err := httpGet(testCtx(t, 30*time.Second), e.dialOutside, "http://"+host+"/")
-			if err != nil {
-				t.Fatalf("%s, %s: %v", what, host, err)
-			}
-			if !bytes.Equal(got, want) {
-				t.Fatalf("%s, %s: %d bytes arrived, not the %d served", what, host, len(got), len(want))
-			}
-		}
-	}
-	joined := func() (n, lost uint64) {
-		for _, q := range e.b.Stats().Queues {
-			n += q.TxJoined
-			lost += q.TxOffloadLost
-		}
-		return n, lost
-	}
+	download, joined := offloadDownloads(t, e)
 
 	download("one transmit queue")
 	one, lost := joined()
@@ -173,5 +115,51 @@ func TestSegmentOffloadNeedsOneTxQueue(t *testing.T) {
 	download("two transmit queues")
 	if n, lost := joined(); n != one || lost != 0 {
 		t.Fatalf("two transmit queues: %d more segments joined, %d lost; want none of either", n-one, lost)
+	}
+}
+
+// offloadDownloads serves a 2 MiB body on :80 from an application behind
+// e's bridge, which must be on a copy path, and returns a download of it
+// from the outside over both families, checked whole, and the segments the
+// bridge has sent joined and lost so far.
+func offloadDownloads(t *testing.T, e *e2e) (download func(what string), joined func() (n, lost uint64)) {
+	t.Helper()
+	if p := e.b.Stats().Path; p != bridge.PathNativeCopy.String() && p != bridge.PathGeneric.String() {
+		t.Fatalf("path %s: the test needs a copy path", p)
+	}
+	l, err := e.open(false).Listen("tcp", ":80")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	want := body(2 << 20)
+	serveBody(t, l, want)
+	download = func(what string) {
+		t.Helper()
+		downloadWhole(t, e, what, 80, want)
+	}
+	joined = func() (n, lost uint64) {
+		for _, q := range e.b.Stats().Queues {
+			n += q.TxJoined
+			lost += q.TxOffloadLost
+		}
+		return n, lost
+	}
+	return download, joined
+}
+
+// downloadWhole fetches http://HOST:port/ from the outside for both of the
+// bridge host's addresses and fails unless want arrives whole.
+func downloadWhole(t *testing.T, e *e2e, what string, port int, want []byte) {
+	t.Helper()
+	for _, host := range []string{e.local4.String(), "[" + e.local6.String() + "]"} {
+		url := fmt.Sprintf("http://%s:%d/", host, port)
+		got, err := httpGet(testCtx(t, 30*time.Second), e.dialOutside, url)
+		if err != nil {
+			t.Fatalf("%s, %s: %v", what, url, err)
+		}
+		if !bytes.Equal(got, want) {
+			t.Fatalf("%s, %s: %d bytes arrived, not the %d served", what, url, len(got), len(want))
+		}
 	}
 }

@@ -1,10 +1,8 @@
 package userstack
 
 import (
-	"bytes"
 	"fmt"
 	"testing"
-	"time"
 
 	"github.com/fabricbridge/fabricbridge/bridge"
 	"github.com/fabricbridge/fabricbridge/bridge/features"
@@ -48,15 +46,6 @@ func TestStreamsTransmitOnQueuesThatExist(t *testing.T) {
 		}
 		defer l.Close()
 		serveBody(t, l, want)
-		for _, host := range []string{e.local4.String(), "[" + e.local6.String() + "]"} {
-			url := fmt.Sprintf("http://%s:%d/", host, port)
-			got, err := httpGet(testCtx(t, 10*time.Second), e.dialOutside, url)
-			if err != nil {
-				t.Fatalf("application %d, %s: %v", i, url, err)
-			}
-			if !bytes.Equal(got, want) {
-				t.Fatalf("application %d, %s: %d bytes arrived, not the %d served", i, url, len(got), len(want))
-			}
-		}
+		downloadWhole(t, e, fmt.Sprint("application ", i), port, want)
 	}
 }

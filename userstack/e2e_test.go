@@ -68,6 +68,7 @@ type e2e struct {
 	local6   netip.Addr
 	outside4 netip.Addr
 	outside6 netip.Addr
+	log      *testenv.Output // what the bridge and the control server logged
 }
 
 var e2ePorts = classifier.PortRange{Lo: 42000, Hi: 42999}
@@ -101,7 +102,8 @@ func newE2EWith(t testing.TB, opts topology.VethOptions, prepare func(*topology.
 	// GENEVE, 36 bytes more than the wire's packets.
 	e.appNS = topology.New(t)
 	appLink := topology.Connect(t, br, e.appNS, topology.VethOptions{MTU: 1600})
-	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	e.log = &testenv.Output{}
+	log := slog.New(slog.NewTextHandler(e.log, nil))
 	var remote *fabric.Remote
 	var ctlL net.Listener
 	if err := br.Do(func() (err error) {

@@ -2,6 +2,7 @@ package userstack
 
 import (
 	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/fabricbridge/fabricbridge/bridge"
@@ -11,9 +12,10 @@ import (
 
 // TestStreamsTransmitOnQueuesThatExist runs the bridge on a wire with two
 // receive queues in use and one transmit queue: the AF_XDP socket of queue
-// 1 can receive but not transmit. Four applications, whose streams the
-// bridge would otherwise spread over both queues, each serve a download to
-// the outside, and every download arrives whole.
+// 1 can receive but not transmit. The bridge names queue 1 in a warning;
+// four applications, whose streams it would otherwise spread over both
+// queues, each serve a download to the outside, and every download arrives
+// whole.
 func TestStreamsTransmitOnQueuesThatExist(t *testing.T) {
 	e := newE2EWith(t, topology.VethOptions{Queues: 2}, func(wire *topology.Veth) error {
 		var dev *features.Device
@@ -36,6 +38,9 @@ func TestStreamsTransmitOnQueuesThatExist(t *testing.T) {
 	}
 	if n := len(e.b.Stats().Queues); n != 2 {
 		t.Fatalf("the bridge serves %d queues, want both receive queues", n)
+	}
+	if log := e.log.String(); !strings.Contains(log, "receive but cannot transmit") || !strings.Contains(log, "queues=[1]") {
+		t.Errorf("the bridge did not name queue 1 as one that cannot transmit; it logged:\n%s", log)
 	}
 	want := body(256 << 10)
 	for i := range 4 {

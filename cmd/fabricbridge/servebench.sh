@@ -53,8 +53,8 @@ run)
 	fi
 	export FB_BENCH_PIN=$pin
 	# About 3 minutes on 16 CPUs: wrk 3x2x(10 s + 5 s), ab, the bulk
-	# transfers and the downloads 3x2 each; the limits keep it within a
-	# 5-minute window.
+	# transfers (Go sender and socat), the downloads 3x2 each; the limits
+	# keep it within a 5-minute window.
 	{
 		echo "servebench: $pinned"
 		FB_REQUIRE_PRIVILEGED=1 FB_BENCH_ROUNDS=${FB_BENCH_ROUNDS:-3} FB_BENCH_SECONDS=${FB_BENCH_SECONDS:-10} timeout 280 "$dir/cmd.test" \

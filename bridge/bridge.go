@@ -316,18 +316,9 @@ func Open(cfg Config) (*Bridge, error) {
 		}
 	}
 	b.log.Info("bridge: running", "interface", cfg.Interface, "path", b.path.String(), "queues", len(b.queues), "cpus", cfg.CPUs)
-	if b.path == PathNativeCopy || b.path == PathGeneric {
-		txq := b.txQueuesInUse()
-		var mute []int
-		for _, q := range b.queues {
-			if q.id >= txq {
-				mute = append(mute, q.id)
-			}
-		}
-		if mute != nil {
-			// txQueueFor keeps streams off them.
-			b.log.Warn("bridge: queues that receive but cannot transmit on the copy path: the device transmits on fewer queues (ethtool -l); streams are placed on the others", "interface", cfg.Interface, "queues", mute, "tx_queues", txq)
-		}
+	if _, mute, txq := b.transmitters(); len(mute) > 0 {
+		// txQueueFor keeps streams off them.
+		b.log.Warn("bridge: queues that receive but cannot transmit on the copy path: the device transmits on fewer queues (ethtool -l); streams are placed on the others", "interface", cfg.Interface, "queues", mute, "tx_queues", txq)
 	}
 	var loopErrs []error
 	for _, q := range b.queues {
@@ -843,19 +834,29 @@ func (b *Bridge) AddStream(id uint32, s fabric.BridgeEnd, own classifier.Ownersh
 // The kernel refuses to take a transmit queue away while a socket is bound
 // to its number, so a stream never has to move. Called with b.mu held.
 func (b *Bridge) txQueueFor(id uint32) int {
-	if b.path == PathNativeCopy || b.path == PathGeneric {
-		txq := b.txQueuesInUse()
-		var able []int
-		for i, q := range b.queues {
-			if q.id < txq {
-				able = append(able, i)
-			}
-		}
-		if len(able) > 0 {
-			return able[int(id)%len(able)]
-		}
+	if able, _, _ := b.transmitters(); len(able) > 0 {
+		return able[int(id)%len(able)]
 	}
 	return int(id) % len(b.queues)
+}
+
+// transmitters splits the served queues into able, the indices into
+// b.queues of those whose sockets can transmit, and mute, the numbers of
+// those that cannot: on the copy path, the ones numbered past the txq
+// transmit queues in use.
+func (b *Bridge) transmitters() (able, mute []int, txq int) {
+	copyPath := b.path == PathNativeCopy || b.path == PathGeneric
+	if copyPath {
+		txq = b.txQueuesInUse()
+	}
+	for i, q := range b.queues {
+		if copyPath && q.id >= txq {
+			mute = append(mute, q.id)
+		} else {
+			able = append(able, i)
+		}
+	}
+	return able, mute, txq
 }
 
 // SetOwnership atomically replaces what stream id may send: each packet is

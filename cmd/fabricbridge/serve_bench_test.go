@@ -541,18 +541,17 @@ func clientTCP(ns *topology.NS) (in, out, retrans uint64, err error) {
 
 // serveCounters are what the benchmark reads before and after each client run,
 // in clock ticks (machine: all CPUs busy; owned: the serving processes) and
-// counts. client, the client process's own CPU time, is filled in after it
-// exits.
-// lead is the first serving process's share of owned (the daemon's, on the
-// bridge's side).
+// counts. lead is the first serving process's share of owned (the
+// daemon's, on the bridge's side); client, the client process's own CPU
+// time, and wall, how long it ran, are filled in after it exits.
 type serveCounters struct {
 	machine, owned, lead, ringFull, retrans, segsIn, segsOut uint64
-	client                                                   time.Duration
+	client, wall                                             time.Duration
 }
 
 func (c serveCounters) since(before serveCounters) serveCounters {
 	return serveCounters{c.machine - before.machine, c.owned - before.owned, c.lead - before.lead, c.ringFull - before.ringFull, c.retrans - before.retrans,
-		c.segsIn - before.segsIn, c.segsOut - before.segsOut, c.client - before.client}
+		c.segsIn - before.segsIn, c.segsOut - before.segsOut, c.client - before.client, c.wall - before.wall}
 }
 
 // clockTick is USER_HZ on Linux.
@@ -822,13 +821,14 @@ metrics: {address: %q}
 	// FB_BENCH_BINARY, another build's (an A/B against a release; the
 	// kernel side and the clients stay this binary's, and profiles are
 	// this binary's only).
+	bin := os.Getenv("FB_BENCH_BINARY")
 	startFabricbridge := func(name string, cpus []int, args ...string) *servingProc {
-		if bin := os.Getenv("FB_BENCH_BINARY"); bin != "" {
+		if bin != "" {
 			return startCommand(b, bridgeNS, name, nil, cpus, append([]string{bin}, args...)...)
 		}
 		return startServing(b, bridgeNS, name, append(main, profileEnv(name)...), cpus, args...)
 	}
-	if bin := os.Getenv("FB_BENCH_BINARY"); bin != "" {
+	if bin != "" {
 		if profileDir != "" {
 			b.Fatal("FB_BENCH_PROFILE_DIR profiles this binary only: unset it or FB_BENCH_BINARY")
 		}
@@ -943,16 +943,18 @@ metrics: {address: %q}
 		var out strings.Builder
 		cmd.Stdout, cmd.Stderr = &out, &out
 		before := sample(true, owners...)
+		start := time.Now()
 		err := startPinned(cmd, pin.client)
 		if err == nil {
 			err = cmd.Wait()
 		}
+		wall := time.Since(start)
 		if err != nil {
 			b.Fatalf("%s: %v\n%s", args[0], err, out.String())
 		}
 		time.Sleep(linger)
 		delta := sample(false, owners...).since(before)
-		delta.client = cmd.ProcessState.UserTime() + cmd.ProcessState.SystemTime()
+		delta.client, delta.wall = cmd.ProcessState.UserTime()+cmd.ProcessState.SystemTime(), wall
 		return out.String(), delta
 	}
 	load := func(tool requestTool, cmdline string, owners ...*servingProc) requestResult {
@@ -995,9 +997,8 @@ metrics: {address: %q}
 		)
 		switch how {
 		case viaSocat:
-			start := time.Now()
 			text, delta = runClient(100*time.Millisecond, owners, nil, socat, "-u", fmt.Sprintf("FILE:/dev/zero,readbytes=%d", int64(n)), "TCP:"+hostPort(port))
-			took = time.Since(start)
+			took = delta.wall
 		default:
 			env := []string{"FB_BENCH_BULK_SEND=" + hostPort(port), fmt.Sprintf("FB_BENCH_BULK_BYTES=%d", int64(n))}
 			if how == viaGet {

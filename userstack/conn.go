@@ -36,9 +36,14 @@ const bindRetries = 3
 // the peer never answered.
 const lingerMax = 30 * time.Second
 
-// timeWaitHold is how long a connection in TIME-WAIT keeps its flow: a few
-// retransmission timeouts, far less than TIME-WAIT itself, so that ports of
-// the reserved range come back quickly.
+// timeWaitHold is how long a connection stays in TIME-WAIT, and keeps its
+// flow: a few retransmission timeouts, enough to answer a peer's FIN sent
+// again, far less than the kernel's minute, so that ports of the reserved
+// range come back quickly. gVisor ends TIME-WAIT then too (newNetstack): a
+// gVisor endpoint is kept whole through it, a few KB each, and a server
+// that closes its connections first (HTTP/1.0, ab) at thousands a second
+// held hundreds of MB of them for the minute, long after the bridge had
+// stopped steering their tuples here.
 const timeWaitHold = time.Second
 
 // Listen announces on the local address: "tcp", "tcp4" or "tcp6", and

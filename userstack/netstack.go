@@ -59,9 +59,10 @@ var tcpProbe atomic.Pointer[tcp.TCPProbeFunc]
 // newNetstack builds a gVisor stack over ep with the given addresses and
 // the TCP settings above: SACK on (recovery by RFC 6675, not RACK), CUBIC,
 // receive-buffer moderation up to rcvMax (see receiveBufferMax), no Nagle
-// delay (Go's net package turns it off for every TCP connection too), and
+// delay (Go's net package turns it off for every TCP connection too),
 // TIME-WAIT ports reusable when safe, since ephemeral ports come from a
-// bounded reserved range.
+// bounded reserved range, and TIME-WAIT as long as the flow is held
+// (timeWaitHold), not gVisor's minute.
 func newNetstack(ep *LinkEndpoint, addrs []netip.Addr, rcvMax int) (*stack.Stack, error) {
 	s := stack.New(stack.Options{
 		NetworkProtocols: []stack.NetworkProtocolFactory{
@@ -108,6 +109,7 @@ func newNetstack(ep *LinkEndpoint, addrs []netip.Addr, rcvMax int) (*stack.Stack
 		// the rewound pointer, its window doubling every round trip.
 		func() *tcpip.TCPRecovery { v := tcpip.TCPRecovery(0); return &v }(),
 		func() *tcpip.TCPTimeWaitReuseOption { v := tcpip.TCPTimeWaitReuseGlobal; return &v }(),
+		func() *tcpip.TCPTimeWaitTimeoutOption { v := tcpip.TCPTimeWaitTimeoutOption(timeWaitHold); return &v }(),
 	}
 	for _, o := range opts {
 		if err := s.SetTransportProtocolOption(tcp.ProtocolNumber, o); err != nil {

@@ -505,3 +505,50 @@ func TestClosingConnectionsShareOneWatcher(t *testing.T) {
 		t.Error("the watcher goroutine runs on with nothing to watch")
 	}
 }
+
+// TestTimeWaitEndsWithItsHold checks that a connection this stack closed
+// first leaves TIME-WAIT when the bridge stops steering its tuple here
+// (timeWaitHold), not after gVisor's default minute: a server that closes
+// its connections (HTTP/1.0, ab) keeps each gVisor endpoint, a few KB with
+// its sender and timers, for as long as it stays in TIME-WAIT, so at 7,000
+// connections a second a minute of them was hundreds of MB of live heap.
+func TestTimeWaitEndsWithItsHold(t *testing.T) {
+	w := newWorld(t)
+	a, b := w.open(t, "a"), w.open(t, "b")
+	l, err := b.Listen("tcp", ":9102")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	timeWaits := func() int {
+		n := 0
+		for _, ep := range b.ns.RegisteredEndpoints() {
+			if e, ok := ep.(*tcp.Endpoint); ok && e.EndpointState() == tcp.StateTimeWait {
+				n++
+			}
+		}
+		return n
+	}
+	const n = 50
+	for range n {
+		c, err := a.Dial(testCtx(t, 10*time.Second), "tcp", "198.18.0.2:9102")
+		if err != nil {
+			t.Fatal(err)
+		}
+		s, err := l.Accept()
+		if err != nil {
+			t.Fatal(err)
+		}
+		s.Close() // b closes first: its side ends in TIME-WAIT
+		io.Copy(io.Discard, c)
+		c.Close()
+	}
+	if !eventually(2*time.Second, func() bool { return timeWaits() == n }) {
+		t.Fatalf("%d of b's %d connections in TIME-WAIT after both sides closed, want all", timeWaits(), n)
+	}
+	start := time.Now()
+	if !eventually(timeWaitHold+3*time.Second, func() bool { return timeWaits() == 0 }) {
+		t.Fatalf("%d connections still in TIME-WAIT %v after the first, whose hold is %v", timeWaits(), time.Since(start).Round(time.Millisecond), timeWaitHold)
+	}
+	t.Logf("TIME-WAIT ended %v after the last connection entered it (hold %v)", time.Since(start).Round(time.Millisecond), timeWaitHold)
+}

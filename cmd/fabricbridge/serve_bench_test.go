@@ -482,6 +482,20 @@ func (p *servingProc) cpuTicks() (uint64, error) {
 	return sum, nil
 }
 
+// peakRSS is the process's peak resident set in KiB (VmHWM).
+func (p *servingProc) peakRSS() (uint64, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", p.cmd.Process.Pid))
+	if err != nil {
+		return 0, err
+	}
+	for line := range strings.Lines(string(b)) {
+		if v, ok := strings.CutPrefix(line, "VmHWM:"); ok {
+			return strconv.ParseUint(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
+		}
+	}
+	return 0, fmt.Errorf("/proc/%d/status: no VmHWM", p.cmd.Process.Pid)
+}
+
 // machineTicks is the busy time of all CPUs in clock ticks (everything in
 // /proc/stat's cpu line but idle and iowait).
 func machineTicks() (uint64, error) {
@@ -1097,6 +1111,7 @@ metrics: {address: %q}
 		}
 		if abErr != nil {
 			b.Logf("no new-connection comparison: %v", abErr)
+			logPeakMemory(b, kernel, daemon, app, sink)
 			continue
 		}
 		// ab last: a run it cannot finish fails the benchmark, and the
@@ -1116,7 +1131,27 @@ metrics: {address: %q}
 			logLoadRound(b, label, i, kr[i], br[i])
 		}
 		reportLoad(b, label, "ab-", kr, br)
+		logPeakMemory(b, kernel, daemon, app, sink)
 	}
+}
+
+// logPeakMemory logs each serving process's peak resident memory so far
+// (VmHWM). The kernel server's socket buffers and connection state are
+// kernel memory, which this leaves out; the application's are on its heap.
+func logPeakMemory(b *testing.B, procs ...*servingProc) {
+	var parts []string
+	for _, p := range procs {
+		if p == nil {
+			continue
+		}
+		kb, err := p.peakRSS()
+		if err != nil {
+			b.Logf("peak memory of %s: %v", p.name, err)
+			continue
+		}
+		parts = append(parts, fmt.Sprintf("%s %d MB", p.name, kb>>10))
+	}
+	b.Logf("peak resident memory so far: %s (the kernel's socket memory not counted)", strings.Join(parts, ", "))
 }
 
 func logLoadRound(b *testing.B, label string, round int, kernel, bridge requestResult) {

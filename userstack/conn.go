@@ -40,7 +40,7 @@ const lingerMax = 30 * time.Second
 // flow: a few retransmission timeouts, enough to answer a peer's FIN sent
 // again, far less than the kernel's minute, so that ports of the reserved
 // range come back quickly. gVisor ends TIME-WAIT then too (newNetstack): a
-// gVisor endpoint is kept whole through it, a few KB each, and a server
+// gVisor endpoint is kept whole through it, 8–12 KB each, and a server
 // that closes its connections first (HTTP/1.0, ab) at thousands a second
 // held hundreds of MB of them for the minute, long after the bridge had
 // stopped steering their tuples here.

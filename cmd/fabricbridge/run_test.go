@@ -190,7 +190,12 @@ func TestRunSignals(t *testing.T) {
 		r := metrics.Find(s, "fabricbridge_reloads_total", metrics.L("result", "error")...)
 		return len(r) == 1 && r[0].Value == 1
 	})
-	if !strings.Contains(d.out.String(), "bogus: unknown field") {
+	// The log arrives through a pipe, after the counter may already show.
+	named := false
+	for deadline := time.Now().Add(5 * time.Second); !named && time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
+		named = strings.Contains(d.out.String(), "bogus: unknown field")
+	}
+	if !named {
 		t.Errorf("the failed reload does not name the problem:\n%s", d.out.String())
 	}
 	// A second document is refused too, and counted by its reason.

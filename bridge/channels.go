@@ -43,41 +43,45 @@ const channelPoll = time.Second
 // Where a count of queues in use came from.
 const (
 	fromChannels  = "ethtool channels"
-	fromSysfs     = "sysfs rx queues"
+	fromSysfs     = "sysfs queues"
 	fromAllocated = "allocated queues (the driver reports no channels)"
 )
 
-// rxQueuesInUse counts the receive queues of the bridge's interface that
-// receive frames, and says where the count came from. allocated is the
-// interface's NumRxQueues, the last resort.
-func (b *Bridge) rxQueuesInUse(allocated int) (int, string) {
+// Kinds of queue, as sysfs names them.
+const (
+	rxKind = "rx"
+	txKind = "tx"
+)
+
+// queuesInUse counts the queues of kind (rxKind: those that receive frames,
+// txKind: those that transmit) of the bridge's interface, and says where
+// the count came from. allocated, the interface's NumRxQueues or
+// NumTxQueues, is the last resort.
+func (b *Bridge) queuesInUse(kind string, allocated int) (int, string) {
 	if b.dev != nil {
-		if c, err := b.dev.Channels(); err == nil && c.RxQueues() > 0 {
-			return c.RxQueues(), fromChannels
+		if c, err := b.dev.Channels(); err == nil {
+			n := c.RxQueues()
+			if kind == txKind {
+				n = c.TxQueues()
+			}
+			if n > 0 {
+				return n, fromChannels
+			}
 		}
 	}
-	if n, ok := sysfsQueues("rx", b.cfg.Interface, b.ifindex, b.mac); ok {
+	if n, ok := sysfsQueues(kind, b.cfg.Interface, b.ifindex, b.mac); ok {
 		return n, fromSysfs
 	}
 	return max(allocated, 1), fromAllocated
 }
 
-// txQueuesInUse counts the transmit queues of the bridge's interface in
-// use, as rxQueuesInUse counts the receive queues; the last resort is the
-// queues the interface allocated.
+// txQueuesInUse is how many transmit queues the interface uses.
 func (b *Bridge) txQueuesInUse() int {
-	if b.dev != nil {
-		if c, err := b.dev.Channels(); err == nil && c.TxQueues() > 0 {
-			return c.TxQueues()
-		}
-	}
-	if n, ok := sysfsQueues("tx", b.cfg.Interface, b.ifindex, b.mac); ok {
-		return n
-	}
-	return max(b.txAllocated, 1)
+	n, _ := b.queuesInUse(txKind, b.txAllocated)
+	return n
 }
 
-// sysfsQueues counts /sys/class/net/NAME/queues/KIND-* (KIND rx or tx): the
+// sysfsQueues counts /sys/class/net/NAME/queues/KIND-* (rxKind or txKind): the
 // kernel keeps an entry for each queue in use. /sys shows the network
 // namespace it was mounted in, which need not be the bridge's; the entry
 // counts only if its index and address are the interface's.
@@ -109,7 +113,7 @@ func (b *Bridge) chooseQueues(allocated int) error {
 	if dev, err := features.OpenDevice(b.cfg.Interface); err == nil {
 		b.dev = dev
 	}
-	n, from := b.rxQueuesInUse(allocated)
+	n, from := b.queuesInUse(rxKind, allocated)
 	b.inUse = n
 	if b.cfg.Queues == nil {
 		b.followQueues = true
@@ -146,7 +150,7 @@ func (b *Bridge) watchQueues(stop <-chan struct{}) {
 		return
 	}
 	every(stop, channelPoll, func() {
-		n, from := b.rxQueuesInUse(0)
+		n, from := b.queuesInUse(rxKind, 0)
 		if from == fromAllocated {
 			return
 		}

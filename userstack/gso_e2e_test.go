@@ -124,9 +124,7 @@ func TestSegmentOffloadNeedsOneTxQueue(t *testing.T) {
 // bridge has sent joined and lost so far.
 func offloadDownloads(t *testing.T, e *e2e) (download func(what string), joined func() (n, lost uint64)) {
 	t.Helper()
-	if p := e.b.Stats().Path; p != bridge.PathNativeCopy.String() && p != bridge.PathGeneric.String() {
-		t.Fatalf("path %s: the test needs a copy path", p)
-	}
+	requireCopyPath(t, e)
 	l, err := e.open(false).Listen("tcp", ":80")
 	if err != nil {
 		t.Fatal(err)
@@ -161,5 +159,14 @@ func downloadWhole(t *testing.T, e *e2e, what string, port int, want []byte) {
 		if !bytes.Equal(got, want) {
 			t.Fatalf("%s, %s: %d bytes arrived, not the %d served", what, url, len(got), len(want))
 		}
+	}
+}
+
+// requireCopyPath fails the test unless e's bridge runs on a copy path
+// (native-copy or generic), where frames leave through the kernel's skbs.
+func requireCopyPath(t *testing.T, e *e2e) {
+	t.Helper()
+	if p := e.b.Stats().Path; p != bridge.PathNativeCopy.String() && p != bridge.PathGeneric.String() {
+		t.Fatalf("path %s: the test needs a copy path", p)
 	}
 }

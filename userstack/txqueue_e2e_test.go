@@ -5,7 +5,6 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/fabricbridge/fabricbridge/bridge"
 	"github.com/fabricbridge/fabricbridge/bridge/features"
 	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
@@ -33,9 +32,7 @@ func TestStreamsTransmitOnQueuesThatExist(t *testing.T) {
 		c.Tx = 1
 		return dev.SetChannels(c)
 	})
-	if p := e.b.Stats().Path; p != bridge.PathNativeCopy.String() && p != bridge.PathGeneric.String() {
-		t.Fatalf("path %s: the test needs a copy path", p)
-	}
+	requireCopyPath(t, e)
 	if n := len(e.b.Stats().Queues); n != 2 {
 		t.Fatalf("the bridge serves %d queues, want both receive queues", n)
 	}

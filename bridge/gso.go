@@ -94,13 +94,20 @@ func parseSeg(f []byte) tcpSeg {
 }
 
 // joins reports whether segment b, right after a in the flush, continues
-// it as the next segment of one offload packet whose segment size is mss:
-// the same Ethernet and IP headers but for the lengths, ID and checksum,
-// the same TCP header but for the sequence number (which follows a's
-// data), the flags and the checksum; a carries only ACK, as every segment
-// but the last of a TSO packet does, and b at most PSH and FIN beside it.
+// it in one offload packet whose segment size is mss: the same Ethernet
+// and IP headers but for the lengths, ID and checksum, the same TCP header
+// but for the sequence number (which follows a's data), the flags and the
+// checksum; a carries ACK and at most PSH, b at most PSH and FIN beside
+// ACK, and b's data fits a segment.
+//
+// a need not be a whole segment. The device cuts the packet at mss
+// whatever the runs it was joined from, so a short segment followed by
+// more data (the end of one write and the next write, as net/http's
+// answer and its closing flush) leaves as fewer, fuller segments: the
+// same bytes and sequence numbers, PSH only on the last, which is what
+// the kernel's own TCP does with writes that meet in its send queue.
 func joins(a, b []byte, sa, sb tcpSeg, mss int) bool {
-	if sb.hdr != sa.hdr || sb.v6 != sa.v6 || sa.payload != mss || sb.payload == 0 || sb.payload > mss {
+	if sb.hdr != sa.hdr || sb.v6 != sa.v6 || sa.payload == 0 || sa.payload > mss || sb.payload == 0 || sb.payload > mss {
 		return false
 	}
 	if string(a[:ethHeader]) != string(b[:ethHeader]) {
@@ -119,7 +126,7 @@ func joins(a, b []byte, sa, sb tcpSeg, mss int) bool {
 		}
 	}
 	ta, tb := header.TCP(a[sa.l4:sa.hdr]), header.TCP(b[sb.l4:sb.hdr])
-	if ta.Flags() != header.TCPFlagAck {
+	if fa := ta.Flags(); fa&header.TCPFlagAck == 0 || fa&^(header.TCPFlagAck|header.TCPFlagPsh) != 0 {
 		return false
 	}
 	if fb := tb.Flags(); fb&header.TCPFlagAck == 0 || fb&^(header.TCPFlagAck|header.TCPFlagPsh|header.TCPFlagFin) != 0 {
@@ -234,13 +241,14 @@ func (o *segOffload) send(frames [][]byte) int {
 	nmsg, niov := 0, 0
 	for i := 0; i < len(frames); {
 		f, s := frames[i], o.segs[i]
-		j := i + 1
+		j, payload := i+1, s.payload
 		if s.hdr != 0 {
 			total := len(f) - s.l3
 			for j < len(frames) && j-i < gsoMaxSegments && o.segs[j].hdr != 0 &&
 				total+o.segs[j].payload <= gsoMaxBytes &&
 				joins(frames[j-1], frames[j], o.segs[j-1], o.segs[j], s.payload) {
 				total += o.segs[j].payload
+				payload += o.segs[j].payload
 				j++
 			}
 		}
@@ -255,7 +263,7 @@ func (o *segOffload) send(frames [][]byte) int {
 				o.iovs[niov] = iovec(frames[k][o.segs[k].hdr:])
 				niov++
 			}
-			o.head(f, s, frames[j-1], o.segs[j-1], j-i, vh)
+			o.head(f, s, frames[j-1], o.segs[j-1], payload, vh)
 			o.joined.Add(uint64(j - i))
 		}
 		// The EtherType as the frame has it, in network order: the
@@ -301,12 +309,12 @@ func (o *segOffload) sendmmsg(n int) (frames int) {
 }
 
 // head rewrites the first frame's headers into those of an offload packet
-// of n segments, ending with last, and fills its virtio-net header: the
-// lengths cover every segment, the flags are the last segment's (the
-// device clears PSH and FIN on all but the last it cuts), and the TCP
-// checksum is left partial, over the pseudo-header, for the device.
-func (o *segOffload) head(f []byte, s tcpSeg, last []byte, sl tcpSeg, n int, vh *[vnetHdrLen]byte) {
-	payload := s.payload*(n-1) + sl.payload
+// of payload bytes in all, ending with last, and fills its virtio-net
+// header: the lengths cover every segment, the segment size is the first
+// one's, the flags are the last segment's (the device clears PSH and FIN
+// on all but the last it cuts), and the TCP checksum is left partial,
+// over the pseudo-header, for the device.
+func (o *segOffload) head(f []byte, s tcpSeg, last []byte, sl tcpSeg, payload int, vh *[vnetHdrLen]byte) {
 	l4len := s.hdr - s.l4 + payload
 	t := header.TCP(f[s.l4:])
 	t.SetFlags(uint8(header.TCP(last[sl.l4:]).Flags()))

@@ -93,9 +93,11 @@ func buildSegments(t testing.TB, f segFlow, specs []segSpec) [][]byte {
 			tcp.SetNetworkLayerForChecksum(ip)
 			net = ip
 		}
+		// Each byte a function of its place in the stream, so that the
+		// same bytes cut at other boundaries build the same frames.
 		payload := make([]byte, s.size)
 		for k := range payload {
-			payload[k] = byte(seq) + byte(k*7)
+			payload[k] = byte((seq + uint32(k)) * 7)
 		}
 		buf := gopacket.NewSerializeBuffer()
 		if err := gopacket.SerializeLayers(buf, gopacket.SerializeOptions{FixLengths: true, ComputeChecksums: true},
@@ -161,17 +163,20 @@ func TestSegmentJoinRules(t *testing.T) {
 				specs []segSpec
 				runs  []int // nil: nothing joins, the flush stays on the AF_XDP ring
 			}{
-				{"answer", []segSpec{{size: full}, {size: full}, {size: 1200, psh: true}, {size: 150, psh: true}}, []int{3, 1}},
+				// net/http's answer and the flush after it.
+				{"answer", []segSpec{{size: full}, {size: full}, {size: 1200, psh: true}, {size: 150, psh: true}}, []int{4}},
 				{"with FIN", []segSpec{{size: full}, {size: 10, psh: true, fin: true}}, []int{2}},
-				{"lone segments", []segSpec{{size: 100, psh: true}, {size: 100, psh: true}}, nil},
+				{"FIN in the middle", []segSpec{{size: full}, {size: 10, psh: true, fin: true}, {size: 10}}, []int{2, 1}},
+				{"two small writes", []segSpec{{size: 100, psh: true}, {size: 100, psh: true}}, []int{2}},
 				{"sequence gap", []segSpec{{size: full}, {size: full, seqGap: 1}}, nil},
-				{"PSH in the middle", []segSpec{{size: full, psh: true}, {size: full}}, nil},
+				{"a write's end in the middle", []segSpec{{size: full, psh: true}, {size: full}}, []int{2}},
 				{"short then full", []segSpec{{size: 1000}, {size: full}}, nil},
 				{"longer than the first", []segSpec{{size: 1000}, {size: full}, {size: full}}, []int{1, 2}},
 				{"other connection", []segSpec{{size: full}, {size: full, srcPort: 81}}, nil},
 				{"timestamp moved", []segSpec{{size: full}, {size: full, tsval: 8}}, nil},
 				{"TOS differs", []segSpec{{size: full}, {size: full, tos: 4}}, nil},
-				{"two runs", []segSpec{{size: full}, {size: 5, psh: true}, {size: full}, {size: full, psh: true}}, []int{2, 2}},
+				{"short in the middle", []segSpec{{size: full}, {size: 5, psh: true}, {size: full}, {size: full, psh: true}}, []int{4}},
+				{"two runs", []segSpec{{size: full}, {size: 5, psh: true}, {size: full, seqGap: 1}, {size: full, psh: true}}, []int{2, 2}},
 				{"pure ACK first", []segSpec{{size: 0}, {size: full}, {size: full}}, []int{1, 2}},
 			} {
 				t.Run(c.name, func(t *testing.T) {
@@ -275,61 +280,75 @@ func cutLikeTSO(t *testing.T, vh [vnetHdrLen]byte, pkt []byte) [][]byte {
 
 // TestSegmentOffloadPacket checks the offload packet a run becomes: cut
 // as a NIC or the kernel cuts it, it gives back the very frames it was
-// joined from, and its TCP checksum holds the pseudo-header sum a device
+// joined from when they were whole segments, and the frames a TCP sender
+// would have made of the same bytes when they were not (writes that met
+// in the flush); its TCP checksum holds the pseudo-header sum a device
 // completes.
 func TestSegmentOffloadPacket(t *testing.T) {
 	for _, fl := range []struct {
 		name string
 		f    segFlow
 	}{{"IPv4", testFlow4}, {"IPv6", testFlow6}} {
-		t.Run(fl.name, func(t *testing.T) {
-			want := buildSegments(t, fl.f, []segSpec{{size: 1448}, {size: 1448}, {size: 1448}, {size: 700, psh: true}})
-			frames := cloneFrames(want)
-			o := offloadForTest(len(frames))
-			if !o.plan(frames, tsoIPv4|tsoIPv6) {
-				t.Fatal("the segments do not join")
-			}
-			o.send(frames)
-			if n := msgCount(o, len(frames)); n != 1 {
-				t.Fatalf("%d messages, want one", n)
-			}
-			var pkt []byte
-			iovs := o.iovs[1:o.msgs[0].Hdr.Iovlen]
-			for _, v := range iovs {
-				pkt = append(pkt, unsafeBytes(v)...)
-			}
-			vh := o.vnet[0]
-			l4 := int(binary.LittleEndian.Uint16(vh[6:]))
-			var src, dst tcpip.Address
-			if fl.f.src.Addr().Is4() {
-				ip := header.IPv4(pkt[ethHeader:])
-				if !ip.IsChecksumValid() || int(ip.TotalLength()) != len(pkt)-ethHeader {
-					t.Fatalf("IPv4 header of the offload packet: checksum valid %v, length %d of %d", ip.IsChecksumValid(), ip.TotalLength(), len(pkt)-ethHeader)
+		for _, c := range []struct {
+			name      string
+			sent, cut []segSpec
+		}{
+			{"whole segments", []segSpec{{size: 1448}, {size: 1448}, {size: 1448}, {size: 700, psh: true}}, nil},
+			{"writes that meet", []segSpec{{size: 1448}, {size: 1448}, {size: 1200, psh: true}, {size: 150, psh: true}},
+				[]segSpec{{size: 1448}, {size: 1448}, {size: 1350, psh: true}}},
+		} {
+			t.Run(fl.name+"/"+c.name, func(t *testing.T) {
+				frames := buildSegments(t, fl.f, c.sent)
+				want := cloneFrames(frames)
+				if c.cut != nil {
+					want = buildSegments(t, fl.f, c.cut)
 				}
-				src, dst = ip.SourceAddress(), ip.DestinationAddress()
-			} else {
-				ip := header.IPv6(pkt[ethHeader:])
-				if int(ip.PayloadLength()) != len(pkt)-l4 {
-					t.Fatalf("IPv6 payload length %d, want %d", ip.PayloadLength(), len(pkt)-l4)
+				o := offloadForTest(len(frames))
+				if !o.plan(frames, tsoIPv4|tsoIPv6) {
+					t.Fatal("the segments do not join")
 				}
-				src, dst = ip.SourceAddress(), ip.DestinationAddress()
-			}
-			if got, want := header.TCP(pkt[l4:]).Checksum(), header.PseudoHeaderChecksum(header.TCPProtocolNumber, src, dst, uint16(len(pkt)-l4)); got != want {
-				t.Fatalf("TCP checksum field %#04x, want the pseudo-header sum %#04x", got, want)
-			}
-			got := cutLikeTSO(t, vh, pkt)
-			if len(got) != len(want) {
-				t.Fatalf("cut into %d segments, joined from %d", len(got), len(want))
-			}
-			for i := range got {
-				if !bytes.Equal(got[i], want[i]) {
-					t.Fatalf("segment %d differs from the frame it was joined from:\n got % x\nwant % x", i, got[i], want[i])
+				o.send(frames)
+				if n := msgCount(o, len(frames)); n != 1 {
+					t.Fatalf("%d messages, want one", n)
 				}
-			}
-			if o.joined.Load() != 4 || o.lost.Load() != 4 {
-				t.Fatalf("joined %d lost %d, want 4 and 4 (a socket-less send loses all)", o.joined.Load(), o.lost.Load())
-			}
-		})
+				var pkt []byte
+				iovs := o.iovs[1:o.msgs[0].Hdr.Iovlen]
+				for _, v := range iovs {
+					pkt = append(pkt, unsafeBytes(v)...)
+				}
+				vh := o.vnet[0]
+				l4 := int(binary.LittleEndian.Uint16(vh[6:]))
+				var src, dst tcpip.Address
+				if fl.f.src.Addr().Is4() {
+					ip := header.IPv4(pkt[ethHeader:])
+					if !ip.IsChecksumValid() || int(ip.TotalLength()) != len(pkt)-ethHeader {
+						t.Fatalf("IPv4 header of the offload packet: checksum valid %v, length %d of %d", ip.IsChecksumValid(), ip.TotalLength(), len(pkt)-ethHeader)
+					}
+					src, dst = ip.SourceAddress(), ip.DestinationAddress()
+				} else {
+					ip := header.IPv6(pkt[ethHeader:])
+					if int(ip.PayloadLength()) != len(pkt)-l4 {
+						t.Fatalf("IPv6 payload length %d, want %d", ip.PayloadLength(), len(pkt)-l4)
+					}
+					src, dst = ip.SourceAddress(), ip.DestinationAddress()
+				}
+				if got, want := header.TCP(pkt[l4:]).Checksum(), header.PseudoHeaderChecksum(header.TCPProtocolNumber, src, dst, uint16(len(pkt)-l4)); got != want {
+					t.Fatalf("TCP checksum field %#04x, want the pseudo-header sum %#04x", got, want)
+				}
+				got := cutLikeTSO(t, vh, pkt)
+				if len(got) != len(want) {
+					t.Fatalf("cut into %d segments, want %d", len(got), len(want))
+				}
+				for i := range got {
+					if !bytes.Equal(got[i], want[i]) {
+						t.Fatalf("segment %d differs:\n got % x\nwant % x", i, got[i], want[i])
+					}
+				}
+				if n := uint64(len(frames)); o.joined.Load() != n || o.lost.Load() != n {
+					t.Fatalf("joined %d lost %d, want %d and %d (a socket-less send loses all)", o.joined.Load(), o.lost.Load(), n, n)
+				}
+			})
+		}
 	}
 }
 
@@ -383,7 +402,9 @@ func TestSegmentOffloadOnTheWire(t *testing.T) {
 				if v6 {
 					mss -= 20
 				}
-				want := buildSegments(t, f, []segSpec{{size: mss}, {size: mss}, {size: 1200, psh: true}, {size: 150, psh: true}})
+				// The last segment is not the run's next (a gap), so it
+				// leaves alone.
+				want := buildSegments(t, f, []segSpec{{size: mss}, {size: mss}, {size: 1200, psh: true}, {size: 150, psh: true, seqGap: 1}})
 				var rx int
 				if err := b.Do(func() (err error) {
 					rx, err = unix.Socket(unix.AF_PACKET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, int(htons(unix.ETH_P_ALL)))

@@ -98,7 +98,9 @@ func parseSeg(f []byte) tcpSeg {
 // and IP headers but for the lengths, ID and checksum, the same TCP header
 // but for the sequence number (which follows a's data), the flags and the
 // checksum; a carries ACK and at most PSH, b at most PSH and FIN beside
-// ACK, and b's data fits a segment.
+// ACK, and b's data fits a segment. b may be a bare FIN: the closing
+// segment that follows an answer leaves on the answer's last segment, as
+// the kernel's TCP sets FIN on a segment still queued.
 //
 // a need not be a whole segment. The device cuts the packet at mss
 // whatever the runs it was joined from, so a short segment followed by
@@ -107,7 +109,7 @@ func parseSeg(f []byte) tcpSeg {
 // same bytes and sequence numbers, PSH only on the last, which is what
 // the kernel's own TCP does with writes that meet in its send queue.
 func joins(a, b []byte, sa, sb tcpSeg, mss int) bool {
-	if sb.hdr != sa.hdr || sb.v6 != sa.v6 || sa.payload == 0 || sa.payload > mss || sb.payload == 0 || sb.payload > mss {
+	if sb.hdr != sa.hdr || sb.v6 != sa.v6 || sa.payload == 0 || sa.payload > mss || sb.payload > mss {
 		return false
 	}
 	if string(a[:ethHeader]) != string(b[:ethHeader]) {
@@ -129,8 +131,12 @@ func joins(a, b []byte, sa, sb tcpSeg, mss int) bool {
 	if fa := ta.Flags(); fa&header.TCPFlagAck == 0 || fa&^(header.TCPFlagAck|header.TCPFlagPsh) != 0 {
 		return false
 	}
-	if fb := tb.Flags(); fb&header.TCPFlagAck == 0 || fb&^(header.TCPFlagAck|header.TCPFlagPsh|header.TCPFlagFin) != 0 {
+	fb := tb.Flags()
+	if fb&header.TCPFlagAck == 0 || fb&^(header.TCPFlagAck|header.TCPFlagPsh|header.TCPFlagFin) != 0 {
 		return false
+	}
+	if sb.payload == 0 && fb&header.TCPFlagFin == 0 {
+		return false // a pure ACK
 	}
 	if tb.SequenceNumber() != ta.SequenceNumber()+uint32(sa.payload) {
 		return false
@@ -332,14 +338,24 @@ func (o *segOffload) head(f []byte, s tcpSeg, last []byte, sl tcpSeg, payload in
 		t.SetChecksum(header.PseudoHeaderChecksum(header.TCPProtocolNumber, ip.SourceAddress(), ip.DestinationAddress(), uint16(l4len)))
 		gso = vnetGSOTCPv4
 	}
+	size := s.payload
+	if payload <= size {
+		// Data and a bare FIN: one segment, which needs only its checksum.
+		gso, size = 0, 0
+	}
 	vh[0], vh[1] = vnetNeedsCsum, gso
 	binary.LittleEndian.PutUint16(vh[2:], uint16(s.hdr))
-	binary.LittleEndian.PutUint16(vh[4:], uint16(s.payload))
+	binary.LittleEndian.PutUint16(vh[4:], uint16(size))
 	binary.LittleEndian.PutUint16(vh[6:], uint16(s.l4))
 	binary.LittleEndian.PutUint16(vh[8:], tcpChecksumField)
 }
 
+// iovec describes b; an empty b (a bare FIN's payload) gives an empty
+// entry, which keeps one entry per frame for the frame counts.
 func iovec(b []byte) unix.Iovec {
+	if len(b) == 0 {
+		return unix.Iovec{}
+	}
 	v := unix.Iovec{Base: &b[0]}
 	v.SetLen(len(b))
 	return v

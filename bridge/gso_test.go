@@ -166,6 +166,8 @@ func TestSegmentJoinRules(t *testing.T) {
 				// net/http's answer and the flush after it.
 				{"answer", []segSpec{{size: full}, {size: full}, {size: 1200, psh: true}, {size: 150, psh: true}}, []int{4}},
 				{"with FIN", []segSpec{{size: full}, {size: 10, psh: true, fin: true}}, []int{2}},
+				{"bare FIN after the answer", []segSpec{{size: full}, {size: 700, psh: true}, {size: 0, fin: true}}, []int{3}},
+				{"pure ACK after data", []segSpec{{size: full}, {size: 0}}, nil},
 				{"FIN in the middle", []segSpec{{size: full}, {size: 10, psh: true, fin: true}, {size: 10}}, []int{2, 1}},
 				{"two small writes", []segSpec{{size: 100, psh: true}, {size: 100, psh: true}}, []int{2}},
 				{"sequence gap", []segSpec{{size: full}, {size: full, seqGap: 1}}, nil},
@@ -239,12 +241,14 @@ func cutLikeTSO(t *testing.T, vh [vnetHdrLen]byte, pkt []byte) [][]byte {
 	hdrLen := int(binary.LittleEndian.Uint16(vh[2:]))
 	size := int(binary.LittleEndian.Uint16(vh[4:]))
 	l4 := int(binary.LittleEndian.Uint16(vh[6:]))
-	if vh[0] != vnetNeedsCsum || binary.LittleEndian.Uint16(vh[8:]) != tcpChecksumField || size == 0 {
-		t.Fatalf("virtio-net header % x: want a partial TCP checksum and a segment size", vh)
-	}
-	v6 := vh[1] == vnetGSOTCPv6
-	if !v6 && vh[1] != vnetGSOTCPv4 {
-		t.Fatalf("GSO type %d", vh[1])
+	v6 := pkt[ethHeader]>>4 == 6
+	switch {
+	case vh[0] != vnetNeedsCsum || binary.LittleEndian.Uint16(vh[8:]) != tcpChecksumField:
+		t.Fatalf("virtio-net header % x: want a partial TCP checksum", vh)
+	case vh[1] == 0:
+		size = len(pkt) // one segment: only its checksum to complete
+	case size == 0 || vh[1] != map[bool]byte{false: vnetGSOTCPv4, true: vnetGSOTCPv6}[v6]:
+		t.Fatalf("virtio-net header % x: want the family's GSO type and a segment size", vh)
 	}
 	payload := pkt[hdrLen:]
 	flags := header.TCP(pkt[l4:]).Flags()
@@ -296,6 +300,8 @@ func TestSegmentOffloadPacket(t *testing.T) {
 			{"whole segments", []segSpec{{size: 1448}, {size: 1448}, {size: 1448}, {size: 700, psh: true}}, nil},
 			{"writes that meet", []segSpec{{size: 1448}, {size: 1448}, {size: 1200, psh: true}, {size: 150, psh: true}},
 				[]segSpec{{size: 1448}, {size: 1448}, {size: 1350, psh: true}}},
+			{"a bare FIN after the answer", []segSpec{{size: 700, psh: true}, {size: 0, fin: true}},
+				[]segSpec{{size: 700, fin: true}}},
 		} {
 			t.Run(fl.name+"/"+c.name, func(t *testing.T) {
 				frames := buildSegments(t, fl.f, c.sent)
@@ -352,7 +358,12 @@ func TestSegmentOffloadPacket(t *testing.T) {
 	}
 }
 
-func unsafeBytes(v unix.Iovec) []byte { return unsafe.Slice(v.Base, int(v.Len)) }
+func unsafeBytes(v unix.Iovec) []byte {
+	if v.Len == 0 {
+		return nil
+	}
+	return unsafe.Slice(v.Base, int(v.Len))
+}
 
 // TestSegmentOffloadAllocatesNothing: planning and sending a flush, joined
 // runs and lone frames, allocates nothing.
@@ -470,6 +481,26 @@ func TestSegmentOffloadOnTheWire(t *testing.T) {
 					joined = append(joined, want[2][len(want[2])-1200:]...)
 					if len(got) != 2 || len(got[0]) != len(joined) || !bytes.Equal(got[0][len(got[0])-3000:], joined[len(joined)-3000:]) || !bytes.Equal(got[1], want[3]) {
 						t.Fatalf("received %d packets (%v bytes), want 2: the joined run of %d bytes and the lone segment", len(got), lens(got), len(joined))
+					}
+					// An answer's last segment and the bare FIN after it
+					// arrive as one segment that carries the FIN.
+					closing := buildSegments(t, f, []segSpec{{size: 700, psh: true}, {size: 0, fin: true}})
+					if !o.plan(closing, tso) {
+						t.Fatal("a bare FIN does not join the segment before it")
+					}
+					if n := o.send(closing); n != 2 {
+						t.Fatalf("sent %d of 2 frames", n)
+					}
+					got = receiveFlow(t, rx, f, 1, 3*time.Second)
+					if len(got) != 1 || len(got[0]) != len(closing[0]) || !bytes.Equal(got[0][len(got[0])-700:], closing[0][len(closing[0])-700:]) {
+						t.Fatalf("received %d packets (%v bytes), want one of %d bytes", len(got), lens(got), len(closing[0]))
+					}
+					l4 := ethHeader + header.IPv4MinimumSize
+					if v6 {
+						l4 = ethHeader + header.IPv6MinimumSize
+					}
+					if fl := header.TCP(got[0][l4:]).Flags(); fl&header.TCPFlagFin == 0 {
+						t.Fatalf("the segment's flags %v carry no FIN", fl)
 					}
 					return
 				}

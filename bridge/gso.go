@@ -37,10 +37,16 @@ const (
 )
 
 // Bounds on one joined packet: the IP length fields are 16 bits, and a
-// run of more segments buys nothing the batch does not.
+// run of more segments buys nothing the batch does not. Below
+// gsoMinSegment (IPv4's default MSS) a run is cut at a size some devices
+// refuse to segment at (drivers that check have minimums of 64 bytes and
+// more), and the bypass loses what the device refuses; so a run whose
+// first segment is smaller takes nothing that would need cutting, only a
+// bare FIN.
 const (
 	gsoMaxBytes    = 65535
 	gsoMaxSegments = 64
+	gsoMinSegment  = 536
 )
 
 // tcpSeg is what joining needs to know of one frame: where its headers
@@ -252,6 +258,7 @@ func (o *segOffload) send(frames [][]byte) int {
 			total := len(f) - s.l3
 			for j < len(frames) && j-i < gsoMaxSegments && o.segs[j].hdr != 0 &&
 				total+o.segs[j].payload <= gsoMaxBytes &&
+				(s.payload >= gsoMinSegment || o.segs[j].payload == 0) &&
 				joins(frames[j-1], frames[j], o.segs[j-1], o.segs[j], s.payload) {
 				total += o.segs[j].payload
 				payload += o.segs[j].payload

@@ -169,7 +169,10 @@ func TestSegmentJoinRules(t *testing.T) {
 				{"bare FIN after the answer", []segSpec{{size: full}, {size: 700, psh: true}, {size: 0, fin: true}}, []int{3}},
 				{"pure ACK after data", []segSpec{{size: full}, {size: 0}}, nil},
 				{"FIN in the middle", []segSpec{{size: full}, {size: 10, psh: true, fin: true}, {size: 10}}, []int{2, 1}},
-				{"two small writes", []segSpec{{size: 100, psh: true}, {size: 100, psh: true}}, []int{2}},
+				{"two writes", []segSpec{{size: 600, psh: true}, {size: 600, psh: true}}, []int{2}},
+				// Too small to ask a device to cut at: sent as they are.
+				{"two small writes", []segSpec{{size: 100, psh: true}, {size: 100, psh: true}}, []int{1, 1}},
+				{"a small answer and a bare FIN", []segSpec{{size: 100, psh: true}, {size: 0, fin: true}}, []int{2}},
 				{"sequence gap", []segSpec{{size: full}, {size: full, seqGap: 1}}, nil},
 				{"a write's end in the middle", []segSpec{{size: full, psh: true}, {size: full}}, []int{2}},
 				{"short then full", []segSpec{{size: 1000}, {size: full}}, nil},
@@ -223,7 +226,7 @@ func TestSegmentJoinRules(t *testing.T) {
 	t.Run("too many", func(t *testing.T) {
 		specs := make([]segSpec, gsoMaxSegments+3)
 		for i := range specs {
-			specs[i].size = 100
+			specs[i].size = 600
 		}
 		frames := buildSegments(t, testFlow4, specs)
 		if runs := runsOf(frames); !slices.Equal(runs, []int{gsoMaxSegments, 3}) {

@@ -433,6 +433,7 @@ func (r *receiver) deliver(n int) {
 	var bytes uint64
 	icmpErrors := false
 	for i := 0; i < n; i++ {
+		v := r.views[i]
 		size := len(r.bufs[i])
 		bytes += uint64(size)
 		icmpError := isICMPError(r.bufs[i])
@@ -465,25 +466,28 @@ func (r *receiver) deliver(n int) {
 		}
 		switch verdict {
 		case verified:
+			r.views[i] = nil
+			v.CapLength(size)
 			if proto == header.IPv6ProtocolNumber {
 				if icmpError {
 					e.unreach.adaptUnreach6(r.bufs[i])
 				}
 				// gVisor's IPv6 GRO allocates per packet: our own (gro6).
-				v := r.take(i, size)
-				r.gro6.enqueue(d, v, v.AsSlice())
+				r.gro6.enqueue(d, v, r.bufs[i][:size])
 				continue
 			}
 			if icmpError {
 				e.unreach.adaptUnreach4(r.bufs[i])
 			}
-			pkt := stack.NewPacketBuffer(stack.PacketBufferOptions{Payload: buffer.MakeWithView(r.take(i, size))})
+			pkt := stack.NewPacketBuffer(stack.PacketBufferOptions{Payload: buffer.MakeWithView(v)})
 			pkt.NetworkProtocolNumber = proto
 			pkt.RXChecksumValidated = true // GRO need not check again
 			r.gro.Enqueue(pkt)
 			pkt.DecRef()
 		case unverified:
-			pkt := stack.NewPacketBuffer(stack.PacketBufferOptions{Payload: buffer.MakeWithView(r.take(i, size))})
+			r.views[i] = nil
+			v.CapLength(size)
+			pkt := stack.NewPacketBuffer(stack.PacketBufferOptions{Payload: buffer.MakeWithView(v)})
 			pkt.NetworkProtocolNumber = proto
 			r.gro.Flush() // keep order with what GRO holds
 			r.gro6.flush(d)
@@ -506,26 +510,6 @@ func (r *receiver) deliver(n int) {
 	e.stats.rxPackets.Add(uint64(n))
 	e.stats.rxBytes.Add(bytes)
 	e.stats.rxBatches.Add(1)
-}
-
-// smallPacket bounds the packets take copies out of the batch's views.
-const smallPacket = 512
-
-// take hands over the view holding packet i, size bytes long. A small
-// packet (a request, a pure ACK) is copied into a view of its own size,
-// and the batch's view stays for the next batch. gVisor clears every
-// pooled chunk it hands out, and a maxPacket-sized chunk back from the
-// pool is mostly out of cache: clearing it cost 2-4 % of the
-// application's CPU under wrk (docs/performance.md), where copying a few
-// hundred bytes into a chunk that small costs less.
-func (r *receiver) take(i, size int) *buffer.View {
-	if size <= smallPacket {
-		return buffer.NewViewWithData(r.bufs[i][:size])
-	}
-	v := r.views[i]
-	r.views[i] = nil
-	v.CapLength(size)
-	return v
 }
 
 func (r *receiver) release() {

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"net/netip"
 	"reflect"
-	"slices"
 	"testing"
 
 	"github.com/gopacket/gopacket"
@@ -308,58 +307,6 @@ func TestReceiveAllocatesNothingAndCoalesces(t *testing.T) {
 	})
 	if allocs != 0 {
 		t.Fatalf("%.1f allocations per batch of %d received packets", allocs, len(pkts))
-	}
-}
-
-// holdingDispatcher stands in for a stack that holds what it is given
-// (a reference to every packet, not a copy, unlike keepingDispatcher).
-type holdingDispatcher struct{ pkts []*stack.PacketBuffer }
-
-func (d *holdingDispatcher) DeliverNetworkPacket(_ tcpip.NetworkProtocolNumber, pkt *stack.PacketBuffer) {
-	d.pkts = append(d.pkts, pkt.IncRef())
-}
-func (d *holdingDispatcher) DeliverLinkPacket(tcpip.NetworkProtocolNumber, *stack.PacketBuffer) {}
-
-// TestSmallPacketsLeaveTheBatchView: a small packet goes up in a view of
-// its own and the batch's view is used again; a large one goes up in the
-// batch's view. Either way what the stack holds is not overwritten by the
-// next batch.
-func TestSmallPacketsLeaveTheBatchView(t *testing.T) {
-	batch := func(fill byte) [][]byte {
-		return [][]byte{
-			ippkt.TCP(netip.AddrPortFrom(src4, 40000), netip.AddrPortFrom(dst4, 80), 1, 1, false, true, false, bytes.Repeat([]byte{fill}, 110)),
-			ippkt.TCP(netip.AddrPortFrom(src4, 40001), netip.AddrPortFrom(dst4, 80), 1, 1, false, true, false, bytes.Repeat([]byte{fill}, 1400)),
-			ippkt.UDP(netip.AddrPortFrom(src6, 40002), netip.AddrPortFrom(dst6, 53), bytes.Repeat([]byte{fill}, 100)),
-		}
-	}
-	link := &replayLink{pkts: batch(0xaa)}
-	ep, _ := NewLinkEndpoint(link, LinkConfig{MTU: 1500, MaxPacket: 2040, Batch: 3, NoGRO: true})
-	d := &holdingDispatcher{}
-	ep.dispatcher = d
-	r := newReceiver(ep)
-	defer r.release()
-	if err := r.once(); err != nil {
-		t.Fatal(err)
-	}
-	kept := []bool{r.views[0] != nil, r.views[1] != nil, r.views[2] != nil}
-	if want := []bool{true, false, true}; !slices.Equal(kept, want) {
-		t.Fatalf("batch views kept %v, want %v (small packets copied out, large ones handed up)", kept, want)
-	}
-	first := batch(0xaa)
-	link.pkts = batch(0x55)
-	if err := r.once(); err != nil {
-		t.Fatal(err)
-	}
-	if len(d.pkts) != 6 {
-		t.Fatalf("%d packets reached the stack, want 6", len(d.pkts))
-	}
-	for i, want := range append(first, link.pkts...) {
-		pkt := d.pkts[i]
-		got := pkt.ToView().AsSlice()
-		if !bytes.Equal(got, want) {
-			t.Errorf("packet %d held by the stack: % x..., want % x...", i, got[:min(len(got), 48)], want[:48])
-		}
-		pkt.DecRef()
 	}
 }
 

@@ -271,15 +271,16 @@ func TestTCPConnDeadlines(t *testing.T) {
 	server.SetReadDeadline(time.Now().Add(30 * time.Millisecond))
 	server.SetReadDeadline(time.Time{})
 	r = waitReturn(t, "read", 100*time.Millisecond, 2*time.Second, read, func() { client.Write([]byte("after a cleared deadline")) })
-	expectData("read after a cleared deadline's timer", r, "after a cleared deadline")
-	// A deadline moved earlier expires at the earlier time.
+	expectData("read after a cleared deadline", r, "after a cleared deadline")
+	// A deadline moved earlier expires at the earlier time (waitReturn
+	// fails a Read still blocked after 2 s, the hour's deadline).
 	start = time.Now()
 	server.SetReadDeadline(start.Add(time.Hour))
 	server.SetReadDeadline(start.Add(80 * time.Millisecond))
 	r = waitReturn(t, "read", 40*time.Millisecond, 2*time.Second, read, nil)
 	expectTimeout("read until a deadline moved earlier", r)
-	if d := time.Since(start); d < 80*time.Millisecond || d > time.Second {
-		t.Fatalf("read timed out after %v, want 80 ms", d)
+	if d := time.Since(start); d < 80*time.Millisecond {
+		t.Fatalf("read timed out after %v, before its deadline of 80 ms", d)
 	}
 	server.SetReadDeadline(time.Time{})
 

@@ -115,7 +115,7 @@ func parseSeg(f []byte) tcpSeg {
 // same bytes and sequence numbers, PSH only on the last, which is what
 // the kernel's own TCP does with writes that meet in its send queue.
 func joins(a, b []byte, sa, sb tcpSeg, mss int) bool {
-	if sb.hdr != sa.hdr || sb.v6 != sa.v6 || sa.payload == 0 || sa.payload > mss || sb.payload > mss {
+	if sb.hdr != sa.hdr || sb.v6 != sa.v6 || sa.payload == 0 || sb.payload > mss {
 		return false
 	}
 	if string(a[:ethHeader]) != string(b[:ethHeader]) {
@@ -253,15 +253,13 @@ func (o *segOffload) send(frames [][]byte) int {
 	nmsg, niov := 0, 0
 	for i := 0; i < len(frames); {
 		f, s := frames[i], o.segs[i]
-		j, payload := i+1, s.payload
+		j, total := i+1, len(f)-s.l3 // total: the IP packet the run becomes
 		if s.hdr != 0 {
-			total := len(f) - s.l3
 			for j < len(frames) && j-i < gsoMaxSegments && o.segs[j].hdr != 0 &&
 				total+o.segs[j].payload <= gsoMaxBytes &&
 				(s.payload >= gsoMinSegment || o.segs[j].payload == 0) &&
 				joins(frames[j-1], frames[j], o.segs[j-1], o.segs[j], s.payload) {
 				total += o.segs[j].payload
-				payload += o.segs[j].payload
 				j++
 			}
 		}
@@ -276,7 +274,7 @@ func (o *segOffload) send(frames [][]byte) int {
 				o.iovs[niov] = iovec(frames[k][o.segs[k].hdr:])
 				niov++
 			}
-			o.head(f, s, frames[j-1], o.segs[j-1], payload, vh)
+			o.head(f, s, frames[j-1], o.segs[j-1], total-(s.hdr-s.l3), vh)
 			o.joined.Add(uint64(j - i))
 		}
 		// The EtherType as the frame has it, in network order: the

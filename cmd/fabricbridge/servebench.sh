@@ -3,7 +3,8 @@
 # against `app http` behind the daemon and against a kernel net/http server,
 # a bulk transfer into `app sink` and into a kernel sink, the same sent by
 # socat into a socat sink as the issue measured it, a download from each HTTP
-# server, ratios from one run)
+# server, ratios from one run), after BenchmarkEndToEnd (./userstack: the
+# 1-byte request/response, goodput and connections/s against the kernel's)
 # for a machine with cores to spare and no Go toolchain: build here, carry the
 # folder there, run it from the repository root.
 #
@@ -30,6 +31,10 @@ build)
 	done
 	chmod +x "$dir"/bin/*
 	CGO_ENABLED=0 go test -c -ldflags='-s -w' -o "$dir/cmd.test" ./cmd/fabricbridge
+	CGO_ENABLED=0 go test -c -ldflags='-s -w' -o "$dir/userstack.test" ./userstack
+	# the device tool carries 64 MiB with the working tree
+	rm -rf "$dir/root/usr/share" "$dir/root/usr/include"
+	gzip -f "$dir"/*.test
 	cp "$0" "$dir/servebench.sh"
 	;;
 run)
@@ -37,6 +42,7 @@ run)
 	out=${OUT:-$dir}
 	export PATH=$dir/bin:$PATH
 	command -v ip >/dev/null || ln -sf ip-fallback "$dir/bin/ip"
+	for t in "$dir"/*.test.gz; do gunzip -c "$t" >"${t%.gz}" && chmod +x "${t%.gz}"; done
 	{ date -u; uname -a; nproc; lscpu | head -20; ip -V; } >"$out/env.txt" 2>&1 || true
 	cd "$dir/../cmd/fabricbridge"
 	cpus=$(nproc)
@@ -52,6 +58,12 @@ run)
 		pinned="no pinning on $cpus CPUs"
 	fi
 	export FB_BENCH_PIN=$pin
+	# The 1-byte request/response against the kernel's (BenchmarkEndToEnd,
+	# unpinned: each loop finds a core of its own on an idle machine), about
+	# 10 s a run.
+	(cd "$dir/../userstack" && FB_REQUIRE_PRIVILEGED=1 timeout 60 "$dir/userstack.test" \
+		-test.run '^$' -test.bench EndToEnd -test.benchtime 1x -test.count "${FB_BENCH_RR_RUNS:-3}" -test.v 2>&1) |
+		tee "$out/rr.txt" || echo "servebench: the request/response benchmark failed" >&2
 	# About 3 minutes on 16 CPUs: wrk 3x2x(10 s + 5 s), ab, the bulk
 	# transfers (Go sender and socat), the downloads 3x2 each; the limits
 	# keep it within a 5-minute window.

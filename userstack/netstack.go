@@ -74,6 +74,7 @@ func newNetstack(ep *LinkEndpoint, addrs []netip.Addr, rcvMax int) (*stack.Stack
 		},
 		TransportProtocols: []stack.TransportProtocolFactory{tcpFactory(), udp.NewProtocol},
 		HandleLocal:        true,
+		Clock:              newMonotonicClock(),
 	})
 	ep.conns = s
 	fail := func(what string, err tcpip.Error) (*stack.Stack, error) {

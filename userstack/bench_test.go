@@ -306,6 +306,19 @@ func (c *benchClient) connsPerSecond(addr string, d time.Duration) (float64, err
 	return v, err
 }
 
+// benchSpin is FB_BENCH_SPIN (see BenchmarkEndToEnd); zero when unset.
+func benchSpin() (time.Duration, error) {
+	v := os.Getenv("FB_BENCH_SPIN")
+	if v == "" {
+		return 0, nil
+	}
+	d, err := time.ParseDuration(v)
+	if err != nil || d < 0 {
+		return 0, fmt.Errorf("FB_BENCH_SPIN=%q: want a duration such as 200us", v)
+	}
+	return d, nil
+}
+
 // helperEnv names the control socket when the test binary runs as the
 // benchmark's application process; helperTraceEnv makes that process
 // record its hops (see BenchmarkRoundTripHops).
@@ -337,7 +350,12 @@ func TestMain(m *testing.M) {
 	if os.Getenv(helperTraceEnv) != "" {
 		traceInto(new(eventLog))
 	}
-	s, err := Open(context.Background(), Options{App: "child", Control: path})
+	spin, err := benchSpin()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	s, err := Open(context.Background(), Options{App: "child", Control: path, Spin: spin})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
@@ -513,6 +531,10 @@ func (h *helperProc) events() ([]event, error) {
 // server on the bridge host, either the kernel's own (a port no application
 // claims: the XDP program passes it) or a userstack behind the bridge. Run
 // it once: go test -run '^$' -bench BenchmarkEndToEnd -benchtime 1x ./userstack
+//
+// FB_BENCH_SPIN (a duration) has the bridge's loop and both applications'
+// receive loops poll that long before they sleep, for a machine where each
+// loop finds a core of its own (the kernel's path has no loops to spin).
 func BenchmarkEndToEnd(b *testing.B) {
 	e := newE2E(b)
 	s := e.open(false)

@@ -104,13 +104,17 @@ func newE2EWith(t testing.TB, opts topology.VethOptions, prepare func(*topology.
 	appLink := topology.Connect(t, br, e.appNS, topology.VethOptions{MTU: 1600})
 	e.log = &testenv.Output{}
 	log := slog.New(slog.NewTextHandler(e.log, nil))
+	spin, err := benchSpin()
+	if err != nil {
+		t.Fatal(err)
+	}
 	var remote *fabric.Remote
 	var ctlL net.Listener
 	if err := br.Do(func() (err error) {
 		// The bridge's default UMEM, as in production: with 1024 frames (512
 		// for RX) its fill ring ran dry in bulk transfers and the kernel
 		// dropped 1-6% of the segments.
-		if e.b, err = bridge.Open(bridge.Config{Interface: wire.B.Name, Logger: log}); err != nil {
+		if e.b, err = bridge.Open(bridge.Config{Interface: wire.B.Name, Logger: log, Spin: spin}); err != nil {
 			return err
 		}
 		if remote, err = fabric.ListenRemote(netip.AddrPortFrom(appLink.A.Addr4.Addr(), 0), fabric.RemoteConfig{}); err != nil {
@@ -162,7 +166,10 @@ func (e *e2e) open(remote bool) *Stack {
 			return err
 		})
 	} else {
-		s, err = Open(ctx, Options{App: "web", Control: e.path})
+		var spin time.Duration
+		if spin, err = benchSpin(); err == nil {
+			s, err = Open(ctx, Options{App: "web", Control: e.path, Spin: spin})
+		}
 	}
 	if err != nil {
 		e.t.Fatal(err)

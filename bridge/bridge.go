@@ -797,7 +797,9 @@ func (b *Bridge) OwnPort(id uint32, p classifier.PortClaim, own bool) error {
 // AddStream connects the bridge's end of an application's stream under id,
 // the stream id the classifier steers to, with what it may send: a
 // *fabric.BridgeStream for an application on this host, the
-// *fabric.RemoteBridge of a GENEVE stream for one on another node.
+// *fabric.RemoteBridge of a GENEVE stream for one on another node. Once it
+// returns, every frame steered to id reaches the stream: no loop still
+// dispatches with a table from before it.
 func (b *Bridge) AddStream(id uint32, s fabric.BridgeEnd, own classifier.Ownership) error {
 	if s == nil {
 		return errors.New("bridge: AddStream needs the bridge's end of a stream")
@@ -823,6 +825,11 @@ func (b *Bridge) AddStream(id uint32, s fabric.BridgeEnd, own classifier.Ownersh
 	next := maps.Clone(old)
 	next[id] = e
 	b.streams.Store(&next)
+	// A loop that loaded the old table before the store would count the
+	// frames of its batch steered to id as NoStream and drop them, even
+	// frames that arrived after AddStream returned: wait for it to finish
+	// that batch (a loaded machine can hold it there for milliseconds).
+	b.quiesce()
 	return nil
 }
 

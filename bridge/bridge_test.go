@@ -432,6 +432,50 @@ func TestOtherDeviceViaKernel(t *testing.T) {
 	})
 }
 
+// TestAddStreamWaitsForLoops: AddStream returns only once no loop still
+// dispatches with a stream table from before it. A loop that did would
+// drop the frames of its batch steered to the new stream as NoStream
+// (TestSeveralQueues lost a whole batch of 64 so under load). Here the
+// loop is held by hand between loading its table and reading its ring.
+func TestAddStreamWaitsForLoops(t *testing.T) {
+	forEachPath(t, func(t *testing.T, cfg Config) {
+		cfg.manual = true
+		r := newRig(t, cfg)
+		r.standardTables()
+		q := r.b.queues[0]
+		q.ep.enter()
+		var d dispatcher
+		d.begin(r.b.streams.Load(), r.b.clock)
+		bs, app, err := fabric.NewPair(fabric.Config{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { bs.Close(); app.Close() })
+		added := make(chan error, 1)
+		go func() { added <- r.b.AddStream(1, bs, r.ownership1()) }()
+		select {
+		case err := <-added:
+			q.ep.leave()
+			t.Fatalf("AddStream returned (%v) while a loop still held the table from before it", err)
+		case <-time.After(100 * time.Millisecond):
+		}
+		d.end()
+		q.ep.leave()
+		select {
+		case err := <-added:
+			if err != nil {
+				t.Fatal(err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("AddStream still waits after the loop let go of the old table")
+		}
+		if (*r.b.streams.Load())[1] == nil {
+			t.Fatal("stream 1 is not in the table")
+		}
+		r.b.RemoveStream(1)
+	})
+}
+
 // TestSeveralQueues: on an interface with two receive queues both paths run
 // a loop per queue (AF_XDP: a socket per queue; AF_PACKET: a fanout group by
 // queue), flows spread over both, and every datagram reaches its stream
@@ -469,7 +513,7 @@ func TestSeveralQueues(t *testing.T) {
 			seen[k] = true
 		}
 		if len(got) != flows*each {
-			t.Fatalf("stream got %d of %d", len(got), flows*each)
+			t.Fatalf("stream got %d of %d; the bridge's counters: %+v", len(got), flows*each, r.settle())
 		}
 		s := r.settle()
 		for _, q := range s.Queues {

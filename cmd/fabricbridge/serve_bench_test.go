@@ -717,6 +717,11 @@ type bulkResult struct {
 // pins the bridge's loop (the interface's cpus; the daemon's other threads
 // go to loop and app CPUs), the applications, the kernel server (to the loop
 // and app CPUs together, the cores both sides get) and the clients.
+// FB_BENCH_INSTANCES runs that many instances of `app http` (web-1, ...),
+// which the daemon spreads connections over, and FB_BENCH_QUEUES gives the
+// veth that many queue pairs, one loop each (pin them with FB_BENCH_PIN's
+// loop CPUs): on a machine with cores to spare, several stacks with a
+// stream and a loop each instead of one stack on several cores.
 // FB_BENCH_INTERFACE adds settings to the daemon's interface, such as
 // "no_segment_offload: true". FB_BENCH_BINARY runs another build's
 // fabricbridge as the daemon and the applications (the same config and
@@ -736,6 +741,8 @@ func BenchmarkServeHTTP(b *testing.B) {
 	}
 	rounds := envInt("FB_BENCH_ROUNDS", 3)
 	seconds := envInt("FB_BENCH_SECONDS", 10)
+	instances := envInt("FB_BENCH_INSTANCES", 1)
+	queues := envInt("FB_BENCH_QUEUES", 1)
 	conns := []int{50, 1000}
 	if s := os.Getenv("FB_BENCH_CONNS"); s == "none" {
 		conns = nil
@@ -781,7 +788,7 @@ func BenchmarkServeHTTP(b *testing.B) {
 	const abRequests, abConns = 20000, 1000
 	const metricsAddr = "127.0.0.1:9471" // inside the bridge namespace
 
-	bridgeNS, outside, v := topology.Pair(b, topology.VethOptions{})
+	bridgeNS, outside, v := topology.Pair(b, topology.VethOptions{Queues: queues})
 	if err := ethtool.DisableTxChecksum(outside, v.B.Name); err != nil {
 		b.Fatal(err)
 	}
@@ -800,15 +807,20 @@ func BenchmarkServeHTTP(b *testing.B) {
 	if extra := os.Getenv("FB_BENCH_INTERFACE"); extra != "" {
 		loopCPUs += ", " + extra
 	}
+	// A configured listener belongs to one registration of its
+	// application; several instances each claim the port when they listen.
+	webListener := fmt.Sprintf("  - {id: 1, name: http, protocol: tcp, port: %d, app: web}\n", appPort)
+	if instances > 1 {
+		webListener = ""
+	}
 	cfg := fmt.Sprintf(`interfaces: [{name: %s, path: native-copy%s}]
 addresses: [%s]
 applications: [{name: web, ports: [%d]}, {name: bulk, ports: [%d]}]
 listeners:
-  - {id: 1, name: http, protocol: tcp, port: %d, app: web}
-  - {id: 2, name: sink, protocol: tcp, port: %d, app: bulk}
+%s  - {id: 2, name: sink, protocol: tcp, port: %d, app: bulk}
 control: {socket: %s}
 metrics: {address: %q}
-`, v.A.Name, loopCPUs, addr, appPort, sinkPort, appPort, sinkPort, control, metricsAddr)
+`, v.A.Name, loopCPUs, addr, appPort, sinkPort, webListener, sinkPort, control, metricsAddr)
 	if err := os.WriteFile(cfgPath, []byte(cfg), 0o644); err != nil {
 		b.Fatal(err)
 	}
@@ -851,7 +863,20 @@ metrics: {address: %q}
 	daemon := startFabricbridge("daemon", servers, "run", "--config", cfgPath)
 	waitServing(b, func() error { _, err := scrapeIn(bridgeNS, metricsAddr); return err }, daemon)
 	kernel := startServing(b, bridgeNS, "kernel", []string{fmt.Sprintf("FB_BENCH_KERNEL_HTTP=:%d", kernelPort), fmt.Sprintf("FB_BENCH_KERNEL_SINK=:%d", kernelSinkPort), fmt.Sprintf("FB_BENCH_SIZE=%d", size)}, servers)
-	app := startFabricbridge("app", pin.app, "app", "http", "--name", "web", "--control", control, "--listen", fmt.Sprintf(":%d", appPort), "--size", strconv.Itoa(size))
+	apps := make([]*servingProc, instances)
+	for i := range apps {
+		name, args := "app", []string{"app", "http", "--name", "web", "--control", control, "--listen", fmt.Sprintf(":%d", appPort), "--size", strconv.Itoa(size)}
+		if instances > 1 {
+			name = fmt.Sprintf("app-%d", i+1)
+			args = append(args, "--instance", fmt.Sprintf("web-%d", i+1))
+		}
+		apps[i] = startFabricbridge(name, pin.app, args...)
+	}
+	app := apps[0] // the one profiled
+	bridgeSide := append([]*servingProc{daemon}, apps...)
+	if instances > 1 {
+		b.Logf("%d instances of the application, the veth with %d queue pairs", instances, queues)
+	}
 	var sink, socatSink *servingProc
 	socat, socatErr := exec.LookPath("socat")
 	if bulkMB > 0 {
@@ -894,7 +919,19 @@ metrics: {address: %q}
 		}
 	}
 	waitServing(b, get(kernelPort), kernel)
-	waitServing(b, get(appPort), app, daemon)
+	waitServing(b, get(appPort), bridgeSide...)
+	if instances > 1 {
+		waitServing(b, func() error {
+			s, err := scrapeIn(bridgeNS, metricsAddr)
+			if err != nil {
+				return err
+			}
+			if in := metrics.Find(s, "fabricbridge_spread_instances", metrics.L("app", "web")...); len(in) != 1 || in[0].Value != float64(instances) {
+				return fmt.Errorf("the daemon spreads web over %v instances, want %d", in, instances)
+			}
+			return nil
+		}, bridgeSide...)
+	}
 	if sink != nil {
 		waitServing(b, accepts(kernelSinkPort), kernel)
 		waitServing(b, accepts(sinkPort), sink, daemon)
@@ -1049,7 +1086,7 @@ metrics: {address: %q}
 					app.cmd.Process.Signal(syscall.SIGUSR1)
 					profiled = true
 				}
-				br = append(br, wrkRun(appPort, c, daemon, app))
+				br = append(br, wrkRun(appPort, c, bridgeSide...))
 				logLoadRound(b, fmt.Sprintf("c=%d", c), i, kr[i], br[i])
 			}
 			reportLoad(b, fmt.Sprintf("c=%d", c), fmt.Sprintf("c%d-", c), kr, br)
@@ -1064,10 +1101,11 @@ metrics: {address: %q}
 				kernelPort, bridge int
 				how                bulkClient
 				kernel, app        *servingProc
+				others             []*servingProc // the app's fellow instances
 			}{
-				{"bulk", "bulk-", kernelSinkPort, sinkPort, viaSend, kernel, sink},
-				{"bulk socat", "bulk-socat-", socatSinkPort, sinkPort, viaSocat, socatSink, sink},
-				{"download", "download-", kernelPort, appPort, viaGet, kernel, app},
+				{"bulk", "bulk-", kernelSinkPort, sinkPort, viaSend, kernel, sink, nil},
+				{"bulk socat", "bulk-socat-", socatSinkPort, sinkPort, viaSocat, socatSink, sink, nil},
+				{"download", "download-", kernelPort, appPort, viaGet, kernel, app, apps[1:]},
 			} {
 				if d.kernel == nil {
 					b.Logf("%s: skipped, socat is not installed (Debian: apt-get install socat)", d.name)
@@ -1081,7 +1119,7 @@ metrics: {address: %q}
 						daemon.cmd.Process.Signal(syscall.SIGUSR1)
 						d.app.cmd.Process.Signal(syscall.SIGUSR1)
 					}
-					br = append(br, bulkRun(d.bridge, d.how, daemon, d.app))
+					br = append(br, bulkRun(d.bridge, d.how, append([]*servingProc{daemon, d.app}, d.others...)...))
 					for _, x := range []struct {
 						who string
 						r   bulkResult
@@ -1111,7 +1149,7 @@ metrics: {address: %q}
 		}
 		if abErr != nil {
 			b.Logf("no new-connection comparison: %v", abErr)
-			logPeakMemory(b, kernel, daemon, app, sink)
+			logPeakMemory(b, append([]*servingProc{kernel, sink}, bridgeSide...)...)
 			continue
 		}
 		// ab last: a run it cannot finish fails the benchmark, and the
@@ -1127,11 +1165,11 @@ metrics: {address: %q}
 				app.cmd.Process.Signal(syscall.SIGUSR1)
 				profiled = true
 			}
-			br = append(br, abRun(appPort, daemon, app))
+			br = append(br, abRun(appPort, bridgeSide...))
 			logLoadRound(b, label, i, kr[i], br[i])
 		}
 		reportLoad(b, label, "ab-", kr, br)
-		logPeakMemory(b, kernel, daemon, app, sink)
+		logPeakMemory(b, append([]*servingProc{kernel, sink}, bridgeSide...)...)
 	}
 }
 

@@ -848,11 +848,11 @@ metrics: {address: %q}
 	// kernel side and the clients stay this binary's, and profiles are
 	// this binary's only).
 	bin := os.Getenv("FB_BENCH_BINARY")
-	startFabricbridge := func(name string, cpus []int, args ...string) *servingProc {
+	startFabricbridge := func(name string, cpus []int, env []string, args ...string) *servingProc {
 		if bin != "" {
-			return startCommand(b, bridgeNS, name, nil, cpus, append([]string{bin}, args...)...)
+			return startCommand(b, bridgeNS, name, env, cpus, append([]string{bin}, args...)...)
 		}
-		return startServing(b, bridgeNS, name, append(main, profileEnv(name)...), cpus, args...)
+		return startServing(b, bridgeNS, name, slices.Concat(main, profileEnv(name), env), cpus, args...)
 	}
 	if bin != "" {
 		if profileDir != "" {
@@ -860,27 +860,33 @@ metrics: {address: %q}
 		}
 		b.Logf("daemon and applications: %s", bin)
 	}
-	daemon := startFabricbridge("daemon", servers, "run", "--config", cfgPath)
+	daemon := startFabricbridge("daemon", servers, nil, "run", "--config", cfgPath)
 	waitServing(b, func() error { _, err := scrapeIn(bridgeNS, metricsAddr); return err }, daemon)
 	kernel := startServing(b, bridgeNS, "kernel", []string{fmt.Sprintf("FB_BENCH_KERNEL_HTTP=:%d", kernelPort), fmt.Sprintf("FB_BENCH_KERNEL_SINK=:%d", kernelSinkPort), fmt.Sprintf("FB_BENCH_SIZE=%d", size)}, servers)
 	apps := make([]*servingProc, instances)
+	// Pinned instances share the application CPUs: each gets its part of
+	// them as Go threads, not all of them.
+	var instanceEnv []string
+	if instances > 1 && pin.app != nil {
+		instanceEnv = []string{fmt.Sprintf("GOMAXPROCS=%d", max(1, len(pin.app)/instances))}
+	}
 	for i := range apps {
 		name, args := "app", []string{"app", "http", "--name", "web", "--control", control, "--listen", fmt.Sprintf(":%d", appPort), "--size", strconv.Itoa(size)}
 		if instances > 1 {
 			name = fmt.Sprintf("app-%d", i+1)
 			args = append(args, "--instance", fmt.Sprintf("web-%d", i+1))
 		}
-		apps[i] = startFabricbridge(name, pin.app, args...)
+		apps[i] = startFabricbridge(name, pin.app, instanceEnv, args...)
 	}
 	app := apps[0] // the one profiled
 	bridgeSide := append([]*servingProc{daemon}, apps...)
 	if instances > 1 {
-		b.Logf("%d instances of the application, the veth with %d queue pairs", instances, queues)
+		b.Logf("%d instances of the application %v, the veth with %d queue pairs", instances, instanceEnv, queues)
 	}
 	var sink, socatSink *servingProc
 	socat, socatErr := exec.LookPath("socat")
 	if bulkMB > 0 {
-		sink = startFabricbridge("sink", pin.app, "app", "sink", "--name", "bulk", "--control", control, "--listen", fmt.Sprintf(":%d", sinkPort), "--every", "1h")
+		sink = startFabricbridge("sink", pin.app, nil, "app", "sink", "--name", "bulk", "--control", control, "--listen", fmt.Sprintf(":%d", sinkPort), "--every", "1h")
 		if socatErr == nil {
 			// The issue's own kernel sink: socat into /dev/null, a process
 			// forked per connection.

@@ -15,7 +15,8 @@
 # the libraries they need) into DIR; run uses the machine's own ip when it
 # has one. On 8 CPUs or more, run pins the loop, the applications and the
 # clients apart unless FB_BENCH_PIN says otherwise (FB_BENCH_PIN=none: no
-# pinning).
+# pinning), and then serves again with one instance of the application per
+# application CPU.
 set -euo pipefail
 case "${1:-}" in
 build)
@@ -57,8 +58,8 @@ run)
 	if [ "$pin" = none ]; then
 		pin= pinned="no pinning (FB_BENCH_PIN=none)"
 	elif [ -z "$pin" ] && [ "$cpus" -ge 8 ]; then
-		pin=loop=1,app=2-3,client=4-7
-		[ "$cpus" -lt 12 ] || pin=loop=2,app=3-5,client=8-11
+		pin=loop=1,app=2-3,client=4-7 split=2
+		[ "$cpus" -lt 12 ] || pin=loop=2,app=3-5,client=8-11 split=3
 		pinned="FB_BENCH_PIN unset on $cpus CPUs, pinning by default: FB_BENCH_PIN=$pin"
 	elif [ -z "$pin" ]; then
 		pinned="no pinning on $cpus CPUs"
@@ -87,6 +88,18 @@ run)
 		FB_REQUIRE_PRIVILEGED=1 FB_BENCH_ROUNDS=${FB_BENCH_ROUNDS:-3} FB_BENCH_SECONDS=${FB_BENCH_SECONDS:-10} timeout 280 "$dir/cmd.test" \
 			-test.run '^$' -test.bench ServeHTTP -test.benchtime 1x -test.v -test.timeout 270s 2>&1
 	} | tee "$out/serve.txt"
+	# The same cores split between instances, one stack each
+	# (FB_BENCH_INSTANCES, GOMAXPROCS 1 apiece) instead of one stack over
+	# all of them: keep-alive only, about 45 s. On by default with the
+	# default pinning; FB_BENCH_SPLIT=N asks for N instances.
+	split=${FB_BENCH_SPLIT:-${split:-0}}
+	if [ "$split" -gt 1 ]; then
+		{
+			echo "servebench: $split instances of the application on its CPUs"
+			FB_REQUIRE_PRIVILEGED=1 FB_BENCH_INSTANCES=$split FB_BENCH_AB=0 FB_BENCH_BULK_MB=0 FB_BENCH_ROUNDS=${FB_BENCH_ROUNDS:-3} FB_BENCH_SECONDS=5 \
+				timeout 120 "$dir/cmd.test" -test.run '^$' -test.bench ServeHTTP -test.benchtime 1x -test.v -test.timeout 110s 2>&1
+		} | tee "$out/serve-split.txt"
+	fi
 	;;
 *)
 	echo "usage: $0 build [DIR] | run" >&2

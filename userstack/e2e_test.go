@@ -69,6 +69,7 @@ type e2e struct {
 	outside4 netip.Addr
 	outside6 netip.Addr
 	log      *testenv.Output // what the bridge and the control server logged
+	spin     time.Duration   // FB_BENCH_SPIN, for the bridge and the local stacks
 }
 
 var e2ePorts = classifier.PortRange{Lo: 42000, Hi: 42999}
@@ -104,8 +105,8 @@ func newE2EWith(t testing.TB, opts topology.VethOptions, prepare func(*topology.
 	appLink := topology.Connect(t, br, e.appNS, topology.VethOptions{MTU: 1600})
 	e.log = &testenv.Output{}
 	log := slog.New(slog.NewTextHandler(e.log, nil))
-	spin, err := benchSpin()
-	if err != nil {
+	var err error
+	if e.spin, err = benchSpin(); err != nil {
 		t.Fatal(err)
 	}
 	var remote *fabric.Remote
@@ -114,7 +115,7 @@ func newE2EWith(t testing.TB, opts topology.VethOptions, prepare func(*topology.
 		// The bridge's default UMEM, as in production: with 1024 frames (512
 		// for RX) its fill ring ran dry in bulk transfers and the kernel
 		// dropped 1-6% of the segments.
-		if e.b, err = bridge.Open(bridge.Config{Interface: wire.B.Name, Logger: log, Spin: spin}); err != nil {
+		if e.b, err = bridge.Open(bridge.Config{Interface: wire.B.Name, Logger: log, Spin: e.spin}); err != nil {
 			return err
 		}
 		if remote, err = fabric.ListenRemote(netip.AddrPortFrom(appLink.A.Addr4.Addr(), 0), fabric.RemoteConfig{}); err != nil {
@@ -166,10 +167,7 @@ func (e *e2e) open(remote bool) *Stack {
 			return err
 		})
 	} else {
-		var spin time.Duration
-		if spin, err = benchSpin(); err == nil {
-			s, err = Open(ctx, Options{App: "web", Control: e.path, Spin: spin})
-		}
+		s, err = Open(ctx, Options{App: "web", Control: e.path, Spin: e.spin})
 	}
 	if err != nil {
 		e.t.Fatal(err)

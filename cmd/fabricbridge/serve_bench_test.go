@@ -1106,12 +1106,12 @@ metrics: {address: %q}
 				name, metric       string
 				kernelPort, bridge int
 				how                bulkClient
-				kernel, app        *servingProc
-				others             []*servingProc // the app's fellow instances
+				kernel, app        *servingProc   // app: the one profiled
+				owners             []*servingProc // the bridge side's processes
 			}{
-				{"bulk", "bulk-", kernelSinkPort, sinkPort, viaSend, kernel, sink, nil},
-				{"bulk socat", "bulk-socat-", socatSinkPort, sinkPort, viaSocat, socatSink, sink, nil},
-				{"download", "download-", kernelPort, appPort, viaGet, kernel, app, apps[1:]},
+				{"bulk", "bulk-", kernelSinkPort, sinkPort, viaSend, kernel, sink, []*servingProc{daemon, sink}},
+				{"bulk socat", "bulk-socat-", socatSinkPort, sinkPort, viaSocat, socatSink, sink, []*servingProc{daemon, sink}},
+				{"download", "download-", kernelPort, appPort, viaGet, kernel, app, bridgeSide},
 			} {
 				if d.kernel == nil {
 					b.Logf("%s: skipped, socat is not installed (Debian: apt-get install socat)", d.name)
@@ -1125,7 +1125,7 @@ metrics: {address: %q}
 						daemon.cmd.Process.Signal(syscall.SIGUSR1)
 						d.app.cmd.Process.Signal(syscall.SIGUSR1)
 					}
-					br = append(br, bulkRun(d.bridge, d.how, append([]*servingProc{daemon, d.app}, d.others...)...))
+					br = append(br, bulkRun(d.bridge, d.how, d.owners...))
 					for _, x := range []struct {
 						who string
 						r   bulkResult

@@ -2,6 +2,7 @@ package userstack
 
 import (
 	"bytes"
+	"encoding/binary"
 	"fmt"
 	"io"
 	"sync/atomic"
@@ -27,11 +28,20 @@ type outgoing struct {
 	flags   header.TCPFlags
 	payload int
 	sack    bool // a SACK block in the options
+	// tsVal and tsEcr are the timestamp option's values; 0 and 0: 1 and 2.
+	tsVal, tsEcr uint32
+	tos          uint8 // the IPv4 TOS or IPv6 traffic class
 }
 
 // build makes the packet, complete with checksums.
 func (o outgoing) build() *stack.PacketBuffer {
-	opts := []byte{header.TCPOptionNOP, header.TCPOptionNOP, header.TCPOptionTS, 10, 0, 0, 0, 1, 0, 0, 0, 2}
+	tsVal, tsEcr := o.tsVal, o.tsEcr
+	if tsVal == 0 && tsEcr == 0 {
+		tsVal, tsEcr = 1, 2
+	}
+	opts := []byte{header.TCPOptionNOP, header.TCPOptionNOP, header.TCPOptionTS, 10, 0, 0, 0, 0, 0, 0, 0, 0}
+	binary.BigEndian.PutUint32(opts[4:], tsVal)
+	binary.BigEndian.PutUint32(opts[8:], tsEcr)
 	if o.sack {
 		opts = append(opts, header.TCPOptionNOP, header.TCPOptionNOP, header.TCPOptionSACK, 10, 0, 0, 1, 0, 0, 0, 2, 0)
 	}
@@ -49,12 +59,12 @@ func (o outgoing) build() *stack.PacketBuffer {
 		src, dst = tcpip.AddrFromSlice(src6.AsSlice()), tcpip.AddrFromSlice(dst6.AsSlice())
 		ip := header.IPv6(pkt.NetworkHeader().Push(header.IPv6MinimumSize))
 		ip.Encode(&header.IPv6Fields{PayloadLength: uint16(hlen + o.payload), TransportProtocol: header.TCPProtocolNumber,
-			HopLimit: 64, SrcAddr: src, DstAddr: dst})
+			HopLimit: 64, SrcAddr: src, DstAddr: dst, TrafficClass: o.tos})
 		pkt.NetworkProtocolNumber = header.IPv6ProtocolNumber
 	} else {
 		src, dst = tcpip.AddrFromSlice(src4.AsSlice()), tcpip.AddrFromSlice(dst4.AsSlice())
 		ip := header.IPv4(pkt.NetworkHeader().Push(header.IPv4MinimumSize))
-		ip.Encode(&header.IPv4Fields{TotalLength: uint16(header.IPv4MinimumSize + hlen + o.payload), Flags: header.IPv4FlagDontFragment, TTL: 64,
+		ip.Encode(&header.IPv4Fields{TotalLength: uint16(header.IPv4MinimumSize + hlen + o.payload), Flags: header.IPv4FlagDontFragment, TTL: 64, TOS: o.tos,
 			Protocol: uint8(header.TCPProtocolNumber), SrcAddr: src, DstAddr: dst})
 		ip.SetChecksum(^ip.CalculateChecksum())
 		pkt.NetworkProtocolNumber = header.IPv4ProtocolNumber

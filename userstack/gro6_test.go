@@ -53,7 +53,10 @@ func TestIPv6SegmentsCoalesce(t *testing.T) {
 	}{
 		{"run ending in a short PSH", []seg{{1, 0, 9, A, 1000}, {1, 1000, 9, A, 1000}, {1, 2000, 9, A, 1000}, {1, 3000, 9, P, 300}}, []int{3300}, false},
 		{"gap", []seg{{1, 0, 9, A, 1000}, {1, 1000, 9, A, 1000}, {1, 3000, 9, A, 1000}}, []int{2000, 1000}, false},
-		{"pure ACK between", []seg{{1, 0, 9, A, 1000}, {1, 1000, 9, A, 0}, {1, 1000, 9, A, 1000}}, []int{1000, 0, 1000}, false},
+		// A pure ACK that the next segment supersedes never reaches GRO
+		// (acksupersede.go); one that it does not ends the run.
+		{"superseded pure ACK between", []seg{{1, 0, 9, A, 1000}, {1, 1000, 9, A, 0}, {1, 1000, 9, A, 1000}}, []int{2000}, false},
+		{"pure ACK between", []seg{{1, 0, 9, A, 1000}, {1, 1000, 10, A, 0}, {1, 1000, 9, A, 1000}}, []int{1000, 0, 1000}, false},
 		{"ACK number moves", []seg{{1, 0, 9, A, 1000}, {1, 1000, 10, A, 1000}}, []int{1000, 1000}, false},
 		{"PSH ends", []seg{{1, 0, 9, P, 1000}, {1, 1000, 9, A, 1000}, {1, 2000, 9, A, 1000}}, []int{1000, 2000}, false},
 		{"longer segment", []seg{{1, 0, 9, A, 500}, {1, 500, 9, A, 1000}}, []int{500, 1000}, false},

@@ -146,7 +146,7 @@ type txState struct {
 
 type linkCounters struct {
 	rxPackets, rxBytes, rxBatches, rxNotIP atomic.Uint64
-	rxBadChecksum                          atomic.Uint64
+	rxBadChecksum, rxAcksSuperseded        atomic.Uint64
 	txPackets, txBytes, txBatches          atomic.Uint64
 	txSegmented, txDropped                 atomic.Uint64
 	rxMayReturn, txNotMine                 atomic.Uint64
@@ -158,6 +158,10 @@ type LinkStats struct {
 	RxPackets, RxBytes, RxBatches uint64
 	RxNotIP                       uint64 // received packets that were neither IPv4 nor IPv6, dropped
 	RxBadChecksum                 uint64 // received packets with a wrong checksum, dropped
+	// RxAcksSuperseded counts received pure ACKs dropped because a later
+	// segment of their connection in the same batch carried all they did
+	// (acksupersede.go).
+	RxAcksSuperseded              uint64
 	TxPackets, TxBytes, TxBatches uint64
 	TxSegmented                   uint64 // offload packets cut into MSS-sized segments
 	TxDropped                     uint64 // packets refused: malformed offload packet or link error
@@ -179,6 +183,7 @@ func (s *LinkStats) add(o LinkStats) {
 	s.RxBatches += o.RxBatches
 	s.RxNotIP += o.RxNotIP
 	s.RxBadChecksum += o.RxBadChecksum
+	s.RxAcksSuperseded += o.RxAcksSuperseded
 	s.TxPackets += o.TxPackets
 	s.TxBytes += o.TxBytes
 	s.TxBatches += o.TxBatches
@@ -238,7 +243,7 @@ func (e *LinkEndpoint) Stats() LinkStats {
 	c := &e.stats
 	return LinkStats{
 		RxPackets: c.rxPackets.Load(), RxBytes: c.rxBytes.Load(), RxBatches: c.rxBatches.Load(),
-		RxNotIP: c.rxNotIP.Load(), RxBadChecksum: c.rxBadChecksum.Load(),
+		RxNotIP: c.rxNotIP.Load(), RxBadChecksum: c.rxBadChecksum.Load(), RxAcksSuperseded: c.rxAcksSuperseded.Load(),
 		TxPackets: c.txPackets.Load(), TxBytes: c.txBytes.Load(), TxBatches: c.txBatches.Load(),
 		TxSegmented: c.txSegmented.Load(), TxDropped: c.txDropped.Load(),
 		RxMayReturn: c.rxMayReturn.Load(), TxNotMine: c.txNotMine.Load(),
@@ -376,6 +381,11 @@ type receiver struct {
 	meta  []uint32 // the packets' metadata words; all 0 over a plain Link
 	gro   gro.GRO
 	gro6  gro6
+	// acks finds the pure ACKs a later segment of the batch supersedes
+	// (acksupersede.go); skip marks them, verdicts holds each packet's check.
+	acks     ackSuperseder
+	skip     []bool
+	verdicts []verdict
 	// back collects the batch's packets that go back to the bridge (see
 	// handsBack), backMeta their words; their views stay with the receiver.
 	back     [][]byte
@@ -384,6 +394,7 @@ type receiver struct {
 
 func newReceiver(e *LinkEndpoint) *receiver {
 	r := &receiver{e: e, views: make([]*buffer.View, e.batch), bufs: make([][]byte, e.batch), meta: make([]uint32, e.batch),
+		skip: make([]bool, e.batch), verdicts: make([]verdict, e.batch),
 		back: make([][]byte, 0, e.batch), backMeta: make([]uint32, e.batch)}
 	for i := range r.backMeta {
 		r.backMeta[i] = fabric.MarkNotMine
@@ -430,6 +441,9 @@ func (r *receiver) deliver(n int) {
 	d := e.dispatcher
 	e.mu.RUnlock()
 	r.gro.Dispatcher = d
+	if superseded := r.acks.mark(r.bufs, r.meta, r.verdicts, r.skip, n); superseded > 0 {
+		e.stats.rxAcksSuperseded.Add(uint64(superseded))
+	}
 	var bytes uint64
 	icmpErrors := false
 	for i := 0; i < n; i++ {
@@ -452,7 +466,10 @@ func (r *receiver) deliver(n int) {
 			e.stats.rxNotIP.Add(1)
 			continue
 		}
-		verdict := check(r.bufs[i])
+		if r.skip[i] {
+			continue // superseded: the view stays for the next batch
+		}
+		verdict := r.verdicts[i]
 		if verdict == corrupt {
 			e.stats.rxBadChecksum.Add(1)
 			continue // the view stays for the next batch
@@ -489,7 +506,7 @@ func (r *receiver) deliver(n int) {
 			v.CapLength(size)
 			pkt := stack.NewPacketBuffer(stack.PacketBufferOptions{Payload: buffer.MakeWithView(v)})
 			pkt.NetworkProtocolNumber = proto
-			r.gro.Flush() // keep order with what GRO holds
+			r.flushGRO() // keep order with what GRO holds
 			r.gro6.flush(d)
 			e.stackChecks.Store(true)
 			d.DeliverNetworkPacket(proto, pkt)
@@ -497,7 +514,7 @@ func (r *receiver) deliver(n int) {
 			pkt.DecRef()
 		}
 	}
-	r.gro.Flush()
+	r.flushGRO()
 	r.gro6.flush(d)
 	if len(r.back) > 0 {
 		e.sendBack(r.back, r.backMeta[:len(r.back)])
@@ -510,6 +527,23 @@ func (r *receiver) deliver(n int) {
 	e.stats.rxPackets.Add(uint64(n))
 	e.stats.rxBytes.Add(bytes)
 	e.stats.rxBatches.Add(1)
+}
+
+// groBucketSize is how many packets each of the buckets of gVisor's GRO
+// holds (its groBucketSize, unexported).
+const groBucketSize = 8
+
+// flushGRO hands up everything gVisor's GRO holds. Its Flush hands up only
+// the first packet of each bucket: it walks a bucket's list while removing
+// the packets from it, and a removed packet's link to the next is cleared.
+// What stayed would wait for a later batch, and a flow whose sender waits
+// for the ACK of a held segment sends none until its retransmission timer
+// runs out. Each Flush takes one packet from every bucket, so as many
+// calls as a bucket holds empty them all (TestGROHoldsNothing).
+func (r *receiver) flushGRO() {
+	for range groBucketSize {
+		r.gro.Flush()
+	}
 }
 
 func (r *receiver) release() {

@@ -2,6 +2,7 @@ package userstack
 
 import (
 	"encoding/binary"
+	"hash/maphash"
 
 	"gvisor.dev/gvisor/pkg/tcpip/header"
 
@@ -35,6 +36,7 @@ import (
 //   - neither is one the bridge may take back (fabric.MarkMayReturn), and
 //     the later segment's checksums verify.
 type ackSuperseder struct {
+	seed  maphash.Seed
 	gen   uint32
 	slots [supersedeSlots]flowSlot
 }
@@ -84,19 +86,23 @@ func tcpSegment(p []byte) (tcp []byte, payload int, ok bool) {
 	return p[ipLen : ipLen+doff], total - ipLen - doff, true
 }
 
-// flowHash mixes a segment's addresses and ports; sameFlow settles
-// collisions.
-func flowHash(p, tcp []byte) uint32 {
-	h := uint64(binary.LittleEndian.Uint32(tcp)) // both ports
+// segmentFlow is what flowHash hashes: a segment's addresses and ports.
+type segmentFlow struct {
+	addrs [32]byte // IPv4: the first 8
+	ports uint32
+}
+
+// flowHash hashes a segment's flow with the superseder's seed, so that a
+// peer cannot choose flows that collide; sameFlow settles collisions.
+func (s *ackSuperseder) flowHash(p, tcp []byte) uint32 {
+	var k segmentFlow
 	if p[0]>>4 == 4 {
-		h ^= binary.LittleEndian.Uint64(p[12:20])
+		copy(k.addrs[:8], p[12:20])
 	} else {
-		for off := 8; off < 40; off += 8 {
-			h = (h ^ binary.LittleEndian.Uint64(p[off:])) * 0x9e3779b97f4a7c15
-		}
+		copy(k.addrs[:], p[8:40])
 	}
-	h *= 0x9e3779b97f4a7c15
-	return uint32(h >> 32)
+	k.ports = binary.LittleEndian.Uint32(tcp)
+	return uint32(maphash.Comparable(s.seed, k))
 }
 
 // sameFlow reports whether two TCP segments (as tcpSegment found them)
@@ -203,44 +209,65 @@ func sameOptions(a, b []byte) bool {
 }
 
 // mark finds the superseded pure ACKs among the batch's first n packets
-// and sets skip for them. verdicts holds each packet's check (computed
-// here), meta the packets' metadata words.
+// and sets skip for them. verdicts gets each packet's check (computed
+// here), meta holds the packets' metadata words. Flows are looked up only
+// from the batch's first pure ACK on, and only flows whose latest packet is
+// such an ACK are remembered: a batch of data alone costs a glance per
+// packet.
 func (s *ackSuperseder) mark(bufs [][]byte, meta []uint32, verdicts []verdict, skip []bool, n int) (superseded int) {
+	first := -1
+	for j := 0; j < n; j++ {
+		skip[j] = false
+		verdicts[j] = check(bufs[j])
+		if first < 0 && j < n-1 && meta[j]&fabric.MarkMayReturn == 0 {
+			if tcp, payload, ok := tcpSegment(bufs[j]); ok && payload == 0 && supersedable(tcp) {
+				first = j
+			}
+		}
+	}
+	if first < 0 {
+		return 0
+	}
+	if s.seed == (maphash.Seed{}) {
+		s.seed = maphash.MakeSeed()
+	}
 	s.gen++
 	if s.gen == 0 {
 		s.slots = [supersedeSlots]flowSlot{}
 		s.gen = 1
 	}
-	for j := 0; j < n; j++ {
+	for j := first; j < n; j++ {
 		q := bufs[j]
-		skip[j] = false
-		verdicts[j] = check(q)
 		qtcp, qPayload, ok := tcpSegment(q)
 		if !ok {
 			continue
 		}
-		h := flowHash(q, qtcp)
-		var slot *flowSlot
+		ack := qPayload == 0 && meta[j]&fabric.MarkMayReturn == 0 && supersedable(qtcp)
+		h := s.flowHash(q, qtcp)
 		for k := h; ; k++ {
-			slot = &s.slots[k&(supersedeSlots-1)]
+			slot := &s.slots[k&(supersedeSlots-1)]
 			if slot.gen != s.gen {
-				break // empty: the flow's first packet in the batch
-			}
-			if slot.hash == h {
-				p := bufs[slot.last]
-				ptcp, _, _ := tcpSegment(p)
-				if sameFlow(p, ptcp, q, qtcp) {
-					if slot.ack && verdicts[j] == verified && meta[j]&fabric.MarkMayReturn == 0 &&
-						supersedes(p, ptcp, q, qtcp, qPayload) {
-						skip[slot.last] = true
-						superseded++
-					}
-					break
+				if ack { // the flow's first pure ACK in the batch
+					slot.gen, slot.hash, slot.last, slot.ack = s.gen, h, uint8(j), true
 				}
+				break
 			}
+			if slot.hash != h {
+				continue
+			}
+			p := bufs[slot.last]
+			ptcp, _, _ := tcpSegment(p)
+			if !sameFlow(p, ptcp, q, qtcp) {
+				continue
+			}
+			if slot.ack && verdicts[j] == verified && meta[j]&fabric.MarkMayReturn == 0 &&
+				supersedes(p, ptcp, q, qtcp, qPayload) {
+				skip[slot.last] = true
+				superseded++
+			}
+			slot.last, slot.ack = uint8(j), ack
+			break
 		}
-		slot.gen, slot.hash, slot.last = s.gen, h, uint8(j)
-		slot.ack = qPayload == 0 && meta[j]&fabric.MarkMayReturn == 0 && supersedable(qtcp)
 	}
 	return superseded
 }

@@ -359,8 +359,10 @@ func BenchmarkLinkTransmit(b *testing.B) {
 func BenchmarkLinkReceive(b *testing.B) {
 	// bulk: 48 full segments of one flow, which GRO coalesces, and 16
 	// datagrams. requests: what a server of many keep-alive connections
-	// receives, a request and a pure ACK from each of 32 flows.
-	var bulk, requests [][]byte
+	// receives, a request and a pure ACK from each of 32 flows. superseded:
+	// the pure ACK of the last answer, then the next request, which makes
+	// the ACK redundant (acksupersede.go).
+	var bulk, requests, superseded [][]byte
 	seq := uint32(1)
 	for range 48 {
 		bulk = append(bulk, ippkt.TCP(netip.AddrPortFrom(dst4, 80), netip.AddrPortFrom(src4, 40000), seq, 1, false, true, false, pattern(1448)))
@@ -374,11 +376,14 @@ func BenchmarkLinkReceive(b *testing.B) {
 		requests = append(requests,
 			ippkt.TCP(from, netip.AddrPortFrom(dst4, 80), 1, 1, false, true, false, pattern(110)),
 			ippkt.TCP(from, netip.AddrPortFrom(dst4, 80), 111, 4400, false, true, false, nil))
+		superseded = append(superseded,
+			ippkt.TCP(from, netip.AddrPortFrom(dst4, 80), 111, 4400, false, true, false, nil),
+			ippkt.TCP(from, netip.AddrPortFrom(dst4, 80), 111, 4400, false, true, false, pattern(110)))
 	}
 	for _, bc := range []struct {
 		name string
 		pkts [][]byte
-	}{{"bulk", bulk}, {"requests", requests}} {
+	}{{"bulk", bulk}, {"requests", requests}, {"superseded", superseded}} {
 		b.Run(bc.name, func(b *testing.B) {
 			ep, _ := NewLinkEndpoint(&replayLink{pkts: bc.pkts}, LinkConfig{MTU: 1500, MaxPacket: 2040})
 			ep.dispatcher = &countingDispatcher{}

@@ -279,6 +279,7 @@ func serveApp(ctx context.Context, o appOptions, stdout io.Writer) error {
 		return fmt.Errorf("app %s: %w", o.kind, err)
 	}
 	defer st.Close()
+	defer func() { logLinkStats(stdout, o.kind, st.LinkStats()) }()
 	opened.Store(st)
 	fmt.Fprintf(stdout, "%s: application %q on a user-space stack, addresses %v\n", o.kind, o.name, st.Addrs())
 	if bs := st.Bridges(); len(bs) > 1 {
@@ -310,6 +311,13 @@ func serveApp(ctx context.Context, o appOptions, stdout io.Writer) error {
 	default:
 		return serveSink(serveCtx, st, o.listen, o.udp, o.every, stdout, conns)
 	}
+}
+
+// logLinkStats is the application's last line: what its stack's links
+// moved, and what the receive and transmit paths saved or refused.
+func logLinkStats(w io.Writer, kind string, s userstack.LinkStats) {
+	fmt.Fprintf(w, "%s: link: received %d packets in %d batches (%d pure ACKs superseded, %d bad checksums, %d not IP); sent %d packets in %d batches (%d pure ACKs delayed, %d of them absorbed; %d dropped)\n",
+		kind, s.RxPackets, s.RxBatches, s.RxAcksSuperseded, s.RxBadChecksum, s.RxNotIP, s.TxPackets, s.TxBatches, s.AcksDelayed, s.AcksAbsorbed, s.TxDropped)
 }
 
 // drainApp has every bridge send st no new connections and waits until

@@ -8,6 +8,8 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -74,7 +76,9 @@ func TestApps(t *testing.T) {
 	defer cancel()
 	sock := tb.cfg.Control.Socket
 	addr := tb.v.A.Addr4.Addr()
-	runApp(t, ctx, "http", "--control", sock, "--listen", ":80", "--size", "1000")
+	httpCtx, stopHTTP := context.WithCancel(ctx)
+	defer stopHTTP()
+	httpOut := runApp(t, httpCtx, "http", "--control", sock, "--listen", ":80", "--size", "1000")
 	runApp(t, ctx, "echo", "--control", sock, "--listen", ":7", "--udp")
 	sinkOut := runApp(t, ctx, "sink", "--control", sock, "--listen", ":9", "--every", "100ms")
 
@@ -97,6 +101,23 @@ func TestApps(t *testing.T) {
 		if err != nil || n != int64(tc.size) || resp.StatusCode != 200 {
 			t.Errorf("GET %s: %d bytes, status %d, %v", tc.path, n, resp.StatusCode, err)
 		}
+	}
+	// Stopped, it says what its link moved: at least the two requests in
+	// and the three megabytes out.
+	client.CloseIdleConnections()
+	stopHTTP()
+	linkLine := regexp.MustCompile(`http: link: received (\d+) packets in \d+ batches .*; sent (\d+) packets`)
+	for deadline := time.Now().Add(10 * time.Second); !linkLine.MatchString(httpOut.String()); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("app http stopped without its link's counters:\n%s", httpOut.String())
+		}
+	}
+	m := linkLine.FindStringSubmatch(httpOut.String())
+	if in, _ := strconv.Atoi(m[1]); in < 2 {
+		t.Errorf("app http's link received too little for two requests: %s", m[0])
+	}
+	if out, _ := strconv.Atoi(m[2]); out < 3000000/1500 {
+		t.Errorf("app http's link sent too little for 3 MB: %s", m[0])
 	}
 
 	// TCP and UDP echo.

@@ -539,7 +539,9 @@ const groBucketSize = 8
 // What stayed would wait for a later batch, and a flow whose sender waits
 // for the ACK of a held segment sends none until its retransmission timer
 // runs out. Each Flush takes one packet from every bucket, so as many
-// calls as a bucket holds empty them all (TestGROHoldsNothing).
+// calls as a bucket holds empty them all (TestGROHoldsNothing). gVisor's
+// pull request #14081 (open in September 2026) fixes Flush; with a gVisor
+// that has it, one call does.
 func (r *receiver) flushGRO() {
 	for range groBucketSize {
 		r.gro.Flush()

@@ -125,13 +125,7 @@ func TestReceiveDropsSupersededAcks(t *testing.T) {
 			ippkt.TCP(from, netip.AddrPortFrom(dst4, 80), 111, 4400, false, true, false, nil),
 			ippkt.TCP(from, netip.AddrPortFrom(dst4, 80), 111, 4400, false, true, false, pattern(110)))
 	}
-	ep, _ := NewLinkEndpoint(&replayLink{pkts: pkts}, LinkConfig{MTU: 1500, MaxPacket: 2040})
-	d := &countingDispatcher{}
-	ep.dispatcher = d
-	r := newReceiver(ep)
-	if err := r.once(); err != nil {
-		t.Fatal(err)
-	}
+	ep, d, r := receiveBatch(t, pkts, LinkConfig{MTU: 1500, MaxPacket: 2040})
 	if st := ep.Stats(); d.packets != 32 || d.bytes != 32*(20+20+110) || st.RxAcksSuperseded != 32 || st.RxPackets != 64 {
 		t.Fatalf("delivered %d packets of %d bytes; stats %+v; want the 32 requests, 32 ACKs superseded", d.packets, d.bytes, st)
 	}
@@ -148,18 +142,12 @@ func TestReceiveDropsSupersededAcks(t *testing.T) {
 // request, are dropped, and the connection goes on as if they had arrived:
 // accepted, both requests read, the answer never sent again.
 func TestSupersededAcksOnAConnection(t *testing.T) {
-	s, br := stackOnPair(t)
-	l, err := s.Listen("tcp", "198.18.0.1:80")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	b := bridgeSide{t, br}
+	s, l, b := listenerOnPair(t)
 	from := netip.AddrPortFrom(netip.MustParseAddr("198.18.9.9"), 40000)
 	local := netip.AddrPortFrom(addrA[0], 80)
 	together := func(pkts ...[]byte) {
 		t.Helper()
-		if n, err := br.SendMeta(pkts, make([]uint32, len(pkts))); n != len(pkts) || err != nil {
+		if n, err := b.br.SendMeta(pkts, make([]uint32, len(pkts))); n != len(pkts) || err != nil {
 			t.Fatalf("deliver: %d, %v", n, err)
 		}
 	}
@@ -172,16 +160,7 @@ func TestSupersededAcksOnAConnection(t *testing.T) {
 	isn := tcpOf(t, synAck).Seq
 	together(ippkt.TCP(from, local, 101, isn+1, false, true, false, nil),
 		ippkt.TCP(from, local, 101, isn+1, false, true, false, []byte("first")))
-	conn, err := l.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	conn.SetDeadline(time.Now().Add(2 * time.Second))
-	got := make([]byte, 5)
-	if _, err := io.ReadFull(conn, got); err != nil || string(got) != "first" {
-		t.Fatalf("the first request read %q, %v", got, err)
-	}
+	conn := acceptRead(t, l, "first")
 	answer := pattern(4000)
 	if _, err := conn.Write(answer); err != nil {
 		t.Fatal(err)
@@ -197,7 +176,7 @@ func TestSupersededAcksOnAConnection(t *testing.T) {
 	acked := isn + 1 + uint32(len(answer))
 	together(ippkt.TCP(from, local, 106, acked, false, true, false, nil),
 		ippkt.TCP(from, local, 106, acked, false, true, false, []byte("second")))
-	got = make([]byte, 6)
+	got := make([]byte, 6)
 	if _, err := io.ReadFull(conn, got); err != nil || string(got) != "second" {
 		t.Fatalf("the second request read %q, %v", got, err)
 	}

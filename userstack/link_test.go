@@ -260,6 +260,23 @@ func (l *replayLink) Recv(bufs [][]byte) (int, error) {
 // countingDispatcher stands in for the stack.
 type countingDispatcher struct{ packets, bytes int }
 
+// receiveBatch has a receiver over cfg take pkts as one batch and hand it
+// to a countingDispatcher; the receiver goes on replaying the same batch.
+func receiveBatch(t testing.TB, pkts [][]byte, cfg LinkConfig) (*LinkEndpoint, *countingDispatcher, *receiver) {
+	t.Helper()
+	ep, err := NewLinkEndpoint(&replayLink{pkts: pkts}, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := &countingDispatcher{}
+	ep.dispatcher = d
+	r := newReceiver(ep)
+	if err := r.once(); err != nil {
+		t.Fatal(err)
+	}
+	return ep, d, r
+}
+
 func (d *countingDispatcher) DeliverNetworkPacket(_ tcpip.NetworkProtocolNumber, pkt *stack.PacketBuffer) {
 	d.packets++
 	d.bytes += pkt.Size()
@@ -277,14 +294,7 @@ func TestReceiveAllocatesNothingAndCoalesces(t *testing.T) {
 	for range 16 {
 		pkts = append(pkts, ippkt.UDP(netip.AddrPortFrom(dst6, 53), netip.AddrPortFrom(src6, 40001), pattern(300)))
 	}
-	link := &replayLink{pkts: pkts}
-	ep, _ := NewLinkEndpoint(link, LinkConfig{MTU: 1500, MaxPacket: 2040})
-	d := &countingDispatcher{}
-	ep.dispatcher = d
-	r := newReceiver(ep)
-	if err := r.once(); err != nil {
-		t.Fatal(err)
-	}
+	_, d, r := receiveBatch(t, pkts, LinkConfig{MTU: 1500, MaxPacket: 2040})
 	// GRO merges the TCP segments into packets of up to 64 KB; all bytes
 	// arrive either way.
 	wantBytes := 0
@@ -428,13 +438,7 @@ func TestGROHoldsNothing(t *testing.T) {
 		from := netip.AddrPortFrom(src4, 40000+8*i)
 		pkts = append(pkts, ippkt.TCP(from, netip.AddrPortFrom(dst4, 80), 1, 1, false, true, false, pattern(1400)))
 	}
-	ep, _ := NewLinkEndpoint(&replayLink{pkts: pkts}, LinkConfig{MTU: 1500, MaxPacket: 2040})
-	d := &countingDispatcher{}
-	ep.dispatcher = d
-	r := newReceiver(ep)
-	if err := r.once(); err != nil {
-		t.Fatal(err)
-	}
+	_, d, _ := receiveBatch(t, pkts, LinkConfig{MTU: 1500, MaxPacket: 2040})
 	if d.packets != len(pkts) {
 		t.Fatalf("%d of the batch's %d segments reached the stack; GRO held the rest", d.packets, len(pkts))
 	}

@@ -3,6 +3,7 @@ package userstack
 import (
 	"bytes"
 	"io"
+	"net"
 	"net/netip"
 	"testing"
 	"time"
@@ -59,6 +60,36 @@ func stackOnPair(t *testing.T) (*Stack, *fabric.BridgeStream) {
 	return s, br
 }
 
+// acceptRead accepts l's next connection and reads want from it; the
+// connection closes with the test.
+func acceptRead(t *testing.T, l net.Listener, want string) net.Conn {
+	t.Helper()
+	conn, err := l.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	conn.SetDeadline(time.Now().Add(2 * time.Second))
+	got := make([]byte, len(want))
+	if _, err := io.ReadFull(conn, got); err != nil || string(got) != want {
+		t.Fatalf("the connection read %q, %v; want %q", got, err, want)
+	}
+	return conn
+}
+
+// listenerOnPair is stackOnPair with a listener on 198.18.0.1:80, and the
+// bridge's end to drive it.
+func listenerOnPair(t *testing.T) (*Stack, net.Listener, bridgeSide) {
+	t.Helper()
+	s, br := stackOnPair(t)
+	l, err := s.Listen("tcp", "198.18.0.1:80")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	return s, l, bridgeSide{t, br}
+}
+
 func tcpOf(t *testing.T, pkt []byte) *layers.TCP {
 	t.Helper()
 	first := layers.LayerTypeIPv4
@@ -77,13 +108,7 @@ func tcpOf(t *testing.T, pkt []byte) *layers.TCP {
 // MarkNotMine; unmarked, the stack resets it as before. A marked SYN, and
 // the marked segments of a connection the stack has, go up as usual.
 func TestMarkedStrangersGoBack(t *testing.T) {
-	s, br := stackOnPair(t)
-	l, err := s.Listen("tcp", "198.18.0.1:80")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	b := bridgeSide{t, br}
+	s, l, b := listenerOnPair(t)
 	remote4 := netip.MustParseAddr("198.18.9.9")
 	remote6 := netip.MustParseAddr("2001:db8::9")
 	local4, local6 := netip.AddrPortFrom(addrA[0], 80), netip.AddrPortFrom(addrA[1], 80)
@@ -113,16 +138,7 @@ func TestMarkedStrangersGoBack(t *testing.T) {
 	isn := tcpOf(t, synAck).Seq
 	b.send(ippkt.TCP(from, local4, 101, isn+1, false, true, false, nil), fabric.MarkMayReturn)
 	b.send(ippkt.TCP(from, local4, 101, isn+1, false, true, false, []byte("hello")), fabric.MarkMayReturn)
-	conn, err := l.Accept()
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	conn.SetReadDeadline(time.Now().Add(2 * time.Second))
-	got := make([]byte, 5)
-	if _, err := io.ReadFull(conn, got); err != nil || string(got) != "hello" {
-		t.Fatalf("the connection read %q, %v", got, err)
-	}
+	acceptRead(t, l, "hello")
 	for pkt, word := b.next(200 * time.Millisecond); pkt != nil; pkt, word = b.next(200 * time.Millisecond) {
 		if word != 0 || tcpOf(t, pkt).RST {
 			t.Fatalf("the connection's marked segments were answered by %x, word %#x", pkt, word)

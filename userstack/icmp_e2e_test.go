@@ -403,9 +403,15 @@ func routedFarHost(t *testing.T, e *e2e, mtu int) (*topology.NS, *topology.Veth)
 	// test a second). The new link's IPv6 addresses are tentative until
 	// duplicate address detection ends, which a loaded machine stretches:
 	// 3 s was once too short in CI.
+	// About one run in ten the first IPv6 echo goes unanswered while the
+	// two later ones come back at once (seen 2026-11-27, kernel to kernel:
+	// the bridge passes echoes and neighbour discovery to the host). The
+	// path is up when an echo is answered.
 	for _, dst := range []netip.Addr{link.B.Addr4.Addr(), link.B.Addr6.Addr()} {
-		if _, err := e.br.Ping(dst, 3, 15*time.Second); err != nil {
+		if n, err := e.br.Ping(dst, 3, 15*time.Second); n == 0 {
 			t.Fatalf("the far host does not answer ping from the bridge host: %v", err)
+		} else if err != nil {
+			t.Logf("%v; the path is up", err)
 		}
 	}
 	return far, link

@@ -51,13 +51,16 @@ type flowSlot struct {
 	hash uint32
 	last uint8 // the flow's latest packet in the batch
 	ack  bool  // that packet is a pure ACK a later segment may supersede
+	// tcpFrom and tcpTo locate that packet's TCP header (IP and TCP
+	// headers are at most 60 bytes each).
+	tcpFrom, tcpTo uint8
 }
 
 // tcpSegment finds the TCP header of p, an IPv4 packet that is not a
 // fragment or an IPv6 packet without extension headers. It returns the
-// header with its options and the payload's length, or ok false if p is no
-// such segment or its lengths disagree.
-func tcpSegment(p []byte) (tcp []byte, payload int, ok bool) {
+// header with its options, where in p it starts and the payload's length,
+// or ok false if p is no such segment or its lengths disagree.
+func tcpSegment(p []byte) (tcp []byte, at, payload int, ok bool) {
 	var ipLen, total int
 	switch {
 	case len(p) >= header.IPv4MinimumSize && p[0]>>4 == 4:
@@ -65,25 +68,25 @@ func tcpSegment(p []byte) (tcp []byte, payload int, ok bool) {
 		total = int(binary.BigEndian.Uint16(p[2:]))
 		flagsFrag := binary.BigEndian.Uint16(p[6:])
 		if p[9] != uint8(header.TCPProtocolNumber) || flagsFrag&0x3fff != 0 || ipLen < header.IPv4MinimumSize {
-			return nil, 0, false // another protocol, or a fragment (MF or an offset)
+			return nil, 0, 0, false // another protocol, or a fragment (MF or an offset)
 		}
 	case len(p) >= header.IPv6MinimumSize && p[0]>>4 == 6:
 		ipLen = header.IPv6MinimumSize
 		total = ipLen + int(binary.BigEndian.Uint16(p[4:]))
 		if p[6] != uint8(header.TCPProtocolNumber) {
-			return nil, 0, false
+			return nil, 0, 0, false
 		}
 	default:
-		return nil, 0, false
+		return nil, 0, 0, false
 	}
 	if total > len(p) || total < ipLen+header.TCPMinimumSize {
-		return nil, 0, false
+		return nil, 0, 0, false
 	}
 	doff := int(p[ipLen+12]>>4) * 4
 	if doff < header.TCPMinimumSize || ipLen+doff > total {
-		return nil, 0, false
+		return nil, 0, 0, false
 	}
-	return p[ipLen : ipLen+doff], total - ipLen - doff, true
+	return p[ipLen : ipLen+doff], ipLen, total - ipLen - doff, true
 }
 
 // segmentFlow is what flowHash hashes: a segment's addresses and ports.
@@ -215,40 +218,30 @@ func sameOptions(a, b []byte) bool {
 // such an ACK are remembered: a batch of data alone costs a glance per
 // packet.
 func (s *ackSuperseder) mark(bufs [][]byte, meta []uint32, verdicts []verdict, skip []bool, n int) (superseded int) {
-	first := -1
+	armed := false
 	for j := 0; j < n; j++ {
-		skip[j] = false
-		verdicts[j] = check(bufs[j])
-		if first < 0 && j < n-1 && meta[j]&fabric.MarkMayReturn == 0 {
-			if tcp, payload, ok := tcpSegment(bufs[j]); ok && payload == 0 && supersedable(tcp) {
-				first = j
-			}
-		}
-	}
-	if first < 0 {
-		return 0
-	}
-	if s.seed == (maphash.Seed{}) {
-		s.seed = maphash.MakeSeed()
-	}
-	s.gen++
-	if s.gen == 0 {
-		s.slots = [supersedeSlots]flowSlot{}
-		s.gen = 1
-	}
-	for j := first; j < n; j++ {
 		q := bufs[j]
-		qtcp, qPayload, ok := tcpSegment(q)
+		skip[j] = false
+		verdicts[j] = check(q)
+		qtcp, at, qPayload, ok := tcpSegment(q)
 		if !ok {
 			continue
 		}
 		ack := qPayload == 0 && meta[j]&fabric.MarkMayReturn == 0 && supersedable(qtcp)
+		if !armed {
+			if !ack {
+				continue // nothing before the first pure ACK can supersede one
+			}
+			s.arm()
+			armed = true
+		}
 		h := s.flowHash(q, qtcp)
 		for k := h; ; k++ {
 			slot := &s.slots[k&(supersedeSlots-1)]
 			if slot.gen != s.gen {
 				if ack { // the flow's first pure ACK in the batch
-					slot.gen, slot.hash, slot.last, slot.ack = s.gen, h, uint8(j), true
+					*slot = flowSlot{gen: s.gen, hash: h, ack: true}
+					slot.remember(j, at, len(qtcp))
 				}
 				break
 			}
@@ -256,7 +249,7 @@ func (s *ackSuperseder) mark(bufs [][]byte, meta []uint32, verdicts []verdict, s
 				continue
 			}
 			p := bufs[slot.last]
-			ptcp, _, _ := tcpSegment(p)
+			ptcp := p[slot.tcpFrom:slot.tcpTo]
 			if !sameFlow(p, ptcp, q, qtcp) {
 				continue
 			}
@@ -265,9 +258,29 @@ func (s *ackSuperseder) mark(bufs [][]byte, meta []uint32, verdicts []verdict, s
 				skip[slot.last] = true
 				superseded++
 			}
-			slot.last, slot.ack = uint8(j), ack
+			slot.ack = ack
+			slot.remember(j, at, len(qtcp))
 			break
 		}
 	}
 	return superseded
+}
+
+// arm readies the table for a new batch: every slot of an earlier one
+// counts as empty.
+func (s *ackSuperseder) arm() {
+	if s.seed == (maphash.Seed{}) {
+		s.seed = maphash.MakeSeed()
+	}
+	s.gen++
+	if s.gen == 0 {
+		s.slots = [supersedeSlots]flowSlot{}
+		s.gen = 1
+	}
+}
+
+// remember makes packet j, whose TCP header of size bytes starts at at,
+// the flow's latest.
+func (f *flowSlot) remember(j, at, size int) {
+	f.last, f.tcpFrom, f.tcpTo = uint8(j), uint8(at), uint8(at+size)
 }

@@ -106,6 +106,7 @@ type LinkEndpoint struct {
 	// conns answers whether a segment belongs to a connection of the
 	// stack (see handsBack); set once, before the stack attaches.
 	conns     *stack.Stack
+	local     localAddrs // the stack's addresses (local.go); set once, before the stack attaches
 	mtu       atomic.Uint32
 	maxPacket int
 	batch     int
@@ -151,6 +152,7 @@ type linkCounters struct {
 	txSegmented, txDropped                 atomic.Uint64
 	rxMayReturn, txNotMine                 atomic.Uint64
 	txAcksDelayed, txAcksAbsorbed          atomic.Uint64
+	rxFromSelf, txLooped                   atomic.Uint64
 }
 
 // LinkStats are a LinkEndpoint's counters.
@@ -174,6 +176,10 @@ type LinkStats struct {
 	// of them, AcksAbsorbed were made redundant by a later segment of their
 	// connection and never sent.
 	AcksDelayed, AcksAbsorbed uint64
+	// RxFromSelf counts received packets dropped because their source was
+	// one of the stack's own addresses; TxLooped counts packets the stack
+	// sent to itself, handed back up without reaching the link (local.go).
+	RxFromSelf, TxLooped uint64
 }
 
 // add adds o's counts to s's.
@@ -193,6 +199,8 @@ func (s *LinkStats) add(o LinkStats) {
 	s.TxNotMine += o.TxNotMine
 	s.AcksDelayed += o.AcksDelayed
 	s.AcksAbsorbed += o.AcksAbsorbed
+	s.RxFromSelf += o.RxFromSelf
+	s.TxLooped += o.TxLooped
 }
 
 // NewLinkEndpoint returns an endpoint over l. Its receive loop starts when
@@ -248,6 +256,7 @@ func (e *LinkEndpoint) Stats() LinkStats {
 		TxSegmented: c.txSegmented.Load(), TxDropped: c.txDropped.Load(),
 		RxMayReturn: c.rxMayReturn.Load(), TxNotMine: c.txNotMine.Load(),
 		AcksDelayed: c.txAcksDelayed.Load(), AcksAbsorbed: c.txAcksAbsorbed.Load(),
+		RxFromSelf: c.rxFromSelf.Load(), TxLooped: c.txLooped.Load(),
 	}
 }
 
@@ -469,6 +478,10 @@ func (r *receiver) deliver(n int) {
 		if r.skip[i] {
 			continue // superseded: the view stays for the next batch
 		}
+		if e.local.fromSelf(r.bufs[i]) {
+			e.stats.rxFromSelf.Add(1)
+			continue // a spoof: the view stays for the next batch
+		}
 		verdict := r.verdicts[i]
 		if verdict == corrupt {
 			e.stats.rxBadChecksum.Add(1)
@@ -637,11 +650,24 @@ var errLink = &tcpip.ErrClosedForSend{}
 // Concurrent calls are serialised, which also keeps the link's Send
 // single-producer.
 func (e *LinkEndpoint) WritePackets(pkts stack.PacketBufferList) (int, tcpip.Error) {
+	looped := 0
+	for _, pkt := range pkts.AsSlice() {
+		if e.toSelf(pkt) {
+			e.loopBack(pkt)
+			looped++
+		}
+	}
+	if looped == pkts.Len() {
+		return looped, nil
+	}
 	t := &e.tx
 	t.Lock()
 	defer t.Unlock()
-	written := 0
+	written := looped
 	for _, pkt := range pkts.AsSlice() {
+		if e.toSelf(pkt) {
+			continue // looped back above
+		}
 		ok, err := e.writeLocked(pkt)
 		if err != nil {
 			return written, err
@@ -702,6 +728,10 @@ type linkQDisc struct{ e *LinkEndpoint }
 // WritePacket implements stack.QueueingDiscipline.
 func (q linkQDisc) WritePacket(pkt *stack.PacketBuffer) tcpip.Error {
 	e := q.e
+	if e.toSelf(pkt) {
+		e.loopBack(pkt)
+		return nil
+	}
 	e.tx.Lock()
 	defer e.tx.Unlock()
 	if _, err := e.writeLocked(pkt); err != nil {

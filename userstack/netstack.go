@@ -73,8 +73,11 @@ func newNetstack(ep *LinkEndpoint, addrs []netip.Addr, rcvMax int) (*stack.Stack
 			ipv6.NewProtocolWithOptions(ipv6.Options{}),
 		},
 		TransportProtocols: []stack.TransportProtocolFactory{tcpFactory(), udp.NewProtocol},
-		HandleLocal:        true,
-		Clock:              newMonotonicClock(),
+		// The link endpoint loops the stack's traffic to itself back
+		// and drops spoofs of its addresses (local.go), which gVisor's
+		// HandleLocal does at a copy per packet received.
+		HandleLocal: false,
+		Clock:       newMonotonicClock(),
 	})
 	ep.conns = s
 	fail := func(what string, err tcpip.Error) (*stack.Stack, error) {
@@ -146,6 +149,7 @@ func addNIC(s *stack.Stack, id tcpip.NICID, ep *LinkEndpoint, addrs []netip.Addr
 		name = fmt.Sprintf("fabric%d", id-nicID)
 	}
 	opts := stack.NICOptions{Name: name}
+	ep.local = newLocalAddrs(addrs)
 	link := withHopTrace(ep)
 	if link == stack.LinkEndpoint(ep) {
 		// Tracing sees packets in the wrapper's WritePackets, which a

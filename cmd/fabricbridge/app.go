@@ -316,8 +316,8 @@ func serveApp(ctx context.Context, o appOptions, stdout io.Writer) error {
 // logLinkStats is the application's last line: what its stack's links
 // moved, and what the receive and transmit paths saved or refused.
 func logLinkStats(w io.Writer, kind string, s userstack.LinkStats) {
-	fmt.Fprintf(w, "%s: link: received %d packets in %d batches (%d pure ACKs superseded, %d bad checksums, %d not IP); sent %d packets in %d batches (%d pure ACKs delayed, %d of them absorbed; %d dropped)\n",
-		kind, s.RxPackets, s.RxBatches, s.RxAcksSuperseded, s.RxBadChecksum, s.RxNotIP, s.TxPackets, s.TxBatches, s.AcksDelayed, s.AcksAbsorbed, s.TxDropped)
+	fmt.Fprintf(w, "%s: link: received %d packets in %d batches (%d pure ACKs superseded, %d bad checksums, %d not IP, %d from its own address); sent %d packets in %d batches (%d pure ACKs delayed, %d of them absorbed; %d dropped), %d to itself\n",
+		kind, s.RxPackets, s.RxBatches, s.RxAcksSuperseded, s.RxBadChecksum, s.RxNotIP, s.RxFromSelf, s.TxPackets, s.TxBatches, s.AcksDelayed, s.AcksAbsorbed, s.TxDropped, s.TxLooped)
 }
 
 // drainApp has every bridge send st no new connections and waits until

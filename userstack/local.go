@@ -20,11 +20,9 @@ import (
 //     leaves it: the receive loop drops it (RxFromSelf).
 //
 // While HandleLocal is on, gVisor's IPv4 and IPv6 receive paths look every
-// packet's source up among the NIC's addresses, slicing the header again
-// while they hold a view of it, which makes the buffer look shared and so
-// copies the whole packet: a copy and a locked lookup per packet received
-// (docs/performance.md, "The stack's own addresses"). Comparing the source
-// with one or two addresses here costs a few nanoseconds.
+// packet's source up among the NIC's addresses (docs/performance.md, "The
+// stack's own addresses"); comparing it with one or two addresses here
+// costs a few nanoseconds.
 
 // localAddrs are a stack's own addresses, the same on each of its NICs and
 // fixed before the first NIC attaches.

@@ -3,6 +3,7 @@ package userstack
 import (
 	"errors"
 	"sync"
+	"sync/atomic"
 
 	"github.com/fabricbridge/fabricbridge/fabric"
 )
@@ -16,9 +17,17 @@ type relink struct {
 	// lost is told, once per stream, that the stream failed.
 	lost func(l Link, err error)
 
-	mu      sync.Mutex
+	// mu serialises the changes; each one stores a new state, so that
+	// every packet sent and every batch received reads the stream with
+	// one atomic load instead of taking a lock both directions share.
+	mu    sync.Mutex
+	state atomic.Pointer[relinkState]
+}
+
+// relinkState is one relink's state, never changed once stored.
+type relinkState struct {
 	cur     Link          // nil while the bridge is away
-	changed chan struct{} // closed, and replaced, when cur changes or the relink closes
+	changed chan struct{} // closed when this state is replaced
 	closed  bool
 }
 
@@ -26,19 +35,26 @@ type relink struct {
 var errRelinkClosed = errors.New("userstack: link closed")
 
 func newRelink(l Link, lost func(Link, error)) *relink {
-	return &relink{cur: l, lost: lost, changed: make(chan struct{})}
+	r := &relink{lost: lost}
+	r.state.Store(&relinkState{cur: l, changed: make(chan struct{})})
+	return r
+}
+
+// replace stores the state that follows old and wakes whoever waits on
+// old. r.mu is held.
+func (r *relink) replace(old *relinkState, l Link, closed bool) {
+	next := &relinkState{cur: l, changed: make(chan struct{}), closed: closed}
+	r.state.Store(next)
+	close(old.changed)
 }
 
 // set attaches l (nil: none) and wakes a Recv waiting for a stream.
 func (r *relink) set(l Link) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.closed {
-		return
+	if old := r.state.Load(); !old.closed {
+		r.replace(old, l, false)
 	}
-	r.cur = l
-	close(r.changed)
-	r.changed = make(chan struct{})
 }
 
 // Close makes Recv return errRelinkClosed once the current stream's Recv
@@ -46,28 +62,24 @@ func (r *relink) set(l Link) {
 func (r *relink) Close() error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if !r.closed {
-		r.closed = true
-		r.cur = nil
-		close(r.changed)
+	if old := r.state.Load(); !old.closed {
+		r.replace(old, nil, true)
 	}
 	return nil
 }
 
 func (r *relink) current() (Link, <-chan struct{}, bool) {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.cur, r.changed, r.closed
+	s := r.state.Load()
+	return s.cur, s.changed, s.closed
 }
 
 // fail reports l's failure, unless l has been replaced already.
 func (r *relink) fail(l Link, err error) {
 	r.mu.Lock()
-	mine := r.cur == l && !r.closed
+	old := r.state.Load()
+	mine := old.cur == l && !old.closed
 	if mine {
-		r.cur = nil
-		close(r.changed)
-		r.changed = make(chan struct{})
+		r.replace(old, nil, false)
 	}
 	r.mu.Unlock()
 	if mine && r.lost != nil {

@@ -561,11 +561,63 @@ func clientTCP(ns *topology.NS) (in, out, retrans uint64, err error) {
 type serveCounters struct {
 	machine, owned, lead, ringFull, retrans, segsIn, segsOut uint64
 	client, wall                                             time.Duration
+	why                                                      retransKinds
 }
 
 func (c serveCounters) since(before serveCounters) serveCounters {
-	return serveCounters{c.machine - before.machine, c.owned - before.owned, c.lead - before.lead, c.ringFull - before.ringFull, c.retrans - before.retrans,
-		c.segsIn - before.segsIn, c.segsOut - before.segsOut, c.client - before.client, c.wall - before.wall}
+	d := serveCounters{c.machine - before.machine, c.owned - before.owned, c.lead - before.lead, c.ringFull - before.ringFull, c.retrans - before.retrans,
+		c.segsIn - before.segsIn, c.segsOut - before.segsOut, c.client - before.client, c.wall - before.wall, retransKinds{}}
+	for i := range d.why {
+		d.why[i] = c.why[i] - before.why[i]
+	}
+	return d
+}
+
+// retransKinds are the client's TcpExt counters that say why it
+// retransmitted, in the order of retransKindNames.
+type retransKinds [3]uint64
+
+var retransKindNames = [...]string{"TCPSynRetrans", "TCPTimeouts", "TCPLossProbes"}
+
+// String is empty when nothing was counted, else the counts in brackets.
+func (k retransKinds) String() string {
+	if k == (retransKinds{}) {
+		return ""
+	}
+	return fmt.Sprintf(" (SYN %d, timeouts %d, loss probes %d)", k[0], k[1], k[2])
+}
+
+// clientTCPExt reads the namespace's retransmission causes.
+func clientTCPExt(ns *topology.NS) (k retransKinds, err error) {
+	err = ns.Do(func() error {
+		b, err := os.ReadFile("/proc/thread-self/net/netstat")
+		if err != nil {
+			return err
+		}
+		var names []string
+		for line := range strings.Lines(string(b)) {
+			f := strings.Fields(line)
+			if len(f) == 0 || f[0] != "TcpExt:" {
+				continue
+			}
+			if names == nil {
+				names = f
+				continue
+			}
+			for j, name := range retransKindNames {
+				i := slices.Index(names, name)
+				if i <= 0 || i >= len(f) {
+					return fmt.Errorf("no TcpExt %s in /proc/net/netstat", name)
+				}
+				if k[j], err = strconv.ParseUint(f[i], 10, 64); err != nil {
+					return err
+				}
+			}
+			return nil
+		}
+		return errors.New("no TcpExt counters in /proc/net/netstat")
+	})
+	return k, err
 }
 
 // clockTick is USER_HZ on Linux.
@@ -579,6 +631,7 @@ type requestResult struct {
 	machineCPU, owned time.Duration // per request
 	lead              time.Duration // per request: the daemon's part of owned
 	ringFull, retrans uint64
+	why               retransKinds
 	// segsIn and segsOut are the client's TCP segments received and sent
 	// per request.
 	segsIn, segsOut float64
@@ -589,7 +642,7 @@ func (r *requestResult) charge(d serveCounters) {
 	r.machineCPU = time.Duration(float64(d.machine) * float64(clockTick) / r.reqs)
 	r.owned = time.Duration(float64(d.owned) * float64(clockTick) / r.reqs)
 	r.lead = time.Duration(float64(d.lead) * float64(clockTick) / r.reqs)
-	r.ringFull, r.retrans = d.ringFull, d.retrans
+	r.ringFull, r.retrans, r.why = d.ringFull, d.retrans, d.why
 	r.segsIn, r.segsOut = float64(d.segsIn)/r.reqs, float64(d.segsOut)/r.reqs
 }
 
@@ -676,6 +729,7 @@ type bulkResult struct {
 	// client's; the rest is softirq work outside both and other threads.
 	servingPerGB, clientPerGB float64
 	ringFull, retrans         uint64
+	why                       retransKinds
 	// segsIn and segsOut are the client's TCP segments received and sent
 	// per MiB moved: the sender's ACKs in, or the downloader's data.
 	segsIn, segsOut float64
@@ -983,6 +1037,9 @@ metrics: {address: %q}
 		if c.segsIn, c.segsOut, c.retrans, err = clientTCP(outside); err != nil {
 			b.Fatal(err)
 		}
+		if c.why, err = clientTCPExt(outside); err != nil {
+			b.Fatal(err)
+		}
 		if !opening {
 			c.ringFull = ringFull()
 		}
@@ -1076,7 +1133,7 @@ metrics: {address: %q}
 		gb := n / 1e9
 		return bulkResult{gbps: n * 8 / float64(took.Nanoseconds()), cpuPerGB: float64(delta.machine) * clockTick.Seconds() / gb,
 			servingPerGB: float64(delta.owned) * clockTick.Seconds() / gb, clientPerGB: delta.client.Seconds() / gb,
-			ringFull: delta.ringFull, retrans: delta.retrans,
+			ringFull: delta.ringFull, retrans: delta.retrans, why: delta.why,
 			segsIn: float64(delta.segsIn) / (n / (1 << 20)), segsOut: float64(delta.segsOut) / (n / (1 << 20))}
 	}
 
@@ -1130,8 +1187,8 @@ metrics: {address: %q}
 						who string
 						r   bulkResult
 					}{{"kernel", kr[i]}, {"bridge", br[i]}} {
-						b.Logf("%s round %d %s: %.2f Gbit/s, CPU %.2f s/GB (serving %.2f, client %.2f), ring-full %d, client retransmits %d, client segments/MiB in %.1f out %.1f",
-							d.name, i, x.who, x.r.gbps, x.r.cpuPerGB, x.r.servingPerGB, x.r.clientPerGB, x.r.ringFull, x.r.retrans, x.r.segsIn, x.r.segsOut)
+						b.Logf("%s round %d %s: %.2f Gbit/s, CPU %.2f s/GB (serving %.2f, client %.2f), ring-full %d, client retransmits %d%v, client segments/MiB in %.1f out %.1f",
+							d.name, i, x.who, x.r.gbps, x.r.cpuPerGB, x.r.servingPerGB, x.r.clientPerGB, x.r.ringFull, x.r.retrans, x.r.why, x.r.segsIn, x.r.segsOut)
 					}
 				}
 				k, br1 := medianBulk(kr), medianBulk(br)
@@ -1207,8 +1264,8 @@ func logLoadRound(b *testing.B, label string, round int, kernel, bridge requestR
 		if x.who == "bridge" {
 			daemon = fmt.Sprintf(" (daemon %v)", x.r.lead)
 		}
-		b.Logf("%s round %d %s: %.0f req/s, CPU/req machine %v serving %v%s, p50 %v p99 %v, ring-full %d, client retransmits %d, client segments/req in %.2f out %.2f %s",
-			label, round, x.who, x.r.rate, x.r.machineCPU, x.r.owned, daemon, x.r.p50, x.r.p99, x.r.ringFull, x.r.retrans, x.r.segsIn, x.r.segsOut, x.r.errors)
+		b.Logf("%s round %d %s: %.0f req/s, CPU/req machine %v serving %v%s, p50 %v p99 %v, ring-full %d, client retransmits %d%v, client segments/req in %.2f out %.2f %s",
+			label, round, x.who, x.r.rate, x.r.machineCPU, x.r.owned, daemon, x.r.p50, x.r.p99, x.r.ringFull, x.r.retrans, x.r.why, x.r.segsIn, x.r.segsOut, x.r.errors)
 	}
 }
 

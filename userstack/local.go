@@ -2,6 +2,7 @@ package userstack
 
 import (
 	"net/netip"
+	"slices"
 
 	"gvisor.dev/gvisor/pkg/buffer"
 	"gvisor.dev/gvisor/pkg/tcpip"
@@ -44,29 +45,13 @@ func newLocalAddrs(addrs []netip.Addr) localAddrs {
 }
 
 // fromSelf reports whether the IP packet p claims one of the addresses as
-// its source. p's version nibble has been checked; a packet too short to
-// hold a source is not judged here.
+// its source. A packet too short to hold a source is not judged here.
 func (l *localAddrs) fromSelf(p []byte) bool {
-	if p[0]>>4 == 4 {
-		if len(p) < header.IPv4MinimumSize {
-			return false
-		}
-		src := [4]byte(p[12:16])
-		for _, a := range l.v4 {
-			if a == src {
-				return true
-			}
-		}
-		return false
-	}
-	if len(p) < header.IPv6MinimumSize {
-		return false
-	}
-	src := [16]byte(p[8:24])
-	for _, a := range l.v6 {
-		if a == src {
-			return true
-		}
+	switch {
+	case p[0]>>4 == 4 && len(p) >= header.IPv4MinimumSize:
+		return slices.Contains(l.v4, [4]byte(p[12:16]))
+	case p[0]>>4 == 6 && len(p) >= header.IPv6MinimumSize:
+		return slices.Contains(l.v6, [16]byte(p[8:24]))
 	}
 	return false
 }
@@ -75,19 +60,9 @@ func (l *localAddrs) fromSelf(p []byte) bool {
 func (l *localAddrs) has(a tcpip.Address) bool {
 	switch a.Len() {
 	case 4:
-		v := a.As4()
-		for _, x := range l.v4 {
-			if x == v {
-				return true
-			}
-		}
+		return slices.Contains(l.v4, a.As4())
 	case 16:
-		v := a.As16()
-		for _, x := range l.v6 {
-			if x == v {
-				return true
-			}
-		}
+		return slices.Contains(l.v6, a.As16())
 	}
 	return false
 }

@@ -33,18 +33,7 @@ func TestTrafficToItself(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer l.Close()
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				io.Copy(c, c)
-			}()
-		}
-	}()
+	go serveConns(l, func(c net.Conn) { io.Copy(c, c) })
 	pc, err := pb.s.ListenPacket("udp", ":9")
 	if err != nil {
 		t.Fatal(err)

@@ -519,38 +519,47 @@ func machineTicks() (uint64, error) {
 // and retransmitted. Outside, they count what the server's side put on the
 // wire per request (a pure ACK the server need not send costs both sides).
 func clientTCP(ns *topology.NS) (in, out, retrans uint64, err error) {
-	err = ns.Do(func() error {
-		b, err := os.ReadFile("/proc/thread-self/net/snmp")
+	v, err := netCounters(ns, "snmp", "Tcp:", "InSegs", "OutSegs", "RetransSegs")
+	if err != nil {
+		return 0, 0, 0, err
+	}
+	return v[0], v[1], v[2], nil
+}
+
+// netCounters reads the named counters of one protocol's table in the
+// namespace's /proc/net/snmp or /proc/net/netstat: a line of names after
+// prefix, then a line of values.
+func netCounters(ns *topology.NS, file, prefix string, names ...string) ([]uint64, error) {
+	vals := make([]uint64, len(names))
+	err := ns.Do(func() error {
+		b, err := os.ReadFile("/proc/thread-self/net/" + file)
 		if err != nil {
 			return err
 		}
-		var names []string
+		var header []string
 		for line := range strings.Lines(string(b)) {
 			f := strings.Fields(line)
-			if len(f) == 0 || f[0] != "Tcp:" {
+			if len(f) == 0 || f[0] != prefix {
 				continue
 			}
-			if names == nil {
-				names = f
+			if header == nil {
+				header = f
 				continue
 			}
-			for _, c := range []struct {
-				name string
-				v    *uint64
-			}{{"InSegs", &in}, {"OutSegs", &out}, {"RetransSegs", &retrans}} {
-				i := slices.Index(names, c.name)
+			for j, name := range names {
+				i := slices.Index(header, name)
 				if i <= 0 || i >= len(f) {
-					return fmt.Errorf("no Tcp %s in /proc/net/snmp", c.name)
+					return fmt.Errorf("no %s %s in /proc/net/%s", prefix, name, file)
 				}
-				if *c.v, err = strconv.ParseUint(f[i], 10, 64); err != nil {
+				if vals[j], err = strconv.ParseUint(f[i], 10, 64); err != nil {
 					return err
 				}
 			}
 			return nil
 		}
-		return errors.New("no Tcp counters in /proc/net/snmp")
+		return fmt.Errorf("no %s counters in /proc/net/%s", prefix, file)
 	})
-	return in, out, retrans, err
+	return vals, err
 }
 
 // serveCounters are what the benchmark reads before and after each client run,
@@ -589,34 +598,10 @@ func (k retransKinds) String() string {
 
 // clientTCPExt reads the namespace's retransmission causes.
 func clientTCPExt(ns *topology.NS) (k retransKinds, err error) {
-	err = ns.Do(func() error {
-		b, err := os.ReadFile("/proc/thread-self/net/netstat")
-		if err != nil {
-			return err
-		}
-		var names []string
-		for line := range strings.Lines(string(b)) {
-			f := strings.Fields(line)
-			if len(f) == 0 || f[0] != "TcpExt:" {
-				continue
-			}
-			if names == nil {
-				names = f
-				continue
-			}
-			for j, name := range retransKindNames {
-				i := slices.Index(names, name)
-				if i <= 0 || i >= len(f) {
-					return fmt.Errorf("no TcpExt %s in /proc/net/netstat", name)
-				}
-				if k[j], err = strconv.ParseUint(f[i], 10, 64); err != nil {
-					return err
-				}
-			}
-			return nil
-		}
-		return errors.New("no TcpExt counters in /proc/net/netstat")
-	})
+	v, err := netCounters(ns, "netstat", "TcpExt:", retransKindNames[:]...)
+	if err == nil {
+		copy(k[:], v)
+	}
 	return k, err
 }
 

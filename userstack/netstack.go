@@ -75,7 +75,7 @@ func newNetstack(ep *LinkEndpoint, addrs []netip.Addr, rcvMax int) (*stack.Stack
 		TransportProtocols: []stack.TransportProtocolFactory{tcpFactory(), udp.NewProtocol},
 		// The link endpoint loops the stack's traffic to itself back
 		// and drops spoofs of its addresses (local.go), which gVisor's
-		// HandleLocal does at a copy per packet received.
+		// HandleLocal does with a locked lookup per packet received.
 		HandleLocal: false,
 		Clock:       newMonotonicClock(),
 	})

@@ -665,7 +665,7 @@ func (e *LinkEndpoint) WritePackets(pkts stack.PacketBufferList) (int, tcpip.Err
 	defer t.Unlock()
 	written := looped
 	for _, pkt := range pkts.AsSlice() {
-		if e.toSelf(pkt) {
+		if looped > 0 && e.toSelf(pkt) {
 			continue // looped back above
 		}
 		ok, err := e.writeLocked(pkt)

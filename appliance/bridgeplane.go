@@ -383,6 +383,7 @@ var (
 	famQueueTxBytes    = metrics.Family{Name: "fabricbridge_queue_tx_bytes_total", Type: metrics.Counter, Help: "Bytes a queue sent to the wire."}
 	famQueueTxKernel   = metrics.Family{Name: "fabricbridge_queue_tx_via_kernel_total", Type: metrics.Counter, Help: "Packets handed to the kernel: the neighbour was not known yet, or fragments of a packet over a lowered MTU."}
 	famQueueTxJoined   = metrics.Family{Name: "fabricbridge_queue_tx_joined_total", Type: metrics.Counter, Help: "Packets sent joined with others of their TCP connection into one segmentation-offload packet (AF_XDP copy mode)."}
+	famQueueTxPktSock  = metrics.Family{Name: "fabricbridge_queue_tx_packet_socket_total", Type: metrics.Counter, Help: "Packets sent through the segmentation-offload packet socket, joined or not (AF_XDP copy mode; all of a pinned loop's on a device with several transmit queues)."}
 	famQueueTxOffLost  = metrics.Family{Name: "fabricbridge_queue_tx_offload_lost_total", Type: metrics.Counter, Help: "Packets lost in segmentation-offload sends (the device refused them; TCP sends them again)."}
 	famQueueTxRejects  = metrics.Family{Name: "fabricbridge_queue_tx_rejects_total", Type: metrics.Counter, Help: "Packets refused on transmit, by reason."}
 	famQueueFillEmpty  = metrics.Family{Name: "fabricbridge_queue_fill_ring_empty_total", Type: metrics.Counter, Help: "Times the kernel found the AF_XDP fill ring empty."}
@@ -448,6 +449,7 @@ func (p *bridgePlane) Collect(w *metrics.Writer, names func(uint32) string, apps
 		w.AddUint(famQueueTxKernel, q.TxViaKernel, l...)
 		w.AddUint(famQueueTxJoined, q.TxJoined, l...)
 		w.AddUint(famQueueTxOffLost, q.TxOffloadLost, l...)
+		w.AddUint(famQueueTxPktSock, q.TxPacketSocket, l...)
 		rejects(w, famQueueTxRejects, q.TxRejects, l...)
 		w.AddUint(famQueueFillEmpty, q.FillRingEmpty, l...)
 		w.AddUint(famQueueKernelDrop, q.KernelRxDrops, l...)

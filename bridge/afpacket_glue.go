@@ -238,4 +238,4 @@ func (a *afpTx) reclaim()      {}
 func (a *afpTx) maxFrame() int { return a.tx.MaxFrame() }
 func (a *afpTx) release()      { a.tx.Close() }
 
-func (a *afpTx) offloadStats() (joined, lost uint64) { return 0, 0 }
+func (a *afpTx) offloadStats() offloadCounts { return offloadCounts{} }

@@ -491,6 +491,8 @@ func (q *queue) loop(started chan<- error) {
 	} else if err := pinThread(q.cpu); err != nil {
 		started <- fmt.Errorf("bridge: queue %d: %w", q.id, err)
 		return
+	} else if x, ok := q.tx.port.(*xdpTx); ok {
+		x.pinned = true
 	}
 	q.tid.Store(int32(unix.Gettid()))
 	started <- nil

@@ -166,7 +166,11 @@ type segOffload struct {
 	frames [][]byte                  // a flush's frames, for plan and send
 	joined atomic.Uint64             // frames sent as part of an offload packet
 	lost   atomic.Uint64             // frames a failed send lost
+	sent   atomic.Uint64             // frames sent, joined or not
 }
+
+// offloadCounts are a TX port's packet-socket counters (QueueStats).
+type offloadCounts struct{ joined, lost, sent uint64 }
 
 // newSegOffload opens a packet socket on ifindex, in the calling thread's
 // network namespace, that sends frames with a virtio-net header and
@@ -292,6 +296,7 @@ func (o *segOffload) send(frames [][]byte) int {
 		i = j
 	}
 	n := o.sendmmsg(nmsg)
+	o.sent.Add(uint64(n))
 	if n < len(frames) {
 		o.lost.Add(uint64(len(frames) - n))
 	}

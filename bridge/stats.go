@@ -49,7 +49,10 @@ type QueueStats struct {
 	// TxJoined counts the packets sent joined with others of their TCP
 	// connection into one segmentation-offload packet (AF_XDP copy mode,
 	// Config.NoSegmentOffload), TxOffloadLost those such a send lost.
-	TxJoined, TxOffloadLost uint64
+	// TxPacketSocket counts the packets sent through the packet socket
+	// that carries such sends, joined or not: on a device that transmits
+	// on several queues, a pinned loop sends all its packets that way.
+	TxJoined, TxOffloadLost, TxPacketSocket uint64
 	// FillRingEmpty counts the times the kernel found the fill ring empty
 	// (AF_XDP); KernelRxDrops the frames the kernel dropped for want of
 	// room (AF_XDP: RX ring full or other; AF_PACKET: ring drops).
@@ -101,7 +104,8 @@ func (b *Bridge) Stats() Stats {
 		}
 		qs.TxRejects = rejectsFrom(&rej)
 		qs.FillRingEmpty, qs.KernelRxDrops = q.rx.kernelStats()
-		qs.TxJoined, qs.TxOffloadLost = q.tx.port.offloadStats()
+		oc := q.tx.port.offloadStats()
+		qs.TxJoined, qs.TxOffloadLost, qs.TxPacketSocket = oc.joined, oc.lost, oc.sent
 		s.Queues = append(s.Queues, qs)
 	}
 	slices.SortFunc(s.Queues, func(a, b QueueStats) int { return a.Queue - b.Queue })

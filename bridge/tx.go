@@ -36,9 +36,10 @@ type txPort interface {
 	// release frees what the port alone owns (the RX side closes a shared
 	// UMEM).
 	release()
-	// offloadStats counts the frames sent joined into segmentation-offload
-	// packets and those such a send lost (AF_XDP copy mode, gso.go).
-	offloadStats() (joined, lost uint64)
+	// offloadStats counts the frames sent through the packet socket, those
+	// joined into segmentation-offload packets and those such a send lost
+	// (AF_XDP copy mode, gso.go).
+	offloadStats() offloadCounts
 }
 
 // txCounters are a TX side's counts, added to the queue's atomics per round.

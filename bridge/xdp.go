@@ -120,7 +120,7 @@ func (b *Bridge) openXSK(id int, bind xsk.BindMode) (*xdpRx, *xdpTx, error) {
 		} else if !b.segUsed.Swap(true) {
 			b.readTSO()
 		}
-		tx.tso = &b.tso
+		tx.tso, tx.txQueues = &b.tso, &b.txQueues
 	}
 	return rx, tx, nil
 }
@@ -197,8 +197,10 @@ type xdpTx struct {
 	// seg, in copy mode unless turned off, sends flushes that hold
 	// consecutive segments of a TCP connection through a packet socket
 	// with segmentation offload (gso.go).
-	seg *segOffload
-	tso *atomic.Uint32 // the device's TCP segmentation offloads (Bridge.tso)
+	seg      *segOffload
+	tso      *atomic.Uint32 // the device's TCP segmentation offloads (Bridge.tso)
+	txQueues *atomic.Int32  // the queues the device transmits on (Bridge.txQueues)
+	pinned   bool           // the loop runs on one CPU (set before it serves)
 }
 
 func (x *xdpTx) lend(bufs [][]byte) int {
@@ -233,7 +235,7 @@ func (x *xdpTx) settle() {
 }
 
 func (x *xdpTx) flush() {
-	if x.seg != nil && len(x.descs) > 1 && x.sock.TX.Pending() == 0 {
+	if x.seg != nil && len(x.descs) > 0 && x.sock.TX.Pending() == 0 {
 		// Frames the kernel has not taken from the ring yet would be
 		// overtaken: those flushes stay on the ring.
 		x.offload()
@@ -255,16 +257,28 @@ func (x *xdpTx) flush() {
 }
 
 // offload sends the queued frames through the packet socket when two of
-// them join into one offload packet. The kernel copies them inside
-// sendmmsg, as it does in copy mode's sendto, so their frames are free
-// once it returns. Frames queued before are on the wire already (flush
-// calls it only when the ring is empty), so the connection's order holds.
+// them join into one offload packet, and every flush while the device
+// transmits on more than one queue and the loop is pinned (see readTSO).
+// The kernel copies them inside sendmmsg, as it does in copy mode's
+// sendto, so their frames are free once it returns. Frames queued before
+// are on the wire already (flush calls it only when the ring is empty),
+// so the connection's order holds.
 func (x *xdpTx) offload() {
+	tso := x.tso.Load()
+	every := false
+	if x.txQueues.Load() > 1 {
+		if !x.pinned || tso&(tsoIPv4|tsoIPv6) == 0 {
+			return
+		}
+		every = true
+	} else if len(x.descs) < 2 {
+		return
+	}
 	frames := x.seg.frames[:len(x.descs)]
 	for i, d := range x.descs {
 		frames[i] = x.umem.Frame(d.Addr)[:d.Len]
 	}
-	if x.seg.plan(frames, x.tso.Load()) {
+	if x.seg.plan(frames, tso) || every {
 		if x.seg.send(frames) < len(frames) {
 			// A device that stopped segmenting drops every offload
 			// packet, the retransmissions' too: stop joining until the
@@ -287,11 +301,11 @@ func (x *xdpTx) release() {
 	}
 }
 
-func (x *xdpTx) offloadStats() (joined, lost uint64) {
+func (x *xdpTx) offloadStats() offloadCounts {
 	if x.seg == nil {
-		return 0, 0
+		return offloadCounts{}
 	}
-	return x.seg.joined.Load(), x.seg.lost.Load()
+	return offloadCounts{joined: x.seg.joined.Load(), lost: x.seg.lost.Load(), sent: x.seg.sent.Load()}
 }
 
 func (x *xdpTx) reclaim() {
@@ -308,23 +322,31 @@ func (x *xdpTx) reclaim() {
 
 // readTSO reads which families the device segments TCP for. Segments of
 // the others are never joined: with qdisc bypass the kernel drops an
-// offload packet it would have to cut in software. Nor are any joined while
-// the device transmits on more than one queue: the packet socket's queue is
-// the kernel's pick (XPS or a hash of the flow), the AF_XDP socket's is its
-// own, and a connection whose consecutive flushes took the two could have
-// its segments reordered between the queues.
+// offload packet it would have to cut in software.
+//
+// It also reads how many queues the device transmits on. On one, the
+// packet socket and the AF_XDP socket feed the same driver queue, so a
+// flush may take either way. On more, the packet socket's queue is the
+// kernel's pick (the driver's, XPS for the sending CPU, or the CPU's
+// number modulo the queues) and the AF_XDP socket's is its own, so a
+// connection whose consecutive flushes took the two ways could have its
+// segments reordered between the queues. A loop pinned to one CPU then
+// sends every flush through the packet socket: from one CPU, the kernel
+// picks the same queue for every packet of a flow, as it does for its own
+// TCP's. An unpinned loop moves between CPUs, so it joins nothing and
+// keeps to its AF_XDP ring.
 func (b *Bridge) readTSO() {
 	tso := tsoOf(b.feats)
 	txq := b.txQueuesInUse()
-	if txq > 1 {
-		tso = 0
-	}
 	tso |= tsoRead
 	b.tso.Store(tso)
 	old := b.tsoDevice.Swap(tso)
 	oldTxq := b.txQueues.Swap(int32(txq))
 	if old != tso || (oldTxq > 1) != (txq > 1) {
 		b.log.Info("bridge: TCP segmentation offload of the device", "interface", b.cfg.Interface, "ipv4", tso&tsoIPv4 != 0, "ipv6", tso&tsoIPv6 != 0, "tx_queues", txq)
+		if txq > 1 && tso&(tsoIPv4|tsoIPv6) != 0 && len(b.cfg.CPUs) == 0 {
+			b.log.Warn("bridge: segments are not joined: the device transmits on more than one queue and the loops are not pinned to CPUs (cpus)", "interface", b.cfg.Interface, "tx_queues", txq)
+		}
 	}
 }
 

@@ -77,12 +77,14 @@ var e2ePorts = classifier.PortRange{Lo: 42000, Hi: 42999}
 func newE2E(t testing.TB) *e2e { return newE2EWith(t, topology.VethOptions{}, nil) }
 
 // newE2EWith is newE2E on a wire made with opts; prepare, if not nil, runs
-// on the wire before the bridge opens on it.
-func newE2EWith(t testing.TB, opts topology.VethOptions, prepare func(*topology.Veth) error) *e2e {
+// on the wire before the bridge opens on it, and may set the bridge's
+// configuration (its interface, logger and spin are the test's).
+func newE2EWith(t testing.TB, opts topology.VethOptions, prepare func(*topology.Veth, *bridge.Config) error) *e2e {
 	testenv.RequirePrivileged(t)
 	out, br, wire := topology.Pair(t, opts)
+	var brCfg bridge.Config
 	if prepare != nil {
-		if err := prepare(wire); err != nil {
+		if err := prepare(wire, &brCfg); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -115,7 +117,8 @@ func newE2EWith(t testing.TB, opts topology.VethOptions, prepare func(*topology.
 		// The bridge's default UMEM, as in production: with 1024 frames (512
 		// for RX) its fill ring ran dry in bulk transfers and the kernel
 		// dropped 1-6% of the segments.
-		if e.b, err = bridge.Open(bridge.Config{Interface: wire.B.Name, Logger: log, Spin: e.spin}); err != nil {
+		brCfg.Interface, brCfg.Logger, brCfg.Spin = wire.B.Name, log, e.spin
+		if e.b, err = bridge.Open(brCfg); err != nil {
 			return err
 		}
 		if remote, err = fabric.ListenRemote(netip.AddrPortFrom(appLink.A.Addr4.Addr(), 0), fabric.RemoteConfig{}); err != nil {

@@ -3,8 +3,11 @@ package userstack
 import (
 	"bytes"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/fabricbridge/fabricbridge/bridge"
 	"github.com/fabricbridge/fabricbridge/bridge/features"
@@ -53,14 +56,21 @@ func TestSegmentOffloadFollowsTSO(t *testing.T) {
 	}
 }
 
-// TestSegmentOffloadNeedsOneTxQueue runs a bridge on a wire that transmits
-// on one of its two queues, then gives it the second (ethtool -L):
-// segments are joined while the device transmits on one queue and not once
-// it has two, where the packet socket could put a connection's segments on
-// another queue than the AF_XDP socket's. Downloads arrive whole every
-// time. (The way back is refused by the kernel: the bridge's AF_XDP socket
-// on queue 1 holds the channel.)
-func TestSegmentOffloadNeedsOneTxQueue(t *testing.T) {
+// TestSegmentOffloadOnTwoTxQueues runs a bridge on a wire that transmits
+// on one of its two queues, then gives it the second (ethtool -L).
+// Downloads arrive whole every time, and segments are joined on one
+// queue. On two, the packet socket could put a connection's segments on
+// another queue than the AF_XDP socket's: an unpinned loop joins nothing
+// more, and a loop pinned to a CPU goes on joining but sends every packet
+// through the packet socket, none through its AF_XDP ring. (The way back
+// to one queue is refused by the kernel: the bridge's AF_XDP socket on
+// queue 1 holds the channel.)
+func TestSegmentOffloadOnTwoTxQueues(t *testing.T) {
+	t.Run("unpinned", func(t *testing.T) { segmentOffloadOnTwoTxQueues(t, false) })
+	t.Run("pinned", func(t *testing.T) { segmentOffloadOnTwoTxQueues(t, true) })
+}
+
+func segmentOffloadOnTwoTxQueues(t *testing.T, pin bool) {
 	// Both ends are made with two queues and narrowed to one before the
 	// bridge opens: a veth with XDP wants as many receive queues as its
 	// peer transmits on, and the bridge then serves queue 0 alone.
@@ -92,18 +102,41 @@ func TestSegmentOffloadNeedsOneTxQueue(t *testing.T) {
 		t.Cleanup(func() { d.Close() })
 		return nil
 	}
-	e := newE2EWith(t, topology.VethOptions{Queues: 2}, func(wire *topology.Veth) error {
+	e := newE2EWith(t, topology.VethOptions{Queues: 2}, func(wire *topology.Veth, cfg *bridge.Config) error {
+		if pin {
+			var allowed unix.CPUSet
+			if err := unix.SchedGetaffinity(0, &allowed); err != nil {
+				return err
+			}
+			for c := 0; c < 1024 && cfg.CPUs == nil; c++ {
+				if allowed.IsSet(c) {
+					cfg.CPUs = []int{c}
+				}
+			}
+		}
 		if err := narrow(wire.A, nil, nil); err != nil {
 			return err
 		}
 		return narrow(wire.B, &first, &dev)
 	})
-	download, joined := offloadDownloads(t, e)
+	download, _ := offloadDownloads(t, e)
+	counts := func() (c bridge.QueueStats) {
+		for _, q := range e.b.Stats().Queues {
+			c.TxPackets += q.TxPackets
+			c.TxJoined += q.TxJoined
+			c.TxOffloadLost += q.TxOffloadLost
+			c.TxPacketSocket += q.TxPacketSocket
+		}
+		return c
+	}
 
 	download("one transmit queue")
-	one, lost := joined()
-	if one == 0 || lost != 0 {
-		t.Fatalf("one transmit queue: %d segments joined, %d lost; want some joined, none lost", one, lost)
+	one := counts()
+	if one.TxJoined == 0 || one.TxOffloadLost != 0 {
+		t.Fatalf("one transmit queue: %d segments joined, %d lost; want some joined, none lost", one.TxJoined, one.TxOffloadLost)
+	}
+	if one.TxPacketSocket >= one.TxPackets {
+		t.Fatalf("one transmit queue: all %d packets went through the packet socket; want those that join alone", one.TxPackets)
 	}
 	second := first
 	second.Tx = 2
@@ -112,9 +145,24 @@ func TestSegmentOffloadNeedsOneTxQueue(t *testing.T) {
 	}
 	// The bridge reads the queues every second.
 	time.Sleep(1500 * time.Millisecond)
+	before := counts()
 	download("two transmit queues")
-	if n, lost := joined(); n != one || lost != 0 {
-		t.Fatalf("two transmit queues: %d more segments joined, %d lost; want none of either", n-one, lost)
+	two := counts()
+	sent, joined, viaSocket := two.TxPackets-before.TxPackets, two.TxJoined-before.TxJoined, two.TxPacketSocket-before.TxPacketSocket
+	if two.TxOffloadLost != 0 {
+		t.Fatalf("two transmit queues: %d segments lost in offload sends", two.TxOffloadLost)
+	}
+	if !pin {
+		if joined != 0 || viaSocket != 0 {
+			t.Fatalf("two transmit queues, loop not pinned: %d segments joined and %d packets through the packet socket; want none", joined, viaSocket)
+		}
+		return
+	}
+	if joined == 0 || viaSocket != sent {
+		t.Fatalf("two transmit queues, loop pinned: %d segments joined, %d of %d packets through the packet socket; want some joined and every packet through it", joined, viaSocket, sent)
+	}
+	if !strings.Contains(e.log.String(), "tx_queues=2") {
+		t.Errorf("the bridge did not log the second transmit queue; it logged:\n%s", e.log.String())
 	}
 }
 

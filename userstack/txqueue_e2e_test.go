@@ -5,6 +5,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/fabricbridge/fabricbridge/bridge"
 	"github.com/fabricbridge/fabricbridge/bridge/features"
 	"github.com/fabricbridge/fabricbridge/internal/topology"
 )
@@ -16,7 +17,7 @@ import (
 // queues, each serve a download to the outside, and every download arrives
 // whole.
 func TestStreamsTransmitOnQueuesThatExist(t *testing.T) {
-	e := newE2EWith(t, topology.VethOptions{Queues: 2}, func(wire *topology.Veth) error {
+	e := newE2EWith(t, topology.VethOptions{Queues: 2}, func(wire *topology.Veth, _ *bridge.Config) error {
 		var dev *features.Device
 		if err := wire.B.NS.Do(func() (err error) { dev, err = features.OpenDevice(wire.B.Name); return err }); err != nil {
 			return err

@@ -156,6 +156,9 @@ func segmentOffloadOnTwoTxQueues(t *testing.T, pin bool) {
 		if joined != 0 || viaSocket != 0 {
 			t.Fatalf("two transmit queues, loop not pinned: %d segments joined and %d packets through the packet socket; want none", joined, viaSocket)
 		}
+		if !strings.Contains(e.log.String(), "segments are not joined") {
+			t.Errorf("the bridge did not warn that an unpinned loop stops joining; it logged:\n%s", e.log.String())
+		}
 		return
 	}
 	if joined == 0 || viaSocket != sent {

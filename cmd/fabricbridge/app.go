@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
 	"crypto/x509"
@@ -36,6 +37,7 @@ type appOptions struct {
 	udp                bool
 	every              time.Duration
 	drainTimeout       time.Duration
+	stacks             int
 
 	// Where the bridge is, turned into stack.Control, stack.Remote or
 	// stack.Bridges by resolve.
@@ -90,8 +92,14 @@ pick steers its connections here: "local" is the local bridge (--control or
 on another node (with --secret-file and --tls-*, the same for every one).
 Packets leave through the first bridge of the list that is up.
 
+With --stacks N it runs N user-space stacks in this one process, each with a
+stream of its own and registered as an instance of the application, which
+the bridge spreads new connections over, as it does over instances in
+processes of their own. A stack's locks and counters are then shared by
+fewer connections (see docs/performance.md, several stacks in one process).
+
 On SIGTERM or Ctrl-C, an instance of a shared listener (--instance, or
-several --bridge) drains before it exits: every bridge sends it no new
+several --bridge, or --stacks) drains before it exits: every bridge sends it no new
 connections, and it serves the open ones until they end or --drain-timeout
 passes; then it exits 0. A second signal ends it at once. Any other
 application stops at once.`,
@@ -99,6 +107,9 @@ application stops at once.`,
 		RunE: func(c *cobra.Command, _ []string) error {
 			if err := o.resolve(); err != nil {
 				return err
+			}
+			if o.stacks > 1 {
+				return serveStacks(c.Context(), o, c.OutOrStdout())
 			}
 			return serveApp(c.Context(), o, c.OutOrStdout())
 		},
@@ -111,6 +122,7 @@ application stops at once.`,
 	fs.StringVar(&o.remote, "remote", "", "a bridge on another node, HOST:PORT (control over TCP, stream over GENEVE)")
 	fs.StringArrayVar(&o.bridges, "bridge", nil, "a bridge of a scale-out group, once for each: local, a control socket's path, or HOST:PORT; the first that is up sends")
 	fs.StringVar(&o.stack.Instance, "instance", "", "this instance's name, the same at every bridge (default: with several --bridge, HOST-PID)")
+	fs.IntVar(&o.stacks, "stacks", 1, "run this many stacks side by side, each with a stream of its own, as instances INSTANCE-1, INSTANCE-2, ... (default INSTANCE: NAME-PID)")
 	fs.DurationVar(&o.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM, how long an instance (--instance, or several --bridge) serves its open connections, taking no new ones, before it exits (0: exit at once)")
 	fs.StringVar(&o.secretFile, "secret-file", "", "the secret shared with that bridge (required with --remote)")
 	fs.StringVar(&o.tls.cert, "tls-cert", "", "client certificate, for a bridge with auth: tls (with --tls-key)")
@@ -136,6 +148,9 @@ application stops at once.`,
 func (o *appOptions) resolve() error {
 	if o.size < 0 || o.stack.MTU < 0 || o.rateMbit < 0 || o.drainTimeout < 0 || (o.kind == "sink" && o.every <= 0) {
 		return fmt.Errorf("app %s: --size, --mtu, --rate and --drain-timeout must not be negative, --every must be positive", o.kind)
+	}
+	if o.stacks < 1 || o.stacks > maxStacks {
+		return fmt.Errorf("app %s: --stacks %d: want 1 to %d", o.kind, o.stacks, maxStacks)
 	}
 	o.stack.App = o.name
 	remotes := o.remote != "" || slices.ContainsFunc(o.bridges, isRemoteBridge)
@@ -259,7 +274,8 @@ func (f clientTLSFiles) config(remote string) (*tls.Config, error) {
 // drains says whether the application drains when it is told to stop:
 // only an instance, which shares its listener with others, can hand new
 // connections over to them. Several bridges make the stack an instance
-// even without --instance (userstack.Options.Instance).
+// even without --instance (userstack.Options.Instance), and so do several
+// stacks (serveStacks names each).
 func (o *appOptions) drains() bool {
 	return o.drainTimeout > 0 && (o.stack.Instance != "" || len(o.stack.Bridges) > 1)
 }
@@ -311,6 +327,70 @@ func serveApp(ctx context.Context, o appOptions, stdout io.Writer) error {
 	default:
 		return serveSink(serveCtx, st, o.listen, o.udp, o.every, stdout, conns)
 	}
+}
+
+// serveStacks runs o.stacks stacks side by side in this process, each an
+// instance of the application (BASE-1, BASE-2, ...), until ctx ends or one
+// of them fails; then the others drain and stop too. Each line a stack
+// writes starts with its instance's name.
+func serveStacks(ctx context.Context, o appOptions, stdout io.Writer) error {
+	base := o.stack.Instance
+	if base == "" {
+		base = fmt.Sprintf("%s-%d", o.name, os.Getpid())
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	out := &sharedLines{w: stdout}
+	errs := make([]error, o.stacks)
+	var wg sync.WaitGroup
+	for i := range o.stacks {
+		oi := o
+		oi.stack.Instance = fmt.Sprintf("%s-%d", base, i+1)
+		wg.Go(func() {
+			if errs[i] = serveApp(ctx, oi, out.prefixed(oi.stack.Instance+": ")); errs[i] != nil {
+				cancel()
+			}
+		})
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+// maxStacks bounds --stacks: each stack holds a stream, a control
+// connection and its goroutines.
+const maxStacks = 256
+
+// sharedLines is one writer that several stacks write lines to.
+type sharedLines struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+// prefixed is a writer that puts prefix before each line written to it.
+func (s *sharedLines) prefixed(prefix string) io.Writer { return prefixedLines{s, prefix} }
+
+type prefixedLines struct {
+	to     *sharedLines
+	prefix string
+}
+
+func (p prefixedLines) Write(b []byte) (int, error) {
+	p.to.mu.Lock()
+	defer p.to.mu.Unlock()
+	for rest := b; len(rest) > 0; {
+		line := rest
+		if i := bytes.IndexByte(rest, '\n'); i >= 0 {
+			line = rest[:i+1]
+		}
+		rest = rest[len(line):]
+		if _, err := io.WriteString(p.to.w, p.prefix); err != nil {
+			return 0, err
+		}
+		if _, err := p.to.w.Write(line); err != nil {
+			return 0, err
+		}
+	}
+	return len(b), nil
 }
 
 // logLinkStats is the application's last line: what its stack's links

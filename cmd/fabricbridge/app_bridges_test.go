@@ -26,7 +26,7 @@ func TestAppBridgeList(t *testing.T) {
 	if err := os.WriteFile(secret, []byte("s3cret\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	o := appOptions{kind: "http", name: "web", control: "/run/a.sock", secretFile: secret,
+	o := appOptions{kind: "http", name: "web", control: "/run/a.sock", secretFile: secret, stacks: 1,
 		bridges: []string{"local", "198.18.0.1:7070", "/run/other.sock"}}
 	o.stack.Instance = "web-1"
 	if err := o.resolve(); err != nil {
@@ -47,7 +47,7 @@ func TestAppBridgeList(t *testing.T) {
 		"--remote besides --bridge":         {bridges: []string{"local"}, remote: "198.18.0.1:7070", secretFile: secret, control: "/run/a.sock"},
 		"a secret and only local bridges":   {bridges: []string{"local", "/run/b.sock"}, secretFile: secret, control: "/run/a.sock"},
 	} {
-		o.kind = "http"
+		o.kind, o.stacks = "http", 1
 		if err := o.resolve(); err == nil {
 			t.Errorf("%s: accepted: %+v", what, o.stack.Bridges)
 		}

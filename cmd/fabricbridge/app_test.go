@@ -152,10 +152,14 @@ func TestApps(t *testing.T) {
 
 func TestAppUsage(t *testing.T) {
 	for _, args := range [][]string{nil, {"ftp"}, {"--name", "x"}, {"http", "extra"}, {"http", "--mtu", "-1"},
-		{"http", "--remote", "198.18.0.1:7070"}, {"http", "--secret-file", "/dev/null"}, {"http", "--tls-cert", "c.pem"}} {
+		{"http", "--remote", "198.18.0.1:7070"}, {"http", "--secret-file", "/dev/null"}, {"http", "--tls-cert", "c.pem"},
+		{"http", "--stacks", "0"}, {"echo", "--stacks", "257"}} {
 		if err := appCommand(context.Background(), args, io.Discard); err == nil {
 			t.Errorf("%v accepted", args)
 		}
+	}
+	if err := appCommand(context.Background(), []string{"sink", "--stacks", "0"}, io.Discard); err == nil || !strings.Contains(err.Error(), "--stacks 0: want 1 to 256") {
+		t.Errorf("--stacks 0: %v; want an error naming the range", err)
 	}
 }
 

@@ -757,7 +757,9 @@ type bulkResult struct {
 // go to loop and app CPUs), the applications, the kernel server (to the loop
 // and app CPUs together, the cores both sides get) and the clients.
 // FB_BENCH_INSTANCES runs that many instances of `app http` (web-1, ...),
-// which the daemon spreads connections over, and FB_BENCH_QUEUES gives the
+// which the daemon spreads connections over, FB_BENCH_STACKS that many
+// stacks in each application process (`app http --stacks`), and
+// FB_BENCH_QUEUES gives the
 // veth that many queue pairs, one loop each (pin them with FB_BENCH_PIN's
 // loop CPUs): on a machine with cores to spare, several stacks with a
 // stream and a loop each instead of one stack on several cores.
@@ -781,6 +783,7 @@ func BenchmarkServeHTTP(b *testing.B) {
 	rounds := envInt("FB_BENCH_ROUNDS", 3)
 	seconds := envInt("FB_BENCH_SECONDS", 10)
 	instances := envInt("FB_BENCH_INSTANCES", 1)
+	stacks := envInt("FB_BENCH_STACKS", 1)
 	queues := envInt("FB_BENCH_QUEUES", 1)
 	conns := []int{50, 1000}
 	if s := os.Getenv("FB_BENCH_CONNS"); s == "none" {
@@ -849,7 +852,7 @@ func BenchmarkServeHTTP(b *testing.B) {
 	// A configured listener belongs to one registration of its
 	// application; several instances each claim the port when they listen.
 	webListener := fmt.Sprintf("  - {id: 1, name: http, protocol: tcp, port: %d, app: web}\n", appPort)
-	if instances > 1 {
+	if instances > 1 || stacks > 1 {
 		webListener = ""
 	}
 	cfg := fmt.Sprintf(`interfaces: [{name: %s, path: native-copy%s}]
@@ -915,12 +918,15 @@ metrics: {address: %q}
 			name = fmt.Sprintf("app-%d", i+1)
 			args = append(args, "--instance", fmt.Sprintf("web-%d", i+1))
 		}
+		if stacks > 1 {
+			args = append(args, "--instance", fmt.Sprintf("web-%d", i+1), "--stacks", strconv.Itoa(stacks))
+		}
 		apps[i] = startFabricbridge(name, pin.app, instanceEnv, args...)
 	}
 	app := apps[0] // the one profiled
 	bridgeSide := append([]*servingProc{daemon}, apps...)
-	if instances > 1 {
-		b.Logf("%d instances of the application %v, the veth with %d queue pairs", instances, instanceEnv, queues)
+	if instances > 1 || stacks > 1 {
+		b.Logf("%d instances of the application %v with %d stacks each, the veth with %d queue pairs", instances, instanceEnv, stacks, queues)
 	}
 	var sink, socatSink *servingProc
 	socat, socatErr := exec.LookPath("socat")

@@ -16,7 +16,7 @@
 # has one. On 8 CPUs or more, run pins the loop, the applications and the
 # clients apart unless FB_BENCH_PIN says otherwise (FB_BENCH_PIN=none: no
 # pinning), and then serves again with one instance of the application per
-# application CPU.
+# application CPU, and with one process of as many stacks.
 set -euo pipefail
 case "${1:-}" in
 build)
@@ -99,6 +99,13 @@ run)
 			FB_REQUIRE_PRIVILEGED=1 FB_BENCH_INSTANCES=$split FB_BENCH_AB=0 FB_BENCH_BULK_MB=0 FB_BENCH_ROUNDS=${FB_BENCH_ROUNDS:-3} FB_BENCH_SECONDS=5 \
 				timeout 120 "$dir/cmd.test" -test.run '^$' -test.bench ServeHTTP -test.benchtime 1x -test.v -test.timeout 110s 2>&1
 		} | tee "$out/serve-split.txt"
+		# The same split inside one process (app http --stacks), which
+		# then has all the application CPUs: about 45 s.
+		{
+			echo "servebench: one application process with $split stacks on its CPUs"
+			FB_REQUIRE_PRIVILEGED=1 FB_BENCH_STACKS=$split FB_BENCH_AB=0 FB_BENCH_BULK_MB=0 FB_BENCH_ROUNDS=${FB_BENCH_ROUNDS:-3} FB_BENCH_SECONDS=5 \
+				timeout 120 "$dir/cmd.test" -test.run '^$' -test.bench ServeHTTP -test.benchtime 1x -test.v -test.timeout 110s 2>&1
+		} | tee "$out/serve-stacks.txt"
 	fi
 	;;
 *)

@@ -21,7 +21,12 @@ import (
 	"github.com/spf13/cobra"
 )
 
+// ownsProcess is set when the command line runs as the whole process
+// (main), not inside a test's: only then may a command size the Go runtime.
+var ownsProcess bool
+
 func main() {
+	ownsProcess = true
 	err := execute(context.Background(), os.Args[1:], os.Stdout, os.Stderr)
 	if err == nil {
 		return

@@ -16,7 +16,8 @@
 # has one. On 8 CPUs or more, run pins the loop, the applications and the
 # clients apart unless FB_BENCH_PIN says otherwise (FB_BENCH_PIN=none: no
 # pinning), and then serves again with one instance of the application per
-# application CPU, and with one process of as many stacks.
+# application CPU (the main run has one process with a stack per
+# application CPU: FB_BENCH_STACKS).
 set -euo pipefail
 case "${1:-}" in
 build)
@@ -83,29 +84,25 @@ run)
 	# About 3 minutes on 16 CPUs: wrk 3x2x(10 s + 5 s), ab, the bulk
 	# transfers (Go sender and socat), the downloads 3x2 each; the limits
 	# keep it within a 5-minute window.
+	# The application runs a Go processor per stack, so with the default
+	# pinning it gets a stack for each of its CPUs (--stacks).
+	split=${FB_BENCH_SPLIT:-${split:-0}}
+	stacks=${FB_BENCH_STACKS:-$((split > 1 ? split : 1))}
 	{
-		echo "servebench: $pinned"
-		FB_REQUIRE_PRIVILEGED=1 FB_BENCH_ROUNDS=${FB_BENCH_ROUNDS:-3} FB_BENCH_SECONDS=${FB_BENCH_SECONDS:-10} timeout 280 "$dir/cmd.test" \
+		echo "servebench: $pinned; one application process with $stacks stacks"
+		FB_REQUIRE_PRIVILEGED=1 FB_BENCH_STACKS=$stacks FB_BENCH_ROUNDS=${FB_BENCH_ROUNDS:-3} FB_BENCH_SECONDS=${FB_BENCH_SECONDS:-10} timeout 280 "$dir/cmd.test" \
 			-test.run '^$' -test.bench ServeHTTP -test.benchtime 1x -test.v -test.timeout 270s 2>&1
 	} | tee "$out/serve.txt"
-	# The same cores split between instances, one stack each
-	# (FB_BENCH_INSTANCES, GOMAXPROCS 1 apiece) instead of one stack over
-	# all of them: keep-alive only, about 45 s. On by default with the
+	# The same cores split between processes, one stack each
+	# (FB_BENCH_INSTANCES, GOMAXPROCS 1 apiece) instead of one process
+	# with a stack for each: keep-alive only, about 45 s. On by default with the
 	# default pinning; FB_BENCH_SPLIT=N asks for N instances.
-	split=${FB_BENCH_SPLIT:-${split:-0}}
 	if [ "$split" -gt 1 ]; then
 		{
 			echo "servebench: $split instances of the application on its CPUs"
 			FB_REQUIRE_PRIVILEGED=1 FB_BENCH_INSTANCES=$split FB_BENCH_AB=0 FB_BENCH_BULK_MB=0 FB_BENCH_ROUNDS=${FB_BENCH_ROUNDS:-3} FB_BENCH_SECONDS=5 \
 				timeout 120 "$dir/cmd.test" -test.run '^$' -test.bench ServeHTTP -test.benchtime 1x -test.v -test.timeout 110s 2>&1
 		} | tee "$out/serve-split.txt"
-		# The same split inside one process (app http --stacks), which
-		# then has all the application CPUs: about 45 s.
-		{
-			echo "servebench: one application process with $split stacks on its CPUs"
-			FB_REQUIRE_PRIVILEGED=1 FB_BENCH_STACKS=$split FB_BENCH_AB=0 FB_BENCH_BULK_MB=0 FB_BENCH_ROUNDS=${FB_BENCH_ROUNDS:-3} FB_BENCH_SECONDS=5 \
-				timeout 120 "$dir/cmd.test" -test.run '^$' -test.bench ServeHTTP -test.benchtime 1x -test.v -test.timeout 110s 2>&1
-		} | tee "$out/serve-stacks.txt"
 	fi
 	;;
 *)

@@ -101,10 +101,10 @@ fewer connections (see docs/performance.md, several stacks in one process).
 The process runs one Go processor per stack unless GOMAXPROCS is set: a
 request's hand-offs between a stack's goroutines then stay on one core.
 
-On SIGTERM or Ctrl-C, an instance of a shared listener (--instance, or
-several --bridge, or --stacks) drains before it exits: every bridge sends it no new
-connections, and it serves the open ones until they end or --drain-timeout
-passes; then it exits 0. A second signal ends it at once. Any other
+On SIGTERM or Ctrl-C, an instance of a shared listener (--instance,
+several --bridge, or --stacks) drains before it exits: every bridge sends it
+no new connections, and it serves the open ones until they end or
+--drain-timeout passes; then it exits 0. A second signal ends it at once. Any other
 application stops at once.`,
 		Args: cobra.NoArgs,
 		RunE: func(c *cobra.Command, _ []string) error {
@@ -131,7 +131,7 @@ application stops at once.`,
 	fs.StringArrayVar(&o.bridges, "bridge", nil, "a bridge of a scale-out group, once for each: local, a control socket's path, or HOST:PORT; the first that is up sends")
 	fs.StringVar(&o.stack.Instance, "instance", "", "this instance's name, the same at every bridge (default: with several --bridge, HOST-PID)")
 	fs.IntVar(&o.stacks, "stacks", 1, "run this many stacks side by side, each with a stream of its own, as instances INSTANCE-1, INSTANCE-2, ... (default INSTANCE: NAME-PID)")
-	fs.DurationVar(&o.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM, how long an instance (--instance, or several --bridge) serves its open connections, taking no new ones, before it exits (0: exit at once)")
+	fs.DurationVar(&o.drainTimeout, "drain-timeout", 30*time.Second, "on SIGTERM, how long an instance (--instance, several --bridge, or --stacks) serves its open connections, taking no new ones, before it exits (0: exit at once)")
 	fs.StringVar(&o.secretFile, "secret-file", "", "the secret shared with that bridge (required with --remote)")
 	fs.StringVar(&o.tls.cert, "tls-cert", "", "client certificate, for a bridge with auth: tls (with --tls-key)")
 	fs.StringVar(&o.tls.key, "tls-key", "", "the client certificate's private key")

@@ -264,14 +264,12 @@ func (x *xdpTx) flush() {
 // are on the wire already (flush calls it only when the ring is empty),
 // so the connection's order holds.
 func (x *xdpTx) offload() {
+	every := x.txQueues.Load() > 1
+	if !every && len(x.descs) < 2 {
+		return
+	}
 	tso := x.tso.Load()
-	every := false
-	if x.txQueues.Load() > 1 {
-		if !x.pinned || tso&(tsoIPv4|tsoIPv6) == 0 {
-			return
-		}
-		every = true
-	} else if len(x.descs) < 2 {
+	if every && (!x.pinned || tso&(tsoIPv4|tsoIPv6) == 0) {
 		return
 	}
 	frames := x.seg.frames[:len(x.descs)]

@@ -104,8 +104,8 @@ request's hand-offs between a stack's goroutines then stay on one core.
 On SIGTERM or Ctrl-C, an instance of a shared listener (--instance,
 several --bridge, or --stacks) drains before it exits: every bridge sends it
 no new connections, and it serves the open ones until they end or
---drain-timeout passes; then it exits 0. A second signal ends it at once. Any other
-application stops at once.`,
+--drain-timeout passes; then it exits 0. A second signal ends it at once.
+Any other application stops at once.`,
 		Args: cobra.NoArgs,
 		RunE: func(c *cobra.Command, _ []string) error {
 			if err := o.resolve(); err != nil {
@@ -348,14 +348,15 @@ func serveStacks(ctx context.Context, o appOptions, stdout io.Writer) error {
 	}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	out := &sharedLines{w: stdout}
+	var outMu sync.Mutex
 	errs := make([]error, o.stacks)
 	var wg sync.WaitGroup
 	for i := range o.stacks {
 		oi := o
 		oi.stack.Instance = fmt.Sprintf("%s-%d", base, i+1)
 		wg.Go(func() {
-			if errs[i] = serveApp(ctx, oi, out.prefixed(oi.stack.Instance+": ")); errs[i] != nil {
+			out := prefixedLines{mu: &outMu, w: stdout, prefix: oi.stack.Instance + ": "}
+			if errs[i] = serveApp(ctx, oi, out); errs[i] != nil {
 				cancel()
 			}
 		})
@@ -387,33 +388,27 @@ func goProcsPerStack(stacks int) (int, bool) {
 // connection and its goroutines.
 const maxStacks = 256
 
-// sharedLines is one writer that several stacks write lines to.
-type sharedLines struct {
-	mu sync.Mutex
-	w  io.Writer
-}
-
-// prefixed is a writer that puts prefix before each line written to it.
-func (s *sharedLines) prefixed(prefix string) io.Writer { return prefixedLines{s, prefix} }
-
+// prefixedLines writes each line after prefix into w, which writers
+// sharing mu (the stacks of one process) write to as well.
 type prefixedLines struct {
-	to     *sharedLines
+	mu     *sync.Mutex
+	w      io.Writer
 	prefix string
 }
 
 func (p prefixedLines) Write(b []byte) (int, error) {
-	p.to.mu.Lock()
-	defer p.to.mu.Unlock()
+	p.mu.Lock()
+	defer p.mu.Unlock()
 	for rest := b; len(rest) > 0; {
 		line := rest
 		if i := bytes.IndexByte(rest, '\n'); i >= 0 {
 			line = rest[:i+1]
 		}
 		rest = rest[len(line):]
-		if _, err := io.WriteString(p.to.w, p.prefix); err != nil {
+		if _, err := io.WriteString(p.w, p.prefix); err != nil {
 			return 0, err
 		}
-		if _, err := p.to.w.Write(line); err != nil {
+		if _, err := p.w.Write(line); err != nil {
 			return 0, err
 		}
 	}

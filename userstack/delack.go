@@ -30,7 +30,14 @@ import (
 //     or more), duplicate ACKs and window updates leave at once, so a
 //     sender's ACK clock and fast retransmit see what they did before;
 //   - one per connection: a second pure ACK that acknowledges more
-//     replaces it, one that acknowledges no more sends both.
+//     replaces it, one that acknowledges no more sends both;
+//   - only while the connection answers: once a held ACK has had to leave
+//     on its own, the connection's ACKs go at once until it sends data
+//     again (a new connection on its ports starts afresh). A receiver of
+//     bulk data never answers, and a sender whose Nagle algorithm keeps a
+//     write's last partial segment back until everything before it is
+//     acknowledged would otherwise wait a hold for it, write after write
+//     (socat into `app sink`: 1.0 against 1.5 Gbit/s).
 //
 // Connections are tracked in a fixed table: a hash of their addresses and
 // ports picks a set of four entries. A connection new to a full set takes
@@ -69,6 +76,11 @@ type ackSlot struct {
 	key     ackFlow
 	used    bool
 	holding bool
+	// quick sends this connection's ACKs at once: its last hold ran out
+	// without the connection sending data to carry it, as a receiver of
+	// bulk data's do. Data it sends clears it (Linux's leaving and
+	// entering its interactive "pingpong" mode).
+	quick   bool
 	sentAck uint32 // the acknowledgment number the connection last sent
 	heldAck uint32
 	gen     uint32 // counts holds, to tell a queued reference from a stale one
@@ -101,6 +113,7 @@ type outSeg struct {
 	ack     uint32
 	flags   header.TCPFlags
 	pureAck bool   // an ACK alone: no data, SYN, FIN, RST or SACK blocks
+	data    bool   // carries payload
 	size    int    // the whole packet's length
 	slot    uint32 // its table entry, once judged
 }
@@ -136,7 +149,8 @@ func parseOut(pkt *stack.PacketBuffer) (s outSeg, ok bool) {
 	s.ack = th.AckNumber()
 	s.flags = th.Flags()
 	s.size = pkt.Size()
-	s.pureAck = s.flags == header.TCPFlagAck && pkt.Data().Size() == 0 && !hasSACK(th[header.TCPMinimumSize:th.DataOffset()])
+	s.data = pkt.Data().Size() > 0
+	s.pureAck = s.flags == header.TCPFlagAck && !s.data && !hasSACK(th[header.TCPMinimumSize:th.DataOffset()])
 	return s, true
 }
 
@@ -245,10 +259,13 @@ func (e *LinkEndpoint) judge(s *outSeg, mss uint32) (ackVerdict, error) {
 				return ackSend, err
 			}
 		}
-		slot.sentAck = s.ack
+		slot.sentAck, slot.quick = s.ack, false
 		return ackSend, nil
 	}
-	if s.pureAck && s.size <= ackFrameMax && seqAfter(s.ack, slot.sentAck) && s.ack-slot.sentAck < 2*mss &&
+	if s.data {
+		slot.quick = false
+	}
+	if s.pureAck && !slot.quick && s.size <= ackFrameMax && seqAfter(s.ack, slot.sentAck) && s.ack-slot.sentAck < 2*mss &&
 		(!slot.holding || seqAfter(s.ack, slot.heldAck)) {
 		if slot.holding {
 			e.stats.txAcksAbsorbed.Add(1) // the new one acknowledges more
@@ -378,6 +395,7 @@ func (e *LinkEndpoint) sendDueLocked(now int64) {
 		if e.releaseHeld(slot) != nil {
 			break // the link refused the batch; the receive loop reports it
 		}
+		slot.quick = true
 		sent = true
 	}
 	if a.head == len(a.queue) {

@@ -479,3 +479,40 @@ func TestSendHeldAcksSendsEverything(t *testing.T) {
 		t.Fatalf("nothing is held, yet the next due time is %d", next)
 	}
 }
+
+// TestDelayedAckQuickAfterExpiry checks the bulk receiver's case: once a
+// held ACK has had to leave on its own, the connection's ACKs go at once,
+// so that a sender that waits for them (Nagle's algorithm holding back a
+// write's last partial segment) does not wait a hold each time; data the
+// connection sends makes its ACKs wait again.
+func TestDelayedAckQuickAfterExpiry(t *testing.T) {
+	ack := header.TCPFlagAck
+	d := newDelackLink(t)
+	d.freeze()
+	seg := func(ackNo uint32, flags header.TCPFlags, payload int) outgoing {
+		return outgoing{port: 80, seq: 5000, ack: ackNo, flags: flags, payload: payload}
+	}
+	d.wantSent("first segment", d.send(seg(100, ack, 0)), [2]uint32{100, 0})
+	before := d.sent()
+	d.wantSent("held", d.send(seg(200, ack, 0)))
+	time.Sleep(2 * ackHold)
+	d.ep.expireDueAcks()
+	d.wantSent("once due", d.since(before), [2]uint32{200, 0})
+	d.wantSent("after an expiry", d.send(seg(300, ack, 0)), [2]uint32{300, 0})
+	d.wantSent("and the next", d.send(seg(400, ack, 0)), [2]uint32{400, 0})
+	d.wantSent("data", d.send(seg(400, ack|header.TCPFlagPsh, 100)), [2]uint32{400, 100})
+	d.wantSent("after sending data", d.send(seg(500, ack, 0)))
+	d.wantSent("carried by the answer", d.send(seg(500, ack|header.TCPFlagPsh, 100)), [2]uint32{500, 100})
+	// A new connection on the same ports starts without the old one's
+	// history.
+	before = d.sent()
+	d.wantSent("held again", d.send(seg(600, ack, 0)))
+	time.Sleep(2 * ackHold)
+	d.ep.expireDueAcks()
+	d.wantSent("due again", d.since(before), [2]uint32{600, 0})
+	d.wantSent("SYN of a new connection", d.send(seg(9000, ack|header.TCPFlagSyn, 0)), [2]uint32{9000, 0})
+	d.wantSent("its first ACK", d.send(seg(9100, ack, 0)))
+	if s := d.ep.Stats(); s.AcksDelayed != 4 || s.AcksAbsorbed != 1 {
+		t.Fatalf("delayed %d absorbed %d, want 4 and 1", s.AcksDelayed, s.AcksAbsorbed)
+	}
+}

@@ -745,10 +745,11 @@ type bulkResult struct {
 //     FB_REQUIRE_PRIVILEGED=1 go test -run '^$' -bench ServeHTTP -benchtime 1x -v ./cmd/fabricbridge
 //
 // FB_BENCH_ROUNDS (3, for each test), FB_BENCH_SECONDS (10, c1000 half of
-// it), FB_BENCH_CONNS (50,1000; none: no wrk), FB_BENCH_AB (0: no ab) and
+// it), FB_BENCH_CONNS (50,1000; none: no wrk), FB_BENCH_AB (0: no ab),
+// FB_BENCH_BULK (which transfers: "bulk,bulk socat,download", the default) and
 // FB_BENCH_PROFILE_DIR (CPU profiles of
 // the daemon and the application during the first bridge round at the first
-// connection count; with FB_BENCH_CONNS=none, two seconds of the first
+// connection count, or round FB_BENCH_PROFILE_ROUND (from 0); with FB_BENCH_CONNS=none, two seconds of the first
 // transfer into the sink (daemon.pprof, sink.pprof) and of the first
 // download (daemon-2.pprof, app.pprof); with no transfers either
 // (FB_BENCH_BULK_MB=0), two seconds of ab's first bridge round) change the
@@ -872,7 +873,7 @@ metrics: {address: %q}
 		if profileDir == "" {
 			return nil
 		}
-		// The window is the first bridge round, as long as wrkRun makes it;
+		// The window is a bridge round, as long as wrkRun makes it;
 		// without wrk, two seconds of the first bulk transfer into the sink.
 		span := 2 * time.Second
 		if len(conns) > 0 {
@@ -991,6 +992,7 @@ metrics: {address: %q}
 		waitServing(b, accepts(socatSinkPort), socatSink)
 	}
 	profiled := profileDir == ""
+	profileRound := envInt("FB_BENCH_PROFILE_ROUND", 0)
 
 	ringFull := func() uint64 {
 		s, err := scrapeIn(bridgeNS, metricsAddr)
@@ -1134,8 +1136,10 @@ metrics: {address: %q}
 			var kr, br []requestResult
 			for i := range rounds {
 				kr = append(kr, wrkRun(kernelPort, c, kernel))
-				if !profiled {
-					// The first bridge round is the profiles' window.
+				if !profiled && i == min(profileRound, rounds-1) {
+					// The profiles' window: a bridge round of the first
+					// connection count (FB_BENCH_PROFILE_ROUND, 0: the
+					// first, whose connections are set up inside it).
 					daemon.cmd.Process.Signal(syscall.SIGUSR1)
 					app.cmd.Process.Signal(syscall.SIGUSR1)
 					profiled = true
@@ -1161,6 +1165,9 @@ metrics: {address: %q}
 				{"bulk socat", "bulk-socat-", socatSinkPort, sinkPort, viaSocat, socatSink, sink, []*servingProc{daemon, sink}},
 				{"download", "download-", kernelPort, appPort, viaGet, kernel, app, bridgeSide},
 			} {
+				if !bulkWanted(d.name) {
+					continue
+				}
 				if d.kernel == nil {
 					b.Logf("%s: skipped, socat is not installed (Debian: apt-get install socat)", d.name)
 					continue
@@ -1316,6 +1323,13 @@ func ratio(a, b time.Duration) float64 {
 		return 0
 	}
 	return float64(a) / float64(b)
+}
+
+// bulkWanted reports whether FB_BENCH_BULK (a list of "bulk", "bulk socat"
+// and "download"; empty: all) names the transfer.
+func bulkWanted(name string) bool {
+	list := os.Getenv("FB_BENCH_BULK")
+	return list == "" || slices.Contains(strings.Split(list, ","), name)
 }
 
 func envInt(name string, def int) int {

@@ -137,6 +137,7 @@ Any other application stops at once.`,
 	fs.StringVar(&o.tls.key, "tls-key", "", "the client certificate's private key")
 	fs.StringVar(&o.tls.ca, "tls-ca", "", "the CA that signed the bridge's certificate (default: the system's roots)")
 	fs.StringVar(&o.tls.serverName, "tls-server-name", "", "the name to check in the bridge's certificate (default: the host of --remote, an IP address checked against its IP SANs)")
+	fs.BoolVar(&o.stack.NoAckDelay, "no-ack-delay", false, "send every ACK at once, instead of holding a request's ACK up to 1 ms for the answer to carry; for peers that write a request in several small pieces with Nagle's algorithm on")
 	fs.IntVar(&o.stack.MTU, "mtu", 0, "largest IP packet the stack sends; with --remote, at most the link MTU towards the bridge minus 36 (GENEVE): 1464 on 1500")
 	switch kind {
 	case "http":

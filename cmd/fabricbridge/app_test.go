@@ -79,7 +79,9 @@ func TestApps(t *testing.T) {
 	httpCtx, stopHTTP := context.WithCancel(ctx)
 	defer stopHTTP()
 	httpOut := runApp(t, httpCtx, "http", "--control", sock, "--listen", ":80", "--size", "1000")
-	runApp(t, ctx, "echo", "--control", sock, "--listen", ":7", "--udp")
+	echoCtx, stopEcho := context.WithCancel(ctx)
+	defer stopEcho()
+	echoOut := runApp(t, echoCtx, "echo", "--control", sock, "--listen", ":7", "--udp", "--no-ack-delay")
 	sinkOut := runApp(t, ctx, "sink", "--control", sock, "--listen", ":9", "--every", "100ms")
 
 	// HTTP from the outside kernel.
@@ -106,7 +108,7 @@ func TestApps(t *testing.T) {
 	// and the three megabytes out.
 	client.CloseIdleConnections()
 	stopHTTP()
-	linkLine := regexp.MustCompile(`http: link: received (\d+) packets in \d+ batches .*; sent (\d+) packets`)
+	linkLine := regexp.MustCompile(`http: link: received (\d+) packets in \d+ batches .*; sent (\d+) packets in \d+ batches \((\d+) pure ACKs delayed`)
 	for deadline := time.Now().Add(10 * time.Second); !linkLine.MatchString(httpOut.String()); time.Sleep(10 * time.Millisecond) {
 		if time.Now().After(deadline) {
 			t.Fatalf("app http stopped without its link's counters:\n%s", httpOut.String())
@@ -119,6 +121,9 @@ func TestApps(t *testing.T) {
 	if out, _ := strconv.Atoi(m[2]); out < 3000000/1500 {
 		t.Errorf("app http's link sent too little for 3 MB: %s", m[0])
 	}
+	if held, _ := strconv.Atoi(m[3]); held < 1 {
+		t.Errorf("app http held no request's ACK for its answer: %s", m[0])
+	}
 
 	// TCP and UDP echo.
 	c := tb.dialOutside(t, "tcp", netip.AddrPortFrom(addr, 7))
@@ -129,12 +134,34 @@ func TestApps(t *testing.T) {
 	if _, err := io.ReadFull(c, got); err != nil || !bytes.Equal(got, msg) {
 		t.Errorf("tcp echo: %v", err)
 	}
+	// Small messages, whose ACKs the stack would hold for the echo to
+	// carry: with --no-ack-delay it holds none.
+	for i := range 5 {
+		if _, err := c.Write([]byte("ping")); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadFull(c, got[:4]); err != nil || string(got[:4]) != "ping" {
+			t.Fatalf("tcp echo %d: %q, %v", i, got[:4], err)
+		}
+	}
+	c.Close()
 	u := tb.dialOutside(t, "udp", netip.AddrPortFrom(addr, 7))
 	u.Write([]byte("datagram"))
 	u.SetReadDeadline(time.Now().Add(5 * time.Second))
 	buf := make([]byte, 100)
 	if n, err := u.Read(buf); err != nil || string(buf[:n]) != "datagram" {
 		t.Errorf("udp echo: %q, %v", buf[:n], err)
+	}
+
+	stopEcho()
+	echoLine := regexp.MustCompile(`echo: link: received \d+ packets .*; sent \d+ packets in \d+ batches \((\d+) pure ACKs delayed`)
+	for deadline := time.Now().Add(10 * time.Second); !echoLine.MatchString(echoOut.String()); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("app echo stopped without its link's counters:\n%s", echoOut.String())
+		}
+	}
+	if m := echoLine.FindStringSubmatch(echoOut.String()); m[1] != "0" {
+		t.Errorf("app echo --no-ack-delay held ACKs: %s", m[0])
 	}
 
 	// The sink takes a megabyte and reports it.

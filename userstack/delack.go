@@ -37,7 +37,7 @@ import (
 //     bulk data never answers, and a sender whose Nagle algorithm keeps a
 //     write's last partial segment back until everything before it is
 //     acknowledged would otherwise wait a hold for it, write after write
-//     (socat into `app sink`: 1.0 against 1.5 Gbit/s).
+//     (socat into `app sink`: 1.0 Gbit/s with such holds, 1.5 without).
 //
 // Connections are tracked in a fixed table: a hash of their addresses and
 // ports picks a set of four entries. A connection new to a full set takes
@@ -77,9 +77,9 @@ type ackSlot struct {
 	used    bool
 	holding bool
 	// quick sends this connection's ACKs at once: its last hold ran out
-	// without the connection sending data to carry it, as a receiver of
-	// bulk data's do. Data it sends clears it (Linux's leaving and
-	// entering its interactive "pingpong" mode).
+	// with nothing sent to carry it, as on a connection that only
+	// receives. Data it sends clears it (as Linux leaves and enters its
+	// interactive "pingpong" mode).
 	quick   bool
 	sentAck uint32 // the acknowledgment number the connection last sent
 	heldAck uint32

@@ -747,10 +747,10 @@ type bulkResult struct {
 // FB_BENCH_ROUNDS (3, for each test), FB_BENCH_SECONDS (10, c1000 half of
 // it), FB_BENCH_CONNS (50,1000; none: no wrk), FB_BENCH_AB (0: no ab),
 // FB_BENCH_BULK (which transfers: "bulk,bulk socat,download", the default) and
-// FB_BENCH_PROFILE_DIR (CPU profiles of
-// the daemon and the application during the first bridge round at the first
-// connection count, or round FB_BENCH_PROFILE_ROUND (from 0); with FB_BENCH_CONNS=none, two seconds of the first
-// transfer into the sink (daemon.pprof, sink.pprof) and of the first
+// FB_BENCH_PROFILE_DIR (CPU profiles of the daemon and the application
+// during the first bridge round at the first connection count, or its
+// round FB_BENCH_PROFILE_ROUND, counted from 0; with FB_BENCH_CONNS=none,
+// two seconds of the first transfer into the sink (daemon.pprof, sink.pprof) and of the first
 // download (daemon-2.pprof, app.pprof); with no transfers either
 // (FB_BENCH_BULK_MB=0), two seconds of ab's first bridge round) change the
 // run. FB_BENCH_PIN=loop=2,app=3-5,client=8-11

@@ -116,6 +116,9 @@ Any other application stops at once.`,
 					fmt.Fprintf(c.OutOrStdout(), "%s: Go processors (GOMAXPROCS): %d, for %d stacks; set GOMAXPROCS to choose\n", kind, procs, o.stacks)
 				}
 			}
+			if o.stack.Spin > 0 {
+				fmt.Fprintf(c.OutOrStdout(), "%s: the receive loop polls an empty stream for %v before it sleeps\n", kind, o.stack.Spin)
+			}
 			if o.stacks > 1 {
 				return serveStacks(c.Context(), o, c.OutOrStdout())
 			}
@@ -137,6 +140,7 @@ Any other application stops at once.`,
 	fs.StringVar(&o.tls.key, "tls-key", "", "the client certificate's private key")
 	fs.StringVar(&o.tls.ca, "tls-ca", "", "the CA that signed the bridge's certificate (default: the system's roots)")
 	fs.StringVar(&o.tls.serverName, "tls-server-name", "", "the name to check in the bridge's certificate (default: the host of --remote, an IP address checked against its IP SANs)")
+	fs.DurationVar(&o.stack.Spin, "spin", 0, "how long each stack's receive loop polls an empty stream before it sleeps until the bridge signals, at most 1s (0: at once, best where cores are shared; tens of µs where the application has cores of its own)")
 	fs.BoolVar(&o.stack.NoAckDelay, "no-ack-delay", false, "send every ACK at once, instead of holding a request's ACK up to 1 ms for the answer to carry; for peers that write a request in several small pieces with Nagle's algorithm on")
 	fs.IntVar(&o.stack.MTU, "mtu", 0, "largest IP packet the stack sends; with --remote, at most the link MTU towards the bridge minus 36 (GENEVE): 1464 on 1500")
 	switch kind {
@@ -157,6 +161,9 @@ Any other application stops at once.`,
 func (o *appOptions) resolve() error {
 	if o.size < 0 || o.stack.MTU < 0 || o.rateMbit < 0 || o.drainTimeout < 0 || (o.kind == "sink" && o.every <= 0) {
 		return fmt.Errorf("app %s: --size, --mtu, --rate and --drain-timeout must not be negative, --every must be positive", o.kind)
+	}
+	if o.stack.Spin < 0 || o.stack.Spin > time.Second {
+		return fmt.Errorf("app %s: --spin %v: want 0 to 1s", o.kind, o.stack.Spin)
 	}
 	if o.stacks < 1 || o.stacks > maxStacks {
 		return fmt.Errorf("app %s: --stacks %d: want 1 to %d", o.kind, o.stacks, maxStacks)

@@ -82,7 +82,7 @@ func TestApps(t *testing.T) {
 	echoCtx, stopEcho := context.WithCancel(ctx)
 	defer stopEcho()
 	echoOut := runApp(t, echoCtx, "echo", "--control", sock, "--listen", ":7", "--udp", "--no-ack-delay")
-	sinkOut := runApp(t, ctx, "sink", "--control", sock, "--listen", ":9", "--every", "100ms")
+	sinkOut := runApp(t, ctx, "sink", "--control", sock, "--listen", ":9", "--every", "100ms", "--spin", "50us")
 
 	// HTTP from the outside kernel.
 	client := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{
@@ -175,12 +175,15 @@ func TestApps(t *testing.T) {
 			t.Fatalf("sink never reported the megabyte:\n%s", sinkOut.String())
 		}
 	}
+	if !strings.Contains(sinkOut.String(), "sink: the receive loop polls an empty stream for 50µs") {
+		t.Errorf("app sink --spin 50us did not say it spins:\n%s", sinkOut.String())
+	}
 }
 
 func TestAppUsage(t *testing.T) {
 	for _, args := range [][]string{nil, {"ftp"}, {"--name", "x"}, {"http", "extra"}, {"http", "--mtu", "-1"},
 		{"http", "--remote", "198.18.0.1:7070"}, {"http", "--secret-file", "/dev/null"}, {"http", "--tls-cert", "c.pem"},
-		{"http", "--stacks", "0"}, {"echo", "--stacks", "257"}} {
+		{"http", "--stacks", "0"}, {"echo", "--stacks", "257"}, {"http", "--spin", "-1us"}, {"sink", "--spin", "2s"}} {
 		if err := appCommand(context.Background(), args, io.Discard); err == nil {
 			t.Errorf("%v accepted", args)
 		}

@@ -764,6 +764,7 @@ type bulkResult struct {
 // veth that many queue pairs, one loop each (pin them with FB_BENCH_PIN's
 // loop CPUs): on a machine with cores to spare, several stacks with a
 // stream and a loop each instead of one stack on several cores.
+// FB_BENCH_APP_ARGS adds flags to every application ("--spin 50us").
 // FB_BENCH_INTERFACE adds settings to the daemon's interface, such as
 // "no_segment_offload: true". FB_BENCH_BINARY runs another build's
 // fabricbridge as the daemon and the applications (the same config and
@@ -909,6 +910,9 @@ metrics: {address: %q}
 	apps := make([]*servingProc, instances)
 	// Pinned instances share the application CPUs: each gets its part of
 	// them as Go threads, not all of them.
+	// FB_BENCH_APP_ARGS: more flags for every application, the sink's too
+	// (such as "--spin 50us" where they have cores of their own).
+	appArgs := strings.Fields(os.Getenv("FB_BENCH_APP_ARGS"))
 	var instanceEnv []string
 	if instances > 1 && pin.app != nil {
 		instanceEnv = []string{fmt.Sprintf("GOMAXPROCS=%d", max(1, len(pin.app)/instances))}
@@ -922,7 +926,7 @@ metrics: {address: %q}
 		if stacks > 1 {
 			args = append(args, "--instance", fmt.Sprintf("web-%d", i+1), "--stacks", strconv.Itoa(stacks))
 		}
-		apps[i] = startFabricbridge(name, pin.app, instanceEnv, args...)
+		apps[i] = startFabricbridge(name, pin.app, instanceEnv, append(args, appArgs...)...)
 	}
 	app := apps[0] // the one profiled
 	bridgeSide := append([]*servingProc{daemon}, apps...)
@@ -932,7 +936,7 @@ metrics: {address: %q}
 	var sink, socatSink *servingProc
 	socat, socatErr := exec.LookPath("socat")
 	if bulkMB > 0 {
-		sink = startFabricbridge("sink", pin.app, nil, "app", "sink", "--name", "bulk", "--control", control, "--listen", fmt.Sprintf(":%d", sinkPort), "--every", "1h")
+		sink = startFabricbridge("sink", pin.app, nil, append([]string{"app", "sink", "--name", "bulk", "--control", control, "--listen", fmt.Sprintf(":%d", sinkPort), "--every", "1h"}, appArgs...)...)
 		if socatErr == nil {
 			// The issue's own kernel sink: socat into /dev/null, a process
 			// forked per connection.

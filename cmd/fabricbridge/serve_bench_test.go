@@ -750,8 +750,8 @@ type bulkResult struct {
 // FB_BENCH_PROFILE_DIR (CPU profiles of the daemon and the application
 // during the first bridge round at the first connection count, or its
 // round FB_BENCH_PROFILE_ROUND, counted from 0; with FB_BENCH_CONNS=none,
-// two seconds of the first transfer into the sink (daemon.pprof, sink.pprof) and of the first
-// download (daemon-2.pprof, app.pprof); with no transfers either
+// two seconds of the first transfer into the sink (daemon.pprof,
+// sink.pprof) and of the first download (daemon-2.pprof, app.pprof); with no transfers either
 // (FB_BENCH_BULK_MB=0), two seconds of ab's first bridge round) change the
 // run. FB_BENCH_PIN=loop=2,app=3-5,client=8-11
 // pins the bridge's loop (the interface's cpus; the daemon's other threads
@@ -908,11 +908,11 @@ metrics: {address: %q}
 	waitServing(b, func() error { _, err := scrapeIn(bridgeNS, metricsAddr); return err }, daemon)
 	kernel := startServing(b, bridgeNS, "kernel", []string{fmt.Sprintf("FB_BENCH_KERNEL_HTTP=:%d", kernelPort), fmt.Sprintf("FB_BENCH_KERNEL_SINK=:%d", kernelSinkPort), fmt.Sprintf("FB_BENCH_SIZE=%d", size)}, servers)
 	apps := make([]*servingProc, instances)
-	// Pinned instances share the application CPUs: each gets its part of
-	// them as Go threads, not all of them.
 	// FB_BENCH_APP_ARGS: more flags for every application, the sink's too
 	// (such as "--spin 50us" where they have cores of their own).
 	appArgs := strings.Fields(os.Getenv("FB_BENCH_APP_ARGS"))
+	// Pinned instances share the application CPUs: each gets its part of
+	// them as Go threads, not all of them.
 	var instanceEnv []string
 	if instances > 1 && pin.app != nil {
 		instanceEnv = []string{fmt.Sprintf("GOMAXPROCS=%d", max(1, len(pin.app)/instances))}
